@@ -1,0 +1,306 @@
+"""LUT-B checkpoints: a directory of safetensors files (spec section 5).
+
+Per MoE layer ``L`` a checkpoint holds ``layers.L.w13`` (uint8
+``[E_local, W13_rows/128, H/128, 6672]``), ``layers.L.w2`` (uint8
+``[E_local, H/128, I/128, 6672]``) and ``layers.L.expert_ids`` (int32
+``[E_local]``, ascending global ids). Every file's ``__metadata__`` carries the
+same :class:`CheckpointConfig` as strings.
+
+This module writes one file per layer (``layer-00000.safetensors``), so a
+converter can stream a model a layer at a time, and reads any file layout the
+spec allows (tensors of one layer may sit in different files). Reading is
+memory-mapped: nothing is loaded until a layer is asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lutb_kernels.activations import check_activation, w13_rows
+from lutb_kernels.errors import LutBFormatError
+from lutb_kernels.mxfp8 import check_scale_mode
+from lutb_kernels.tiles import TILE, TILE_BYTES, validate_tiles
+
+FORMAT = "lut-b"
+FORMAT_VERSION = 1
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_TENSOR_NAME = re.compile(r"^layers\.(\d+)\.(w13|w2|expert_ids)$")
+_INT_FIELDS = ("hidden_size", "intermediate_size", "num_experts")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """What a checkpoint's metadata says about its experts (all files agree on it)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    activation: str = "silu"
+    dtype: str = "bfloat16"
+    mxfp8_scale_mode: str = "rceil"
+
+    def __post_init__(self) -> None:
+        for field in _INT_FIELDS:
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise LutBFormatError(f"{field} must be a positive integer, got {value!r}")
+        if self.hidden_size % TILE or self.intermediate_size % TILE:
+            raise LutBFormatError(
+                f"hidden_size ({self.hidden_size}) and intermediate_size ({self.intermediate_size}) must be multiples of {TILE}"
+            )
+        try:
+            check_activation(self.activation)
+            check_scale_mode(self.mxfp8_scale_mode)
+        except ValueError as exc:
+            raise LutBFormatError(str(exc)) from None
+        if self.dtype not in DTYPES:
+            raise LutBFormatError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def w13_rows(self) -> int:
+        """Rows of each expert's W13: ``2I`` for gated activations, ``I`` for ``*_no_mul``."""
+        return w13_rows(self.activation, self.intermediate_size)
+
+    def w13_tiles_shape(self, experts: int) -> tuple[int, int, int]:
+        return (experts, self.w13_rows // TILE, self.hidden_size // TILE)
+
+    def w2_tiles_shape(self, experts: int) -> tuple[int, int, int]:
+        return (experts, self.hidden_size // TILE, self.intermediate_size // TILE)
+
+    def to_metadata(self) -> dict[str, str]:
+        """The safetensors ``__metadata__`` strings of spec section 5."""
+        meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION)}
+        meta.update({k: str(v) for k, v in asdict(self).items()})
+        return meta
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str] | None, where: str) -> CheckpointConfig:
+        """Parse and check a file's metadata; errors name ``where`` (the file)."""
+        meta = meta or {}
+        if meta.get("format") != FORMAT:
+            raise LutBFormatError(f"{where}: metadata format is {meta.get('format')!r}, expected {FORMAT!r}")
+        if meta.get("format_version") != str(FORMAT_VERSION):
+            raise LutBFormatError(f"{where}: unsupported format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+        fields = {}
+        for key in (*_INT_FIELDS, "activation", "dtype", "mxfp8_scale_mode"):
+            if key not in meta:
+                raise LutBFormatError(f"{where}: metadata lacks {key!r}")
+            fields[key] = meta[key]
+        for key in _INT_FIELDS:
+            try:
+                fields[key] = int(fields[key])
+            except ValueError:
+                raise LutBFormatError(f"{where}: metadata {key} = {fields[key]!r} is not an integer") from None
+        try:
+            return cls(**fields)
+        except LutBFormatError as exc:
+            raise LutBFormatError(f"{where}: {exc}") from None
+
+
+class LayerWeights(NamedTuple):
+    """One MoE layer's packed experts.
+
+    ``w13``: uint8 ``[E_local, W13_rows/128, H/128, 6672]``; ``w2``: uint8
+    ``[E_local, H/128, I/128, 6672]``; ``expert_ids``: int32 ``[E_local]``, ascending.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    expert_ids: torch.Tensor
+
+
+def check_layer(config: CheckpointConfig, layer: int, weights: LayerWeights, *, tiles: bool = True, where: str = "") -> None:
+    """Validate one layer against ``config``; errors name the tensor (and tile).
+
+    Args:
+        tiles: also run every per-tile rule of spec section 1 (reads all tile bytes).
+    """
+    prefix = f"{where}: " if where else ""
+    ids = weights.expert_ids
+    name = f"{prefix}layers.{layer}.expert_ids"
+    if ids.dtype != torch.int32 or ids.dim() != 1:
+        raise LutBFormatError(f"{name}: must be a 1-D int32 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise LutBFormatError(f"{name}: holds no experts")
+    if int(ids.min()) < 0 or int(ids.max()) >= config.num_experts:
+        raise LutBFormatError(f"{name}: ids must lie in [0, {config.num_experts}), got [{int(ids.min())}, {int(ids.max())}]")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise LutBFormatError(f"{name}: ids must be strictly ascending")
+    experts = ids.numel()
+    for tensor_name, tensor, shape in (
+        ("w13", weights.w13, config.w13_tiles_shape(experts)),
+        ("w2", weights.w2, config.w2_tiles_shape(experts)),
+    ):
+        full = f"{prefix}layers.{layer}.{tensor_name}"
+        if tiles:
+            validate_tiles(tensor, full, shape)
+        else:
+            validate_tiles(tensor[..., :0, :], full, None)  # dtype and last dimension only
+            if tuple(tensor.shape[:-1]) != shape:
+                raise LutBFormatError(f"{full}: tile counts {tuple(tensor.shape[:-1])} disagree with the checkpoint's sizes, which give {shape}")
+
+
+class CheckpointWriter:
+    """Writes a checkpoint one layer at a time (``with CheckpointWriter(dir, config) as w: w.write_layer(...)``)."""
+
+    def __init__(self, path: str | Path, config: CheckpointConfig, *, overwrite: bool = False) -> None:
+        self.path = Path(path)
+        self.config = config
+        if self.path.exists() and any(self.path.glob("*.safetensors")) and not overwrite:
+            raise FileExistsError(f"{self.path} already holds safetensors files; choose an empty directory")
+        self.path.mkdir(parents=True, exist_ok=True)
+        if overwrite:
+            for old in self.path.glob("*.safetensors"):
+                old.unlink()
+
+    def write_layer(self, layer: int, weights: LayerWeights) -> Path:
+        """Validate and write ``layers.<layer>.*`` to ``layer-<layer>.safetensors``; returns the file."""
+        check_layer(self.config, layer, weights)
+        out = self.path / f"layer-{layer:05d}.safetensors"
+        tensors = {
+            f"layers.{layer}.w13": weights.w13.contiguous().cpu(),
+            f"layers.{layer}.w2": weights.w2.contiguous().cpu(),
+            f"layers.{layer}.expert_ids": weights.expert_ids.contiguous().cpu(),
+        }
+        save_file(tensors, str(out), metadata=self.config.to_metadata())
+        return out
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def write_checkpoint(path: str | Path, config: CheckpointConfig, layers: dict[int, LayerWeights], *, overwrite: bool = False) -> None:
+    """Write a whole checkpoint at once (see :class:`CheckpointWriter` to stream)."""
+    writer = CheckpointWriter(path, config, overwrite=overwrite)
+    for layer in sorted(layers):
+        writer.write_layer(layer, layers[layer])
+
+
+class Checkpoint:
+    """A LUT-B checkpoint opened for reading; tensors are memory-mapped on demand.
+
+    Opening checks the metadata of every file and the presence of every tensor;
+    :meth:`validate` checks every tile too.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise LutBFormatError(f"{self.path}: not a directory")
+        self.files = sorted(self.path.glob("*.safetensors"))
+        if not self.files:
+            raise LutBFormatError(f"{self.path}: holds no .safetensors files")
+        self._where: dict[str, Path] = {}
+        config: CheckpointConfig | None = None
+        for file in self.files:
+            with safe_open(str(file), framework="pt") as f:
+                file_config = CheckpointConfig.from_metadata(f.metadata(), file.name)
+                names = list(f.keys())
+            if config is None:
+                config = file_config
+            elif file_config != config:
+                raise LutBFormatError(f"{file.name}: metadata {file_config} disagrees with {self.files[0].name}: {config}")
+            for name in names:
+                if not _TENSOR_NAME.match(name):
+                    raise LutBFormatError(f"{file.name}: unexpected tensor {name!r}; expected layers.<L>.w13, .w2 or .expert_ids")
+                if name in self._where:
+                    raise LutBFormatError(f"{file.name}: tensor {name} also appears in {self._where[name].name}")
+                self._where[name] = file
+        assert config is not None
+        self.config = config
+        layers = sorted({int(_TENSOR_NAME.match(n).group(1)) for n in self._where})  # type: ignore[union-attr]
+        for layer in layers:
+            for part in ("w13", "w2", "expert_ids"):
+                if f"layers.{layer}.{part}" not in self._where:
+                    raise LutBFormatError(f"{self.path}: layer {layer} lacks tensor layers.{layer}.{part}")
+        self.layers: list[int] = layers
+        self._hash: str | None = None
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        with safe_open(str(self._where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def layer(self, layer: int, *, check: bool = True) -> LayerWeights:
+        """Load one layer (memory-mapped CPU tensors).
+
+        Args:
+            check: validate shapes, dtypes and expert ids (cheap); tiles are checked by :meth:`validate`.
+
+        Raises:
+            KeyError: the checkpoint has no such layer.
+        """
+        if layer not in self.layers:
+            raise KeyError(f"checkpoint {self.path} has no layer {layer}; it has {self.layers}")
+        weights = LayerWeights(*(self._tensor(f"layers.{layer}.{p}") for p in ("w13", "w2", "expert_ids")))
+        if check:
+            check_layer(self.config, layer, weights, tiles=False, where=self._where[f"layers.{layer}.w13"].name)
+        return weights
+
+    def expert_ids(self, layer: int) -> torch.Tensor:
+        """int32 ``[E_local]`` global ids of the experts held in ``layer``."""
+        return self._tensor(f"layers.{layer}.expert_ids")
+
+    def validate(self, progress: Callable[[Iterable[int]], Iterable[int]] | None = None) -> None:
+        """Check every tensor and tile; raise :class:`LutBFormatError` naming file, tensor and tile."""
+        for layer in progress(self.layers) if progress else self.layers:
+            weights = self.layer(layer, check=False)
+            check_layer(self.config, layer, weights, tiles=True, where=self._where[f"layers.{layer}.w13"].name)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of packed weights (w13 and w2 of every layer)."""
+        total = 0
+        for name, file in self._where.items():
+            if not name.endswith("expert_ids"):
+                with safe_open(str(file), framework="pt") as f:
+                    total += _numel(f.get_slice(name).get_shape())
+        return total
+
+    def content_hash(self) -> str:
+        """``sha256:<hex>`` over every file's name and bytes, in name order (computed once)."""
+        if self._hash is None:
+            digest = hashlib.sha256()
+            for file in self.files:
+                digest.update(json.dumps(file.name).encode())
+                with open(file, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        digest.update(chunk)
+            self._hash = f"sha256:{digest.hexdigest()}"
+        return self._hash
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "TILE_BYTES",
+    "Checkpoint",
+    "CheckpointConfig",
+    "CheckpointWriter",
+    "LayerWeights",
+    "check_layer",
+    "write_checkpoint",
+]

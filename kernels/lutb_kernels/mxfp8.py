@@ -1,0 +1,114 @@
+"""MXFP8 activations: E4M3 elements with one E8M0 scale per 32-element block (spec section 3).
+
+This is the reference implementation, in plain PyTorch on any device. The
+Triton quantizer (``lutb_kernels.mxfp8_triton``) must agree with it bit for bit.
+
+Scale modes (a deployment's checkpoint records which one it uses):
+
+- ``rceil`` (default): ``s = 127 + ceil(log2(amax / 448))``, never saturates.
+- ``floor`` (OCP MX v1.0): ``s = 127 + floor(log2(amax)) - 8``; may saturate to +-448.
+
+Both are clamped to 0..254; a block with ``amax == 0`` gets ``s = 0``. Elements
+are ``e4m3(x * 2**(127 - s))``, round-to-nearest-even, saturated to +-448.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+
+from lutb_kernels.errors import NonFiniteInputError
+
+BLOCK = 32
+"""Elements that share one scale."""
+E4M3_MAX = 448.0
+ScaleMode = Literal["rceil", "floor"]
+SCALE_MODES: tuple[str, ...] = get_args(ScaleMode)
+
+
+def check_scale_mode(scale_mode: str) -> ScaleMode:
+    """Return ``scale_mode`` if it names a mode, else raise ValueError listing the modes."""
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"unknown MXFP8 scale mode {scale_mode!r}; expected one of {', '.join(SCALE_MODES)}")
+    return scale_mode  # type: ignore[return-value]
+
+
+def _floor_log2(v: torch.Tensor) -> torch.Tensor:
+    """floor(log2(v)) for positive finite float32 ``v`` (subnormals included), as int32."""
+    _, exp = torch.frexp(v)  # v = m * 2**exp, m in [0.5, 1)
+    return exp - 1
+
+
+def _ceil_log2(v: torch.Tensor) -> torch.Tensor:
+    """ceil(log2(v)) for positive finite float32 ``v``, as int32: exact, no log() rounding."""
+    mant, exp = torch.frexp(v)
+    return torch.where(mant == 0.5, exp - 1, exp)
+
+
+def mxfp8_scales(amax: torch.Tensor, scale_mode: ScaleMode = "rceil") -> torch.Tensor:
+    """E8M0 scale bytes for float32 block maxima ``amax`` (any shape) -> uint8, same shape."""
+    check_scale_mode(scale_mode)
+    amax = amax.float()
+    positive = amax > 0
+    safe = torch.where(positive, amax, torch.ones_like(amax))
+    if scale_mode == "rceil":
+        s = 127 + _ceil_log2(safe / E4M3_MAX)
+    else:
+        s = 127 + _floor_log2(safe) - 8
+    s = torch.where(positive, s.clamp(0, 254), torch.zeros_like(s))
+    return s.to(torch.uint8)
+
+
+def mxfp8_quantize(x: torch.Tensor, scale_mode: ScaleMode = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the last dimension of ``x`` to MXFP8.
+
+    Args:
+        x: float tensor ``[..., K]`` (bfloat16, float16 or float32), ``K % 32 == 0``,
+            every element finite.
+        scale_mode: ``"rceil"`` or ``"floor"``.
+
+    Returns:
+        ``(q, scales)``: ``q`` float8_e4m3fn ``[..., K]``, ``scales`` uint8 ``[..., K/32]``.
+
+    Raises:
+        NonFiniteInputError: ``x`` holds NaN or infinity.
+        ValueError: ``K`` is not a multiple of 32, or ``x`` is not floating point.
+    """
+    if not x.is_floating_point():
+        raise ValueError(f"MXFP8 quantization needs a float tensor, got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] % BLOCK:
+        raise ValueError(f"MXFP8 quantization needs a last dimension divisible by {BLOCK}, got {tuple(x.shape)}")
+    x32 = x.float()
+    if not bool(torch.isfinite(x32).all()):
+        raise NonFiniteInputError("MXFP8 quantization refuses NaN or infinite input")
+    blocks = x32.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    scales = mxfp8_scales(blocks.abs().amax(dim=-1), scale_mode)
+    inv = torch.exp2(127.0 - scales.double()).float()  # 2**(127 - s); finite input gives s <= 247, so exact
+    scaled = (blocks * inv.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
+    q = scaled.to(torch.float8_e4m3fn).reshape(x.shape)
+    return q, scales
+
+
+def mxfp8_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`mxfp8_quantize`: ``float32(q) * 2**(s - 127)``, then converted to ``dtype``.
+
+    Args:
+        q: float8_e4m3fn ``[..., K]``.
+        scales: uint8 ``[..., K/32]``.
+        dtype: output dtype.
+    """
+    if q.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8:
+        raise ValueError(f"expected float8_e4m3fn elements and uint8 scales, got {q.dtype} and {scales.dtype}")
+    if q.shape[:-1] != scales.shape[:-1] or q.shape[-1] != scales.shape[-1] * BLOCK:
+        raise ValueError(f"scales {tuple(scales.shape)} do not match elements {tuple(q.shape)}")
+    blocks = q.float().reshape(*scales.shape, BLOCK)
+    # 2**(s - 127) is a float32 subnormal for s == 0; build it in float64 to keep it exact.
+    scale = torch.exp2(scales.double() - 127).float()
+    return (blocks * scale.unsqueeze(-1)).reshape(q.shape).to(dtype)
+
+
+def mxfp8_qdq(x: torch.Tensor, scale_mode: ScaleMode = "rceil") -> torch.Tensor:
+    """Round ``x [..., K]`` through MXFP8 and back; returns ``x.dtype``, same shape."""
+    q, s = mxfp8_quantize(x, scale_mode)
+    return mxfp8_dequantize(q, s, x.dtype)

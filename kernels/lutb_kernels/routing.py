@@ -1,0 +1,83 @@
+"""Routing helpers for the grouped GEMMs: block-aligned token order, in plain torch.
+
+``moe_align_block_size`` follows vLLM's semantics so that kernels written for
+that layout (ours included) can consume it. It does no host synchronisation,
+so it can run inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def max_padded_routes(num_routes: int, block_m: int, num_experts: int) -> int:
+    """Upper bound on the padded route count: every expert may waste ``block_m - 1`` rows."""
+    return num_routes + num_experts * (block_m - 1)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,
+    block_m: int,
+    num_experts: int,
+    expert_map: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort routes by expert and pad each expert's run to a multiple of ``block_m``.
+
+    A route is one (token, slot) pair; its flat index is ``token * k + slot``.
+
+    Args:
+        topk_ids: int32/int64 ``[T, k]`` global expert ids in ``[0, num_experts)``.
+        block_m: rows per block of the grouped GEMM.
+        num_experts: the global expert count.
+        expert_map: optional int32 ``[num_experts]`` mapping a global id to the local
+            index of the expert held, or -1 when it is not held. Routes to experts not
+            held get no rows at all (they contribute zero).
+
+    Returns:
+        ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``:
+
+        - ``sorted_token_ids``: int32 ``[T*k + E*(block_m-1)]``, flat route indices grouped
+          by expert, each group padded to a multiple of ``block_m`` with the sentinel
+          ``T*k``; positions past ``num_tokens_post_padded`` also hold the sentinel.
+        - ``expert_ids``: int32 ``[ceil(len(sorted_token_ids) / block_m)]``, the (local)
+          expert of each block; -1 for blocks past ``num_tokens_post_padded``.
+        - ``num_tokens_post_padded``: int32 ``[1]``, rows in use.
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    num_routes = flat.numel()
+    max_padded = max_padded_routes(num_routes, block_m, num_experts)
+    num_blocks = -(-max_padded // block_m)
+
+    if expert_map is None:
+        local = flat
+    else:
+        local = expert_map.to(device=device, dtype=torch.long)[flat]
+    held = local >= 0
+    # Routes to experts not held sort after every held one, into a bucket that gets no rows.
+    bucket = torch.where(held, local, torch.full_like(local, num_experts))
+
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts
+
+    order = torch.sort(bucket, stable=True).indices
+    sorted_bucket = bucket[order]
+    in_range = sorted_bucket < num_experts
+    e = sorted_bucket.clamp(max=num_experts - 1)
+    rank = torch.arange(num_routes, device=device) - count_start[e]
+    dest = torch.where(in_range, padded_start[e] + rank, torch.full_like(rank, max_padded))
+
+    sorted_token_ids = torch.full((max_padded + 1,), num_routes, dtype=torch.int32, device=device)
+    sorted_token_ids.scatter_(0, dest, order.to(torch.int32))
+    sorted_token_ids = sorted_token_ids[:max_padded]
+
+    total = padded_end[-1:] if num_experts else torch.zeros(1, dtype=torch.long, device=device)
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    expert_ids = torch.where(block_start < total, block_expert, torch.full_like(block_expert, -1)).to(torch.int32)
+    return sorted_token_ids, expert_ids, total.to(torch.int32)
