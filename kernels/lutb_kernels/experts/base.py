@@ -1,0 +1,86 @@
+"""The interface every experts backend implements, and its support predicates."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights
+from lutb_kernels.reference import OutputMode
+
+
+class Support(NamedTuple):
+    """Whether a backend can run here, and why (or why not)."""
+
+    ok: bool
+    reason: str
+
+
+def all_of(*checks: Callable[[], Support]) -> Support:
+    """Run support predicates in order; the first failure wins, else all reasons are joined."""
+    reasons = []
+    for check in checks:
+        result = check()
+        if not result.ok:
+            return result
+        reasons.append(result.reason)
+    return Support(True, "; ".join(r for r in reasons if r))
+
+
+class LayerExperts(ABC):
+    """One MoE layer's experts, loaded for one backend on one device.
+
+    Subclasses set :attr:`name` and implement :meth:`supports` and :meth:`forward`.
+    ``forward`` computes spec section 4 for a routed batch and must refuse bad
+    input with ``ValueError`` (see :func:`lutb_kernels.reference.check_forward_args`).
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, config: CheckpointConfig, weights: LayerWeights, device: torch.device | str) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.expert_ids = weights.expert_ids.to(torch.int32)
+        self.num_local_experts = int(self.expert_ids.numel())
+
+    @classmethod
+    @abstractmethod
+    def supports(cls, config: CheckpointConfig, device: torch.device) -> Support:
+        """Can this backend run ``config``'s experts on ``device``? Cheap; loads nothing."""
+
+    @abstractmethod
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: OutputMode = "combined",
+    ) -> torch.Tensor:
+        """Run the experts held on a routed batch.
+
+        Args:
+            x: ``[T, H]`` in the checkpoint's model dtype, on :attr:`device`.
+            topk_ids: int32/int64 ``[T, k]`` global expert ids in ``[0, num_experts)``.
+            topk_weights: float32 ``[T, k]``.
+            apply_router_weight_on_input: weight the input instead of the output (``k == 1``).
+            output_mode: ``"combined"`` -> ``[T, H]``; ``"route_major"`` -> ``[T, k, H]``.
+
+        Returns:
+            The output in the model dtype on :attr:`device`; routes to experts not held add zero.
+        """
+
+    @property
+    @abstractmethod
+    def weight_bytes(self) -> int:
+        """Bytes of weights this layer holds on its device."""
+
+    def expert_map(self) -> torch.Tensor:
+        """int32 ``[num_experts]``: local index of each global expert held, -1 elsewhere."""
+        emap = torch.full((self.config.num_experts,), -1, dtype=torch.int32)
+        emap[self.expert_ids.long()] = torch.arange(self.num_local_experts, dtype=torch.int32)
+        return emap.to(self.device)
