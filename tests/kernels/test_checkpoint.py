@@ -1,0 +1,152 @@
+"""Checkpoints (spec section 5): round trip, and every corruption refused with file, tensor and tile named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lutb_kernels.checkpoint import Checkpoint, CheckpointConfig, LayerWeights, write_checkpoint
+from lutb_kernels.errors import LutBFormatError
+from lutb_kernels.tiles import pack_tiles
+
+CONFIG = CheckpointConfig(hidden_size=256, intermediate_size=128, num_experts=6, activation="silu", dtype="bfloat16")
+
+
+def _tiles(*lead: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return pack_tiles(
+        torch.randint(0, 8, (*lead, 128, 128), generator=gen, dtype=torch.uint8),
+        torch.randint(115, 125, (*lead, 128, 4), generator=gen, dtype=torch.uint8),
+        torch.randn(*lead, 8, generator=gen).bfloat16(),
+    )
+
+
+def _layer(ids: list[int], seed: int, config: CheckpointConfig = CONFIG) -> LayerWeights:
+    e = len(ids)
+    return LayerWeights(
+        _tiles(*config.w13_tiles_shape(e), seed=seed),
+        _tiles(*config.w2_tiles_shape(e), seed=seed + 100),
+        torch.tensor(ids, dtype=torch.int32),
+    )
+
+
+@pytest.fixture()
+def ckpt_dir(tmp_path: Path) -> Path:
+    write_checkpoint(tmp_path / "ckpt", CONFIG, {0: _layer([0, 2, 5], 1), 3: _layer([1, 2], 2)})
+    return tmp_path / "ckpt"
+
+
+def test_round_trip(ckpt_dir: Path) -> None:
+    ckpt = Checkpoint(ckpt_dir)
+    assert ckpt.config == CONFIG
+    assert ckpt.layers == [0, 3]
+    layer = ckpt.layer(3)
+    want = _layer([1, 2], 2)
+    assert all(torch.equal(a, b) for a, b in zip(layer, want))
+    assert ckpt.expert_ids(0).tolist() == [0, 2, 5]
+    ckpt.validate()
+    assert ckpt.weight_bytes == (3 + 2) * (2 * 2 + 2 * 1) * 6672
+    with safe_open(str(ckpt_dir / "layer-00000.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    assert meta == {
+        "format": "lut-b", "format_version": "1", "hidden_size": "256", "intermediate_size": "128",
+        "num_experts": "6", "activation": "silu", "dtype": "bfloat16", "mxfp8_scale_mode": "rceil",
+    }
+    with pytest.raises(KeyError, match="no layer 1"):
+        ckpt.layer(1)
+
+
+def test_content_hash_is_stable_and_content_sensitive(ckpt_dir: Path, tmp_path: Path) -> None:
+    h = Checkpoint(ckpt_dir).content_hash()
+    assert h.startswith("sha256:") and h == Checkpoint(ckpt_dir).content_hash()
+    write_checkpoint(tmp_path / "other", CONFIG, {0: _layer([0, 2, 5], 1), 3: _layer([1, 2], 3)})
+    assert Checkpoint(tmp_path / "other").content_hash() != h
+
+
+def test_reader_accepts_tensors_split_over_files(tmp_path: Path) -> None:
+    layer = _layer([4], 9)
+    meta = CONFIG.to_metadata()
+    save_file({"layers.7.w13": layer.w13, "layers.7.expert_ids": layer.expert_ids}, str(tmp_path / "a.safetensors"), metadata=meta)
+    save_file({"layers.7.w2": layer.w2}, str(tmp_path / "b.safetensors"), metadata=meta)
+    ckpt = Checkpoint(tmp_path)
+    assert ckpt.layers == [7]
+    ckpt.validate()
+
+
+def _rewrite(path: Path, change) -> None:
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
+        meta = dict(f.metadata())
+    change(tensors, meta)
+    save_file(tensors, str(path), metadata=meta)
+
+
+LAYER0 = "layer-00000.safetensors"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t, m: t["layers.0.w13"][1, 0, 1].__setitem__(16, 255), r"layer-00000.safetensors: layers\.0\.w13: tile \(1, 0, 1\): scale byte 255"),
+        (lambda t, m: t["layers.0.w2"][2, 1, 0, 0:2].copy_(torch.tensor([0x80, 0x7F], dtype=torch.uint8)), r"layers\.0\.w2: tile \(2, 1, 0\): LUT entry is NaN or infinite"),
+        (lambda t, m: t.__setitem__("layers.0.w2", t["layers.0.w2"][..., :-1].contiguous()), r"layers\.0\.w2: last dimension must be 6672"),
+        (lambda t, m: t.__setitem__("layers.0.w13", t["layers.0.w13"][:, :1].contiguous()), r"layers\.0\.w13: tile counts \(3, 1, 2\) disagree .* give \(3, 2, 2\)"),
+        (lambda t, m: t.__setitem__("layers.0.expert_ids", torch.tensor([0, 5, 2], dtype=torch.int32)), r"layers\.0\.expert_ids: ids must be strictly ascending"),
+        (lambda t, m: t.__setitem__("layers.0.expert_ids", torch.tensor([0, 2, 6], dtype=torch.int32)), r"layers\.0\.expert_ids: ids must lie in \[0, 6\)"),
+        (lambda t, m: t.__setitem__("layers.0.expert_ids", torch.tensor([0, 2, 5], dtype=torch.int64)), r"expert_ids: must be a 1-D int32"),
+    ],
+)
+def test_tensor_corruptions_refused(ckpt_dir: Path, change, message: str) -> None:
+    _rewrite(ckpt_dir / LAYER0, change)
+    with pytest.raises(LutBFormatError, match=message):
+        Checkpoint(ckpt_dir).validate()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t, m: m.__setitem__("format", "gguf"), r"layer-00000.safetensors: metadata format is 'gguf'"),
+        (lambda t, m: m.__setitem__("format_version", "2"), r"unsupported format_version '2'"),
+        (lambda t, m: m.pop("mxfp8_scale_mode"), r"metadata lacks 'mxfp8_scale_mode'"),
+        (lambda t, m: m.__setitem__("hidden_size", "25x"), r"hidden_size = '25x' is not an integer"),
+        (lambda t, m: m.__setitem__("hidden_size", "200"), r"multiples of 128"),
+        (lambda t, m: m.__setitem__("activation", "tanh"), r"unknown activation 'tanh'"),
+        (lambda t, m: m.__setitem__("mxfp8_scale_mode", "round"), r"unknown MXFP8 scale mode"),
+        (lambda t, m: m.__setitem__("dtype", "int8"), r"dtype must be one of"),
+        (lambda t, m: m.__setitem__("num_experts", "7"), r"layer-00003.safetensors: metadata .* disagrees"),
+        (lambda t, m: t.__setitem__("layers.0.bias", torch.zeros(1)), r"unexpected tensor 'layers.0.bias'"),
+        (lambda t, m: t.pop("layers.0.w2"), r"layer 0 lacks tensor layers\.0\.w2"),
+    ],
+)
+def test_structure_corruptions_refused_on_open(ckpt_dir: Path, change, message: str) -> None:
+    _rewrite(ckpt_dir / LAYER0, change)
+    with pytest.raises(LutBFormatError, match=message):
+        Checkpoint(ckpt_dir)
+
+
+def test_empty_or_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(LutBFormatError, match="holds no .safetensors"):
+        Checkpoint(tmp_path)
+    with pytest.raises(LutBFormatError, match="not a directory"):
+        Checkpoint(tmp_path / "nope")
+
+
+def test_writer_refuses_bad_layer_and_existing_checkpoint(ckpt_dir: Path, tmp_path: Path) -> None:
+    bad = _layer([0, 1], 4)._replace(expert_ids=torch.tensor([1, 0], dtype=torch.int32))
+    with pytest.raises(LutBFormatError, match="ascending"):
+        write_checkpoint(tmp_path / "bad", CONFIG, {0: bad})
+    with pytest.raises(FileExistsError):
+        write_checkpoint(ckpt_dir, CONFIG, {0: _layer([0], 1)})
+    write_checkpoint(ckpt_dir, CONFIG, {0: _layer([0], 1)}, overwrite=True)
+    assert Checkpoint(ckpt_dir).layers == [0]
+
+
+def test_no_mul_activation_has_i_rows(tmp_path: Path) -> None:
+    config = CheckpointConfig(hidden_size=128, intermediate_size=256, num_experts=2, activation="relu2_no_mul", dtype="float32")
+    assert config.w13_tiles_shape(2) == (2, 2, 1)
+    write_checkpoint(tmp_path, config, {0: _layer([0, 1], 5, config)})
+    Checkpoint(tmp_path).validate()
