@@ -63,6 +63,11 @@ class TileFields(NamedTuple):
     lut: torch.Tensor
 
 
+_SPREAD = torch.tensor(
+    [sum(((byte >> k) & 1) << (8 * k) for k in range(8)) for byte in range(256)], dtype=torch.int64
+)
+
+
 def _bit_weights(device: torch.device) -> torch.Tensor:
     return torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=device)
 
@@ -123,9 +128,13 @@ def unpack_tiles(tiles: torch.Tensor) -> TileFields:
     """Decode tile bytes ``uint8 [..., 6672]`` into their fields (see :class:`TileFields`)."""
     lut, scales, planes = _split_fields(tiles)
     lead = tiles.shape[:-1]
-    bits = (planes.unsqueeze(-1) >> torch.arange(8, device=tiles.device, dtype=torch.uint8)) & 1
-    bits = bits.reshape(*lead, TILE, GROUPS_PER_ROW, PLANES, GROUP)  # bit b of position i
-    codes = bits[..., 0, :] | (bits[..., 1, :] << 1) | (bits[..., 2, :] << 2)
+    # One plane byte holds bit b of 8 consecutive codes. _SPREAD[byte] puts bit k of the byte
+    # into byte k of an int64, so OR-ing the three planes' spreads (shifted by b) yields
+    # 8 codes whose little-endian bytes are the codes in column order.
+    spread = _SPREAD.to(tiles.device)
+    p = planes.long()
+    packed = spread[p[..., 0, :]] | (spread[p[..., 1, :]] << 1) | (spread[p[..., 2, :]] << 2)
+    codes = packed.view(torch.uint8)  # [..., 128, 4, 4 bytes * 8 codes]
     return TileFields(codes.reshape(*lead, TILE, TILE), scales.clone(), lut.clone())
 
 
@@ -147,9 +156,11 @@ def decode_tiles(tiles: torch.Tensor) -> torch.Tensor:
     """
     codes, scales, lut = unpack_tiles(tiles)
     lead = tiles.shape[:-1]
-    lut32 = lut.float().reshape(-1, LUT_ENTRIES)
-    values = torch.gather(lut32, 1, codes.reshape(lut32.shape[0], -1).long())
-    values = values.reshape(*lead, TILE, GROUPS_PER_ROW, GROUP)
+    lut32 = lut.float().reshape(-1, 1)  # [tiles * 8, 1]
+    # Row (tile * 8 + code) of the flat LUT; an embedding lookup is the fastest gather on CPU.
+    base = torch.arange(0, lut32.shape[0], LUT_ENTRIES, dtype=torch.int32, device=tiles.device)
+    index = codes.reshape(base.numel(), -1).int() + base[:, None]
+    values = torch.nn.functional.embedding(index, lut32).reshape(*lead, TILE, GROUPS_PER_ROW, GROUP)
     return (values * e8m0_to_float32(scales).unsqueeze(-1)).reshape(*lead, TILE, TILE)
 
 
