@@ -16,6 +16,7 @@ from collections.abc import Sequence
 # Order here is the order in `lutb --help`.
 SUBCOMMAND_MODULES = (
     "lutb_server.cli.checkpoint_cmds",  # synth, quantize, inspect
+    "lutb_server.cli.health_cmd",  # health
 )
 
 
