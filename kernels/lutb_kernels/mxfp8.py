@@ -53,7 +53,7 @@ def mxfp8_scales(amax: torch.Tensor, scale_mode: ScaleMode = "rceil") -> torch.T
     positive = amax > 0
     safe = torch.where(positive, amax, torch.ones_like(amax))
     if scale_mode == "rceil":
-        s = 127 + _ceil_log2(safe / E4M3_MAX)
+        s = torch.where(safe / E4M3_MAX > 0, 127 + _ceil_log2(safe / E4M3_MAX), 0)  # d underflowing to 0: ceil(log2 0) = -inf -> s = 0
     else:
         s = 127 + _floor_log2(safe) - 8
     s = torch.where(positive, s.clamp(0, 254), torch.zeros_like(s))

@@ -1,0 +1,137 @@
+"""``lutb synth``, ``lutb quantize`` and ``lutb inspect`` driven through ``lutb_server.cli.main``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lutb_kernels.checkpoint import Checkpoint
+from lutb_kernels.tiles import tiles_to_dense
+from lutb_server.cli import main
+
+# The HF checkpoint builders live with the importer's tests.
+_spec = importlib.util.spec_from_file_location("_hf_fixtures", Path(__file__).parents[1] / "kernels" / "test_hf_import.py")
+_hf = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+sys.modules.setdefault("_hf_fixtures", _hf)
+_spec.loader.exec_module(_hf)  # type: ignore[union-attr]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).square().sum() / b.float().square().sum())
+
+
+def test_synth_then_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "ckpt"
+    seed = int(torch.randint(0, 1000, ()).item())
+    argv = ["synth", "--out", str(out), "--layers", "3", "--experts", "5", "--hidden", "128", "--intermediate", "256",
+            "--activation", "gelu", "--dtype", "float16", "--seed", str(seed), "--scale-mode", "floor"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--json", "--no-progress"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["valid"] is True and info["error"] is None
+    assert [layer["layer"] for layer in info["layers"]] == [0, 1, 2]
+    assert all(layer["experts"] == 5 and layer["expert_ids"] == "0-4" for layer in info["layers"])
+    assert (info["hidden_size"], info["intermediate_size"], info["num_experts"]) == (128, 256, 5)
+    assert (info["activation"], info["dtype"], info["mxfp8_scale_mode"]) == ("gelu", "float16", "floor")
+    assert info["weights"] == 3 * 5 * (2 * 256 * 128 + 128 * 256)
+    assert info["bits_per_weight"] == pytest.approx(6672 * 8 / 128**2)
+    assert info["content_hash"] == Checkpoint(out).content_hash()
+    # Text output says the same; the same seed gives the same tensors.
+    assert main(["inspect", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "3.2578 bits per weight" in text and "valid       yes" in text and "ids 0-4" in text
+    again = tmp_path / "again"
+    assert main(argv[:2] + [str(again)] + argv[3:]) == 0
+    first, second = Checkpoint(out), Checkpoint(again)
+    for layer in (0, 1, 2):
+        for a, b in zip(first.layer(layer), second.layer(layer)):
+            assert torch.equal(a, b)
+    # (The content hash covers the file bytes, and safetensors may order the
+    # metadata keys differently from one write to the next, so it is not compared.)
+
+
+def test_synth_refuses_bad_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["synth", "--out", str(tmp_path / "x"), "--hidden", "100"]) == 1
+    assert "multiples of 128" in capsys.readouterr().err
+
+
+def test_inspect_corrupted_scale_byte(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "ckpt"
+    assert main(["synth", "--out", str(out), "--layers", "2", "--experts", "3"]) == 0
+    file = out / "layer-00001.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
+    # Expert 2, tile (3, 1) of w13; scale of row 7, group 2.
+    tensors["layers.1.w13"][2, 3, 1, 16 + 4 * 7 + 2] = 255
+    save_file(tensors, str(file), metadata=meta)
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "layers.1.w13" in captured.err and "(2, 3, 1)" in captured.err and "255" in captured.err
+    assert main(["inspect", str(out), "--json"]) == 1
+    info = json.loads(capsys.readouterr().out)
+    assert info["valid"] is False and "layers.1.w13" in info["error"] and "(2, 3, 1)" in info["error"]
+
+
+def test_inspect_unreadable_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "no .safetensors" in capsys.readouterr().err
+    save_file({"something.else": torch.zeros(1)}, str(tmp_path / "x.safetensors"), metadata={"format": "lut-b"})
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "x.safetensors" in capsys.readouterr().err
+
+
+def test_quantize_mixtral(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _hf.make_mixtral(tmp_path / "src", experts=4, layers=2, shards=2)
+    out = tmp_path / "out"
+    assert main(["quantize", str(tmp_path / "src"), "--out", str(out), "--device", "cpu", "--seed", "3", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "wrote 2 MoE layer(s)" in printed and "w13 SQNR" in printed
+    ckpt = Checkpoint(out)
+    ckpt.validate()
+    assert ckpt.layers == [0, 1] and ckpt.config.num_experts == 4
+    for layer in (0, 1):
+        weights = ckpt.layer(layer)
+        assert weights.expert_ids.tolist() == [0, 1, 2, 3]
+        for e in range(4):
+            p = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+            ref13 = torch.cat([src[f"{p}.w1.weight"], src[f"{p}.w3.weight"]])
+            assert _rel(tiles_to_dense(weights.w13[e]), ref13) < 0.05
+            assert _rel(tiles_to_dense(weights.w2[e]), src[f"{p}.w2.weight"]) < 0.05
+    assert main(["inspect", str(out), "--no-progress"]) == 0
+
+
+def test_quantize_qwen(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _hf.make_qwen(tmp_path / "src", experts=3)
+    out = tmp_path / "out"
+    assert main(["quantize", str(tmp_path / "src"), "--out", str(out), "--scale-mode", "floor", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "note: shared experts left out" in printed
+    ckpt = Checkpoint(out)
+    assert ckpt.layers == [1, 2]
+    assert ckpt.config.mxfp8_scale_mode == "floor" and ckpt.config.num_experts == 3
+    assert ckpt.config.intermediate_size == 256
+    with safe_open(str(ckpt.files[0]), framework="pt") as f:
+        assert not any("shared" in k for k in f.keys())
+    weights = ckpt.layer(1)
+    for e in range(3):
+        p = f"model.layers.1.mlp.experts.{e}"
+        assert _rel(tiles_to_dense(weights.w2[e]), src[f"{p}.down_proj.weight"]) < 0.05
+    # A second run into the same directory is refused, --overwrite allows it.
+    assert main(["quantize", str(tmp_path / "src"), "--out", str(out), "--no-progress"]) == 1
+    assert "already holds" in capsys.readouterr().err
+    assert main(["quantize", str(tmp_path / "src"), "--out", str(out), "--no-progress", "--overwrite"]) == 0
+
+
+def test_quantize_bad_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["quantize", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
+    assert "config.json" in capsys.readouterr().err
