@@ -274,14 +274,19 @@ class Checkpoint:
         return total
 
     def content_hash(self) -> str:
-        """``sha256:<hex>`` over every file's name and bytes, in name order (computed once)."""
+        """``sha256:<hex>`` of what the checkpoint holds, independent of how it is split into files.
+
+        Covers the metadata (keys sorted) and then, for each tensor in name order, its
+        name, dtype, shape and raw bytes. Two checkpoints hash alike exactly when they
+        hold the same tensors and metadata. Computed once, then cached.
+        """
         if self._hash is None:
             digest = hashlib.sha256()
-            for file in self.files:
-                digest.update(json.dumps(file.name).encode())
-                with open(file, "rb") as f:
-                    while chunk := f.read(1 << 24):
-                        digest.update(chunk)
+            digest.update(json.dumps(self.config.to_metadata(), sort_keys=True).encode())
+            for name in sorted(self._where):
+                tensor = self._tensor(name).contiguous()
+                digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+                digest.update(tensor.view(torch.uint8).reshape(-1).numpy().data)
             self._hash = f"sha256:{digest.hexdigest()}"
         return self._hash
 

@@ -150,3 +150,14 @@ def test_no_mul_activation_has_i_rows(tmp_path: Path) -> None:
     assert config.w13_tiles_shape(2) == (2, 2, 1)
     write_checkpoint(tmp_path, config, {0: _layer([0, 1], 5, config)})
     Checkpoint(tmp_path).validate()
+
+
+def test_content_hash_ignores_file_split_and_header_order(ckpt_dir: Path, tmp_path: Path) -> None:
+    ckpt = Checkpoint(ckpt_dir)
+    meta = dict(reversed(list(CONFIG.to_metadata().items())))  # another header order
+    tensors = {}
+    for layer in ckpt.layers:
+        for part, tensor in zip(("w13", "w2", "expert_ids"), ckpt.layer(layer)):
+            tensors[f"layers.{layer}.{part}"] = tensor
+    save_file(tensors, str(tmp_path / "all.safetensors"), metadata=meta)
+    assert Checkpoint(tmp_path).content_hash() == ckpt.content_hash()
