@@ -17,6 +17,7 @@ from collections.abc import Sequence
 SUBCOMMAND_MODULES = (
     "lutb_server.cli.checkpoint_cmds",  # synth, quantize, inspect
     "lutb_server.cli.health_cmd",  # health
+    "lutb_server.cli.shard_cmd",  # shard
 )
 
 

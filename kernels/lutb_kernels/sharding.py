@@ -1,0 +1,186 @@
+"""Split a checkpoint's experts over expert-parallel shards (spec section 5: a shard is a
+checkpoint whose ``expert_ids`` are a subset).
+
+Placement is decided per layer:
+
+- ``contiguous``: shard ``s`` holds the ``s``-th run of ascending expert ids (sizes differ by
+  at most one).
+- ``balanced``: uses measured load (tokens per expert, see :func:`read_load_file`) to spread
+  hot experts: experts are taken hottest first and each goes to the least-loaded shard that
+  still has room, so shards hold equal expert counts (equal memory) and near-equal load.
+  With ``replicas = R`` the ``R`` hottest experts of each layer get a second copy on another
+  shard; each copy is counted with half the load, since clients spread an expert's tokens
+  over its replicas.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from lutb_kernels.checkpoint import Checkpoint, CheckpointWriter, LayerWeights
+
+Placement = Literal["contiguous", "balanced"]
+LOAD_FORMAT = "lutb-load-v1"
+SHARD_MANIFEST = "shards.json"
+
+
+def shard_dir_name(shard: int) -> str:
+    """Directory of shard ``shard`` under the output directory (``shard-0``, ``shard-1``, ...)."""
+    return f"shard-{shard}"
+
+
+def contiguous_placement(expert_ids: Sequence[int], shards: int) -> list[list[int]]:
+    """Split ascending ``expert_ids`` into ``shards`` contiguous runs whose sizes differ by at most one."""
+    if shards < 1 or shards > len(expert_ids):
+        raise ValueError(f"cannot split {len(expert_ids)} experts into {shards} shards (each shard needs at least one)")
+    base, extra = divmod(len(expert_ids), shards)
+    out, start = [], 0
+    for s in range(shards):
+        size = base + (1 if s < extra else 0)
+        out.append(list(expert_ids[start : start + size]))
+        start += size
+    return out
+
+
+def balanced_placement(load: Mapping[int, float], shards: int, replicas: int = 0) -> list[list[int]]:
+    """Place experts so shards carry near-equal load and equal expert counts.
+
+    Args:
+        load: tokens (or any load measure >= 0) per global expert id to place.
+        shards: number of shards.
+        replicas: how many of the hottest experts get a second copy on another shard.
+
+    Returns:
+        Per shard, its expert ids ascending.
+    """
+    experts = sorted(load, key=lambda e: (-load[e], e))
+    if shards < 1 or shards > len(experts):
+        raise ValueError(f"cannot split {len(experts)} experts into {shards} shards (each shard needs at least one)")
+    if not 0 <= replicas <= len(experts):
+        raise ValueError(f"replicas must lie in [0, {len(experts)}], got {replicas}")
+    if replicas and shards < 2:
+        raise ValueError("replicas need at least 2 shards (a copy must live on another shard)")
+    copies: list[tuple[float, int]] = []
+    for rank, e in enumerate(experts):
+        n = 2 if rank < replicas else 1
+        copies += [(load[e] / n, e)] * n
+    copies.sort(key=lambda c: (-c[0], c[1]))
+    capacity = -(-len(copies) // shards)
+    held: list[set[int]] = [set() for _ in range(shards)]
+    total = [0.0] * shards
+    for weight, e in copies:
+        candidates = [s for s in range(shards) if len(held[s]) < capacity and e not in held[s]]
+        if not candidates:  # only when capacity is exhausted by copies of e itself; relax capacity
+            candidates = [s for s in range(shards) if e not in held[s]]
+        s = min(candidates, key=lambda s: (total[s], len(held[s]), s))
+        held[s].add(e)
+        total[s] += weight
+    return [sorted(h) for h in held]
+
+
+def read_load_file(path: str | Path) -> dict[int, list[float]]:
+    """Read a load file written by ``lutb load``: tokens per expert, per layer.
+
+    Format (JSON)::
+
+        {"format": "lutb-load-v1", "num_experts": E, "layers": {"<layer>": [tokens of expert 0, ...]}}
+
+    Returns:
+        ``{layer: [load of global expert e for e in range(E)]}``.
+    """
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != LOAD_FORMAT:
+        raise ValueError(f"{path}: not a load file (format {data.get('format')!r}, expected {LOAD_FORMAT!r})")
+    num_experts = int(data["num_experts"])
+    out = {}
+    for layer, counts in data["layers"].items():
+        if len(counts) != num_experts:
+            raise ValueError(f"{path}: layer {layer} has {len(counts)} counts, expected num_experts = {num_experts}")
+        if any(c < 0 for c in counts):
+            raise ValueError(f"{path}: layer {layer} has negative counts")
+        out[int(layer)] = [float(c) for c in counts]
+    return out
+
+
+def write_load_file(path: str | Path, num_experts: int, layers: Mapping[int, Sequence[float]]) -> None:
+    """Write ``{layer: tokens per global expert}`` in the format :func:`read_load_file` reads."""
+    payload = {"format": LOAD_FORMAT, "num_experts": num_experts, "layers": {str(k): list(v) for k, v in sorted(layers.items())}}
+    Path(path).write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def plan_placement(
+    checkpoint: Checkpoint,
+    shards: int,
+    *,
+    placement: Placement = "contiguous",
+    replicas: int = 0,
+    load: Mapping[int, Sequence[float]] | None = None,
+) -> dict[int, list[list[int]]]:
+    """Decide, per layer, which global experts each shard holds."""
+    if placement not in ("contiguous", "balanced"):
+        raise ValueError(f"placement must be 'contiguous' or 'balanced', got {placement!r}")
+    if placement == "contiguous" and (replicas or load is not None):
+        raise ValueError("--replicas and --load go with --placement balanced")
+    if placement == "balanced" and load is None:
+        raise ValueError("--placement balanced needs a load file (--load FILE, written by `lutb load`)")
+    plan = {}
+    for layer in checkpoint.layers:
+        ids = checkpoint.expert_ids(layer).tolist()
+        if placement == "contiguous":
+            plan[layer] = contiguous_placement(ids, shards)
+        else:
+            assert load is not None
+            if layer not in load:
+                raise ValueError(f"the load file has no counts for layer {layer}")
+            plan[layer] = balanced_placement({e: load[layer][e] for e in ids}, shards, replicas)
+    return plan
+
+
+def select_experts(weights: LayerWeights, keep: Iterable[int]) -> LayerWeights:
+    """The experts ``keep`` (global ids, a subset of ``weights.expert_ids``) of one layer."""
+    local = {int(e): i for i, e in enumerate(weights.expert_ids.tolist())}
+    keep = sorted(keep)
+    missing = [e for e in keep if e not in local]
+    if missing:
+        raise ValueError(f"experts {missing} are not in this checkpoint layer")
+    rows = torch.tensor([local[e] for e in keep], dtype=torch.long)
+    return LayerWeights(weights.w13[rows], weights.w2[rows], torch.tensor(keep, dtype=torch.int32))
+
+
+def write_shards(
+    checkpoint: Checkpoint,
+    out_dir: str | Path,
+    plan: Mapping[int, Sequence[Sequence[int]]],
+    *,
+    overwrite: bool = False,
+    progress: Callable[[Iterable[int]], Iterable[int]] | None = None,
+) -> list[Path]:
+    """Write one checkpoint per shard (``out_dir/shard-N``) plus ``out_dir/shards.json``.
+
+    Streams one layer at a time: memory stays near one layer's size.
+
+    Returns:
+        The shard directories, in shard order.
+    """
+    out = Path(out_dir)
+    shards = len(next(iter(plan.values())))
+    dirs = [out / shard_dir_name(s) for s in range(shards)]
+    writers = [CheckpointWriter(d, checkpoint.config, overwrite=overwrite) for d in dirs]
+    layers = sorted(plan)
+    for layer in progress(layers) if progress else layers:
+        weights = checkpoint.layer(layer)
+        for writer, keep in zip(writers, plan[layer]):
+            writer.write_layer(layer, select_experts(weights, keep))
+    manifest = {
+        "source": str(checkpoint.path),
+        "source_content_hash": checkpoint.content_hash(),
+        "shards": [shard_dir_name(s) for s in range(shards)],
+        "layers": {str(layer): [list(map(int, ids)) for ids in plan[layer]] for layer in layers},
+    }
+    (out / SHARD_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return dirs

@@ -1,0 +1,121 @@
+"""Expert-parallel sharding: placements, shard checkpoints, and shard outputs adding up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lutb_kernels.checkpoint import Checkpoint
+from lutb_kernels.experts import ReferenceExperts
+from lutb_kernels.sharding import (
+    balanced_placement,
+    contiguous_placement,
+    plan_placement,
+    read_load_file,
+    write_load_file,
+    write_shards,
+)
+from lutb_kernels.synth import make_synthetic_checkpoint
+from lutb_server.cli import main
+
+
+@pytest.mark.parametrize("experts, shards", [(8, 1), (8, 3), (7, 7), (128, 4)])
+def test_contiguous_placement_covers_each_expert_once(experts: int, shards: int) -> None:
+    plan = contiguous_placement(list(range(experts)), shards)
+    assert [e for part in plan for e in part] == list(range(experts))
+    assert max(map(len, plan)) - min(map(len, plan)) <= 1
+
+
+def test_placements_refuse_impossible_splits() -> None:
+    with pytest.raises(ValueError, match="cannot split 3 experts into 4 shards"):
+        contiguous_placement([0, 1, 2], 4)
+    with pytest.raises(ValueError, match="at least 2 shards"):
+        balanced_placement({0: 1.0, 1: 2.0}, 1, replicas=1)
+
+
+def test_balanced_placement_spreads_hot_experts() -> None:
+    gen = torch.Generator().manual_seed(0)
+    load = {e: float(v) for e, v in enumerate((torch.rand(32, generator=gen) ** 4 * 1000).tolist())}
+    shards = 4
+    plan = balanced_placement(load, shards)
+    assert sorted(e for part in plan for e in part) == list(range(32))
+    assert {len(p) for p in plan} == {8}
+    totals = [sum(load[e] for e in p) for p in plan]
+    naive = [sum(load[e] for e in p) for p in contiguous_placement(list(range(32)), shards)]
+    assert max(totals) - min(totals) <= max(naive) - min(naive)
+    assert max(totals) <= sum(totals) / shards + max(load.values())
+
+
+def test_balanced_replicas_put_copies_of_the_hottest_on_two_shards() -> None:
+    load = {e: float(e) for e in range(12)}  # 11, 10, 9 hottest
+    plan = balanced_placement(load, 3, replicas=3)
+    for hot in (11, 10, 9):
+        assert sum(hot in p for p in plan) == 2
+    for cold in range(9):
+        assert sum(cold in p for p in plan) == 1
+    assert all(len(p) == len(set(p)) for p in plan)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    out = tmp_path_factory.mktemp("whole")
+    make_synthetic_checkpoint(out, layers=2, experts=6, hidden=128, intermediate=128, dtype="float32", seed=3)
+    return Checkpoint(out)
+
+
+def test_shard_outputs_add_up_to_the_whole_layer(ckpt: Checkpoint, tmp_path: Path) -> None:
+    load = {layer: [1.0, 50.0, 3.0, 40.0, 2.0, 9.0] for layer in ckpt.layers}
+    plan = plan_placement(ckpt, 3, placement="balanced", load=load)
+    dirs = write_shards(ckpt, tmp_path, plan)
+    manifest = json.loads((tmp_path / "shards.json").read_text())
+    assert manifest["shards"] == ["shard-0", "shard-1", "shard-2"]
+    assert manifest["source_content_hash"] == ckpt.content_hash()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 128, generator=gen)
+    ids = torch.randint(0, 6, (40, 2), generator=gen)
+    weights = torch.rand(40, 2, generator=gen)
+    for layer in ckpt.layers:
+        whole = ReferenceExperts(ckpt.config, ckpt.layer(layer), "cpu").forward(x, ids, weights)
+        parts = []
+        for d in dirs:
+            shard = Checkpoint(d)
+            shard.validate()
+            assert shard.config == ckpt.config
+            parts.append(ReferenceExperts(shard.config, shard.layer(layer), "cpu").forward(x, ids, weights))
+        assert sorted(e for d in dirs for e in Checkpoint(d).expert_ids(layer).tolist()) == list(range(6))
+        rel = ((sum(parts) - whole).norm() / whole.norm()).item()
+        assert rel <= 1e-5
+
+
+def test_cli_shard_contiguous_and_balanced(ckpt: Checkpoint, tmp_path: Path) -> None:
+    assert main(["shard", str(ckpt.path), "--out", str(tmp_path / "c"), "--shards", "2"]) == 0
+    assert Checkpoint(tmp_path / "c" / "shard-1").expert_ids(0).tolist() == [3, 4, 5]
+    load_file = tmp_path / "load.json"
+    write_load_file(load_file, 6, {layer: [0, 0, 0, 0, 100, 90] for layer in ckpt.layers})
+    assert read_load_file(load_file)[0] == [0, 0, 0, 0, 100.0, 90.0]
+    out = tmp_path / "b"
+    args = ["shard", str(ckpt.path), "--out", str(out), "--shards", "2", "--placement", "balanced", "--load", str(load_file), "--replicas", "1"]
+    assert main(args) == 0
+    held = [Checkpoint(out / f"shard-{s}").expert_ids(1).tolist() for s in range(2)]
+    assert 4 in held[0] and 4 in held[1]  # the hottest expert is on both shards
+    assert 5 in held[0] or 5 in held[1]
+    assert not set(held[0]) >= {4, 5} or not set(held[1]) >= {4, 5}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--placement", "balanced"], "needs a load file"),
+        (["--replicas", "1"], "go with --placement balanced"),
+        (["--shards", "9"], "cannot split 6 experts into 9 shards"),
+    ],
+)
+def test_cli_shard_errors(ckpt: Checkpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str) -> None:
+    args = ["shard", str(ckpt.path), "--out", str(tmp_path / "x"), "--shards", "2", *extra]
+    if "--shards" in extra:
+        args = ["shard", str(ckpt.path), "--out", str(tmp_path / "x"), *extra]
+    assert main(args) == 1
+    assert message in capsys.readouterr().err
