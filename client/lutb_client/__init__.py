@@ -1,3 +1,30 @@
-"""lutb_client: talk to a lutb-moe expert server (codec, sync and async clients, routing helpers)."""
+"""lutb_client: talk to a lutb-moe expert server (codec, sync and async clients, routing helpers).
+
+    from lutb_client import ExpertClient
+    with ExpertClient("127.0.0.1:50051") as client:
+        out = client.forward(layer, hidden_states, topk_ids, topk_weights)
+
+Needs grpcio, protobuf and torch only (none of the server's dependencies).
+"""
+
+from lutb_client.client import (
+    DEFAULT_TIMEOUT_S,
+    AsyncExpertClient,
+    AsyncForwardStream,
+    ExpertClient,
+    ForwardResult,
+    ForwardStream,
+)
+from lutb_client.errors import ExpertServiceError
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "AsyncExpertClient",
+    "AsyncForwardStream",
+    "ExpertClient",
+    "ExpertServiceError",
+    "ForwardResult",
+    "ForwardStream",
+]

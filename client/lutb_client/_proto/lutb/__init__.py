@@ -1,0 +1,1 @@
+"""Generated code: package ``lutb`` of the protobuf files."""

@@ -1,0 +1,548 @@
+"""Clients of ``lutb.v1.ExpertService``: :class:`ExpertClient` (blocking) and :class:`AsyncExpertClient` (asyncio).
+
+Both give every call a deadline (``timeout``, default :data:`DEFAULT_TIMEOUT_S`),
+retry unary calls that fail with UNAVAILABLE with exponential backoff (jittered,
+within the deadline), and raise only :class:`~lutb_client.errors.ExpertServiceError`.
+A streaming session (:meth:`ExpertClient.stream`, :meth:`AsyncExpertClient.stream`)
+keeps many requests in flight on one ``ForwardStream`` call; it does not retry
+(a broken stream fails the requests still pending with the stream's status).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any, NamedTuple, TypeVar
+
+import grpc
+import torch
+
+from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
+from lutb_client.codec import CodecError, decode_tensor, encode_tensor
+from lutb_client.errors import ExpertServiceError, status_code
+
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+_OUTPUT_MODES = {"combined": pb.COMBINED, "route_major": pb.ROUTE_MAJOR}
+T = TypeVar("T")
+
+
+class ForwardResult(NamedTuple):
+    """A forward's output and the server's account of its time (``lutb.v1.Timing``)."""
+
+    output: torch.Tensor
+    timing: pb.Timing
+    request_id: int
+
+
+def build_request(
+    layer: int,
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    apply_router_weight_on_input: bool = False,
+    output_mode: str = "combined",
+    request_id: int = 0,
+) -> pb.ForwardRequest:
+    """Encode one forward request (tensors on any device; ``output_mode`` "combined" or "route_major")."""
+    if output_mode not in _OUTPUT_MODES:
+        raise ExpertServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"output_mode: {output_mode!r} is not combined or route_major")
+    request = pb.ForwardRequest(
+        request_id=request_id, layer=layer, apply_router_weight_on_input=apply_router_weight_on_input,
+        output_mode=_OUTPUT_MODES[output_mode],
+    )
+    try:
+        encode_tensor(hidden_states, out=request.hidden_states)
+        encode_tensor(topk_ids, out=request.topk_ids)
+        encode_tensor(topk_weights, out=request.topk_weights)
+    except CodecError as exc:
+        raise ExpertServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), request_id) from None
+    return request
+
+
+def parse_response(response: pb.ForwardResponse) -> ForwardResult:
+    """Decode a response; raise :class:`ExpertServiceError` when its status is not OK."""
+    if response.status.code != 0:
+        raise ExpertServiceError(status_code(response.status.code), response.status.message, response.request_id)
+    try:
+        output = decode_tensor(response.output, name="output")
+    except CodecError as exc:
+        raise ExpertServiceError(grpc.StatusCode.INTERNAL, f"malformed response: {exc}", response.request_id) from None
+    return ForwardResult(output, response.timing, response.request_id)
+
+
+def _channel_options(max_message_bytes: int, extra: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        *extra,
+    ]
+
+
+class _Backoff:
+    """Exponential backoff with full jitter: attempt ``n`` sleeps up to ``base * 2**n`` (capped)."""
+
+    def __init__(self, retries: int, base_s: float, max_s: float) -> None:
+        self.retries, self.base_s, self.max_s = retries, base_s, max_s
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0.5, 1.0) * min(self.max_s, self.base_s * (2**attempt))
+
+
+class ExpertClient:
+    """Blocking client of one expert server.
+
+    Args:
+        target: ``host:port`` of the server.
+        timeout: default deadline of a call in seconds (retries included).
+        retries: how many times a call failing with UNAVAILABLE is retried.
+        backoff_s: first retry delay; it doubles per retry, up to ``max_backoff_s`` (jittered).
+        credentials: TLS channel credentials; plaintext if None.
+        max_message_bytes: largest message sent or received.
+        channel_options: extra gRPC channel options.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retries: int = 3,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 2.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
+        options = _channel_options(max_message_bytes, channel_options)
+        self._channel = (
+            grpc.secure_channel(target, credentials, options) if credentials else grpc.insecure_channel(target, options)
+        )
+        self._stub = pb_grpc.ExpertServiceStub(self._channel)
+        self._ids = itertools.count(1)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ExpertClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, fn: Callable[[float], T], timeout: float | None) -> T:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return fn(max(remaining, 0.0))
+            except grpc.RpcError as err:
+                error = ExpertServiceError.from_rpc_error(err)
+            if error.code not in RETRYABLE or attempt >= self._backoff.retries:
+                raise error
+            pause = self._backoff.delay(attempt)
+            if time.monotonic() + pause >= deadline:
+                raise error
+            time.sleep(pause)
+            attempt += 1
+
+    def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        """The server's ``ModelInfo`` (sizes, layers and experts held, dtype, backend, content hash)."""
+        return self._call(lambda t: self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, wait_for_ready=True), timeout)
+
+    def forward_detailed(
+        self,
+        layer: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: str = "combined",
+        timeout: float | None = None,
+    ) -> ForwardResult:
+        """:meth:`forward`, also returning the server's timing."""
+        request = build_request(
+            layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
+            output_mode=output_mode, request_id=next(self._ids),
+        )
+        response = self._call(lambda t: self._stub.Forward(request, timeout=t), timeout)
+        return parse_response(response)
+
+    def forward(
+        self,
+        layer: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: str = "combined",
+        timeout: float | None = None,
+    ) -> torch.Tensor:
+        """Run ``layer``'s experts held by the server on a routed batch.
+
+        Args:
+            hidden_states: ``[T, H]`` in the model dtype (another float dtype is rounded to it).
+            topk_ids: int32/int64 ``[T, k]`` global expert ids.
+            topk_weights: float32 ``[T, k]``.
+            output_mode: ``"combined"`` -> ``[T, H]``; ``"route_major"`` -> ``[T, k, H]``.
+
+        Returns:
+            The output in the model dtype, on the CPU.
+
+        Raises:
+            ExpertServiceError: the call failed (``.code``, ``.message``).
+        """
+        return self.forward_detailed(
+            layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
+            output_mode=output_mode, timeout=timeout,
+        ).output
+
+    def stream(self, *, timeout: float | None = None, max_in_flight: int = 64) -> ForwardStream:
+        """Open a :class:`ForwardStream` session (``timeout`` bounds the whole stream; None: no deadline)."""
+        return ForwardStream(self._stub, timeout=timeout, max_in_flight=max_in_flight, ids=self._ids)
+
+
+_CLOSE = object()
+
+
+class ForwardStream:
+    """Many requests in flight on one ``ForwardStream`` call (blocking API).
+
+    ``submit`` returns a ``concurrent.futures.Future`` of the output tensor (or
+    :class:`ForwardResult` with ``detailed=True``); responses arrive in request order.
+    An error on one request fails only its future. Use as a context manager, or call
+    :meth:`close` to half-close the stream and wait for the outstanding responses.
+    """
+
+    def __init__(self, stub: pb_grpc.ExpertServiceStub, *, timeout: float | None, max_in_flight: int,
+                 ids: Iterator[int]) -> None:
+        self._requests: queue.Queue[Any] = queue.Queue()
+        self._pending: deque[tuple[int, Future[Any], bool]] = deque()
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._ids = ids
+        self._closed = False
+        self._error: ExpertServiceError | None = None
+        self._call = stub.ForwardStream(self._request_iter(), timeout=timeout)
+        self._reader = threading.Thread(target=self._read, name="lutb-stream-reader", daemon=True)
+        self._reader.start()
+
+    def _request_iter(self) -> Iterator[pb.ForwardRequest]:
+        while True:
+            item = self._requests.get()
+            if item is _CLOSE:
+                return
+            yield item
+
+    def _read(self) -> None:
+        try:
+            for response in self._call:
+                with self._lock:
+                    request_id, future, detailed = self._pending.popleft()
+                self._slots.release()
+                if response.request_id != request_id:
+                    future.set_exception(ExpertServiceError(
+                        grpc.StatusCode.INTERNAL, f"stream out of order: got response {response.request_id}", request_id))
+                    continue
+                try:
+                    result = parse_response(response)
+                except ExpertServiceError as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result if detailed else result.output)
+            error = ExpertServiceError(grpc.StatusCode.INTERNAL, "stream ended before every request was answered")
+        except grpc.RpcError as err:
+            error = ExpertServiceError.from_rpc_error(err)
+        with self._lock:
+            self._error = error
+            pending, self._pending = self._pending, deque()
+        for request_id, future, _ in pending:
+            future.set_exception(ExpertServiceError(error.code, error.message, request_id))
+            self._slots.release()
+
+    def submit(
+        self,
+        layer: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: str = "combined",
+        detailed: bool = False,
+    ) -> Future[Any]:
+        """Send one request; blocks while ``max_in_flight`` requests are outstanding."""
+        request_id = next(self._ids)
+        request = build_request(
+            layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
+            output_mode=output_mode, request_id=request_id,
+        )
+        future: Future[Any] = Future()
+        self._slots.acquire()
+        with self._lock:
+            if self._closed or self._error is not None:
+                self._slots.release()
+                error = self._error or ExpertServiceError(grpc.StatusCode.FAILED_PRECONDITION, "stream is closed")
+                raise ExpertServiceError(error.code, error.message, request_id)
+            self._pending.append((request_id, future, detailed))
+            self._requests.put(request)
+        return future
+
+    def close(self, timeout: float | None = None) -> None:
+        """Half-close the stream and wait for the remaining responses."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._requests.put(_CLOSE)
+        self._reader.join(timeout)
+
+    def cancel(self) -> None:
+        """Abort the stream; pending requests fail with CANCELLED."""
+        self._call.cancel()
+        self.close()
+
+    def __enter__(self) -> ForwardStream:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.cancel()
+
+
+class AsyncExpertClient:
+    """asyncio client of one expert server; arguments as for :class:`ExpertClient`.
+
+    Create it inside a running event loop (``async with AsyncExpertClient(target) as client:``).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retries: int = 3,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 2.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
+        options = _channel_options(max_message_bytes, channel_options)
+        self._channel = (
+            grpc.aio.secure_channel(target, credentials, options) if credentials else grpc.aio.insecure_channel(target, options)
+        )
+        self._stub = pb_grpc.ExpertServiceStub(self._channel)
+        self._ids = itertools.count(1)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncExpertClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, fn: Callable[[float], Any], timeout: float | None) -> Any:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return await fn(max(remaining, 0.0))
+            except grpc.RpcError as err:
+                error = ExpertServiceError.from_rpc_error(err)
+            if error.code not in RETRYABLE or attempt >= self._backoff.retries:
+                raise error
+            pause = self._backoff.delay(attempt)
+            if time.monotonic() + pause >= deadline:
+                raise error
+            await asyncio.sleep(pause)
+            attempt += 1
+
+    async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        """The server's ``ModelInfo``."""
+        return await self._call(lambda t: self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, wait_for_ready=True), timeout)
+
+    async def forward_detailed(
+        self,
+        layer: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: str = "combined",
+        timeout: float | None = None,
+    ) -> ForwardResult:
+        """:meth:`forward`, also returning the server's timing."""
+        request = build_request(
+            layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
+            output_mode=output_mode, request_id=next(self._ids),
+        )
+        response = await self._call(lambda t: self._stub.Forward(request, timeout=t), timeout)
+        return parse_response(response)
+
+    async def forward(
+        self,
+        layer: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: str = "combined",
+        timeout: float | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`ExpertClient.forward`."""
+        result = await self.forward_detailed(
+            layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
+            output_mode=output_mode, timeout=timeout,
+        )
+        return result.output
+
+    def stream(self, *, timeout: float | None = None, max_in_flight: int = 64) -> AsyncForwardStream:
+        """Open an :class:`AsyncForwardStream` (``async with client.stream() as s: await s.forward(...)``)."""
+        return AsyncForwardStream(self._stub, timeout=timeout, max_in_flight=max_in_flight, ids=self._ids)
+
+
+class AsyncForwardStream:
+    """Many requests in flight on one ``ForwardStream`` call (asyncio API).
+
+    ``await submit(...)`` sends a request and returns an ``asyncio.Future`` of its
+    output; ``await forward(...)`` sends and waits. Responses arrive in request order;
+    an error on one request fails only its future.
+    """
+
+    def __init__(self, stub: pb_grpc.ExpertServiceStub, *, timeout: float | None, max_in_flight: int,
+                 ids: Iterator[int]) -> None:
+        self._call = stub.ForwardStream(timeout=timeout)
+        self._pending: deque[tuple[int, asyncio.Future[Any], bool]] = deque()
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._ids = ids
+        self._closed = False
+        self._error: ExpertServiceError | None = None
+        self._write_lock = asyncio.Lock()
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                response = await self._call.read()
+                if response is grpc.aio.EOF:
+                    break
+                request_id, future, detailed = self._pending.popleft()
+                self._slots.release()
+                if future.done():
+                    continue
+                if response.request_id != request_id:
+                    future.set_exception(ExpertServiceError(
+                        grpc.StatusCode.INTERNAL, f"stream out of order: got response {response.request_id}", request_id))
+                    continue
+                try:
+                    result = parse_response(response)
+                except ExpertServiceError as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result if detailed else result.output)
+            error = ExpertServiceError(grpc.StatusCode.INTERNAL, "stream ended before every request was answered")
+        except grpc.RpcError as err:
+            error = ExpertServiceError.from_rpc_error(err)
+        except asyncio.CancelledError:
+            error = ExpertServiceError(grpc.StatusCode.CANCELLED, "stream cancelled")
+        self._error = error
+        pending, self._pending = self._pending, deque()
+        for request_id, future, _ in pending:
+            if not future.done():
+                future.set_exception(ExpertServiceError(error.code, error.message, request_id))
+            self._slots.release()
+
+    async def submit(
+        self,
+        layer: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: str = "combined",
+        detailed: bool = False,
+    ) -> asyncio.Future[Any]:
+        """Send one request (waits while ``max_in_flight`` are outstanding); returns the future of its output."""
+        request_id = next(self._ids)
+        request = build_request(
+            layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
+            output_mode=output_mode, request_id=request_id,
+        )
+        await self._slots.acquire()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        async with self._write_lock:  # pending order must equal write order
+            if self._closed or self._error is not None:
+                self._slots.release()
+                error = self._error or ExpertServiceError(grpc.StatusCode.FAILED_PRECONDITION, "stream is closed")
+                raise ExpertServiceError(error.code, error.message, request_id)
+            self._pending.append((request_id, future, detailed))
+            try:
+                await self._call.write(request)
+            except (grpc.RpcError, asyncio.InvalidStateError) as err:
+                # The reader fails every pending future with the stream's status.
+                if isinstance(err, grpc.RpcError):
+                    raise ExpertServiceError.from_rpc_error(err, request_id) from None
+                raise ExpertServiceError(grpc.StatusCode.UNAVAILABLE, f"stream is broken: {err}", request_id) from None
+        return future
+
+    async def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Send one request and wait for its output (arguments as for :meth:`submit`)."""
+        return await (await self.submit(*args, **kwargs))
+
+    async def close(self) -> None:
+        """Half-close the stream and wait for the remaining responses."""
+        if not self._closed:
+            self._closed = True
+            async with self._write_lock:
+                try:
+                    await self._call.done_writing()
+                except (grpc.RpcError, asyncio.InvalidStateError):
+                    pass
+        await self._reader
+
+    async def __aenter__(self) -> AsyncForwardStream:
+        return self
+
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            self._call.cancel()
+        await self.close()
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "AsyncExpertClient",
+    "AsyncForwardStream",
+    "ExpertClient",
+    "ForwardResult",
+    "ForwardStream",
+    "build_request",
+    "parse_response",
+]

@@ -1,0 +1,247 @@
+"""Wiring: settings -> engine -> scheduler -> grpc.aio server (+ health, reflection, metrics).
+
+Life of a server (:class:`ExpertServer`):
+
+1. ``start()``: resolve the checkpoint (the demo one when none is given), device and
+   backend (a forced backend this machine cannot run fails here, before binding);
+   serve metrics; bind and start gRPC with health NOT_SERVING and ExpertService
+   answering UNAVAILABLE; load the layers in a worker thread; start the scheduler;
+   health SERVING.
+2. ``stop(grace)`` (on SIGTERM/SIGINT in :func:`serve`): health NOT_SERVING, new
+   ExpertService calls get UNAVAILABLE, calls in flight get up to ``grace`` seconds
+   to finish (then they are cancelled), then the scheduler and metrics stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import shutil
+import signal
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
+from lutb_kernels.checkpoint import Checkpoint
+from lutb_server.backends import BackendChoice, choose_backend, compute_capability, resolve_device
+from lutb_server.engine import ExpertEngine
+from lutb_server.interceptors import Gate, GateInterceptor, MetricsInterceptor
+from lutb_server.metrics import ServerMetrics
+from lutb_server.scheduler import BatchScheduler
+from lutb_server.servicer import ExpertServicer
+from lutb_server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
+"""``lutb.v1.ExpertService``: also the health service name probes can ask about."""
+
+DEMO_SHAPE = {"layers": 2, "experts": 8, "hidden": 256, "intermediate": 256, "activation": "silu",
+              "dtype": "bfloat16", "scale_mode": "rceil", "seed": 0}
+DEMO_NAME = "demo-v1-l2-e8-h256-i256-silu-bf16-rceil-s0"
+
+
+def ensure_demo_checkpoint(demo_dir: Path) -> Path:
+    """The built-in demo checkpoint under ``demo_dir``, made on first use (atomically) and reused after."""
+    target = demo_dir / DEMO_NAME
+    if any(target.glob("*.safetensors")):
+        return target
+    try:
+        from lutb_kernels.synth import make_synthetic_checkpoint
+    except ImportError as exc:
+        raise RuntimeError(f"cannot make the demo checkpoint ({exc}); pass --checkpoint DIR") from None
+    demo_dir.mkdir(parents=True, exist_ok=True)
+    tmp = demo_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    log.info("making the demo checkpoint in %s (once)", target)
+    try:
+        made = Path(make_synthetic_checkpoint(tmp, **DEMO_SHAPE))
+        try:
+            os.rename(made, target)
+        except OSError:
+            if not any(target.glob("*.safetensors")):  # not a concurrent maker winning the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What will be loaded, decided cheaply before binding: the checkpoint and the backend."""
+
+    checkpoint: Checkpoint
+    backend: BackendChoice
+
+
+def plan_engine(settings: ServerSettings) -> EnginePlan:
+    """Resolve checkpoint (or demo), device and backend.
+
+    Raises:
+        BackendUnavailableError: the backend or device asked for cannot run here.
+        LutBFormatError: the checkpoint's files are not a LUT-B v1 checkpoint.
+    """
+    path = settings.checkpoint if settings.checkpoint is not None else ensure_demo_checkpoint(settings.demo_dir)
+    checkpoint = Checkpoint(path)
+    device = resolve_device(settings.device)
+    choice = choose_backend(settings.backend, checkpoint.config, device)
+    return EnginePlan(checkpoint, choice)
+
+
+def load_engine(plan: EnginePlan, settings: ServerSettings) -> ExpertEngine:
+    """Load every layer of the planned checkpoint on the planned backend (slow; call off the event loop)."""
+    return ExpertEngine(
+        plan.checkpoint, plan.backend,
+        max_tokens_per_request=settings.max_tokens_per_request, validate_tiles=settings.validate_checkpoint,
+    )
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class ExpertServer:
+    """One serving process's worth of state; several can live in one process (tests).
+
+    Args:
+        settings: the configuration.
+        engine_loader: builds the engine (blocking; run in a worker thread). Default:
+            :func:`plan_engine` (in :meth:`start`, before binding) then :func:`load_engine`.
+    """
+
+    def __init__(self, settings: ServerSettings, *, engine_loader: Callable[[], ExpertEngine] | None = None) -> None:
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self.gate = Gate()
+        self.health = health.aio.HealthServicer()
+        self.servicer = ExpertServicer(metrics=self.metrics, accepting=lambda: self.gate.open)
+        self.engine: ExpertEngine | None = None
+        self.scheduler: BatchScheduler | None = None
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._engine_loader = engine_loader
+        self._server: grpc.aio.Server | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` clients can dial (loopback when bound to every interface)."""
+        host = self.settings.host
+        if host in ("0.0.0.0", "::", "[::]"):
+            host = "127.0.0.1"
+        return _address(host, self.port or 0)
+
+    async def start(self) -> None:
+        """Bind, start, load; returns once the server is SERVING (see the module docstring)."""
+        s = self.settings
+        loader = self._engine_loader
+        if loader is None:
+            plan = await asyncio.to_thread(plan_engine, s)
+            log.info("backend %s on %s: %s", plan.backend.name, plan.backend.device, plan.backend.reason)
+            loader = functools.partial(load_engine, plan, s)
+        if s.metrics_port:
+            self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
+        options = [
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+        ]
+        server = grpc.aio.server(
+            interceptors=[MetricsInterceptor(self.metrics), GateInterceptor(self.gate, (SERVICE_NAME,))],
+            options=options,
+        )
+        pb_grpc.add_ExpertServiceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        port = server.add_insecure_port(_address(s.host, s.port))
+        if port == 0:
+            self.metrics.close()
+            raise OSError(f"cannot bind gRPC to {_address(s.host, s.port)}")
+        self.port = port
+        self._server = server
+        await server.start()
+        log.info("gRPC on %s (NOT_SERVING while loading)%s", _address(s.host, port),
+                 f", metrics on http://{_address(s.host, self.metrics_port)}/metrics" if self.metrics_port else ", metrics off")
+        try:
+            engine = await asyncio.to_thread(loader)
+            scheduler = BatchScheduler(
+                engine, max_batch_tokens=s.max_batch_tokens, max_wait_us=s.max_wait_us,
+                max_queue_requests=s.max_queue_requests, metrics=self.metrics, backend_name=engine.backend.name,
+            )
+            await scheduler.start()
+        except BaseException:
+            await self.stop(0)
+            raise
+        self.engine, self.scheduler = engine, scheduler
+        self.metrics.describe_backend(
+            backend=engine.backend.name, device=str(engine.device), compute_capability=compute_capability(engine.device),
+            dtype=engine.config.dtype, activation=engine.config.activation, content_hash=engine.content_hash,
+            weight_bytes=engine.weight_bytes,
+        )
+        self.servicer.bind(engine, scheduler)
+        if self.gate.state == "loading":
+            self.gate.state = "serving"
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("SERVING %s (%d layer(s), %s, backend %s on %s)", engine.checkpoint.path, len(engine.layer_ids),
+                 engine.content_hash[:19], engine.backend.name, engine.device)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain and stop: NOT_SERVING, UNAVAILABLE for new calls, ``grace`` s for calls in flight."""
+        grace = self.settings.shutdown_grace_s if grace is None else grace
+        self.gate.state = "draining"
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            idle = await self.gate.wait_idle(grace)
+            # ExpertService calls are done (or out of time): other streams (health Watch) get what is left.
+            remaining = max(0.0, grace - (loop.time() - start)) if not idle else 0.0
+            await self._server.stop(remaining)
+            self._server = None
+        if self.scheduler is not None:
+            await self.scheduler.close()
+        self.metrics.close()
+        self._stopped.set()
+        log.info("stopped")
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(settings: ServerSettings, *, on_ready: Callable[[ExpertServer], None] | None = None) -> int:
+    """Run a server until SIGTERM or SIGINT, then drain within ``settings.shutdown_grace_s``; returns 0."""
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
+    server = ExpertServer(settings)
+    starting = asyncio.create_task(server.start())
+    stop_wait = asyncio.create_task(stop_requested.wait())
+    done, _ = await asyncio.wait({starting, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    if starting in done:
+        starting.result()  # raise startup errors
+        if on_ready is not None:
+            on_ready(server)
+        await stop_wait
+    else:
+        starting.cancel()
+        try:
+            await starting
+        except (asyncio.CancelledError, Exception):
+            pass
+    log.info("signal received: draining (grace %.1fs)", settings.shutdown_grace_s)
+    await server.stop(settings.shutdown_grace_s)
+    return 0
+
+
+__all__ = ["DEMO_NAME", "SERVICE_NAME", "EnginePlan", "ExpertServer", "ensure_demo_checkpoint", "load_engine", "plan_engine", "serve"]

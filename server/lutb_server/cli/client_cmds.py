@@ -1,0 +1,292 @@
+"""Client-side commands: ``lutb info``, ``lutb bench`` and ``lutb check`` against a running server.
+
+Exit codes: 0 success; 1 ``check`` found outputs beyond tolerance; 2 the server
+could not be reached, refused, or the checkpoints differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+EXIT_OK = 0
+EXIT_MISMATCH = 1
+EXIT_ERROR = 2
+TOLERANCE = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 2e-3}
+"""Relative L2 error allowed by spec section 6, per model dtype."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    info = subparsers.add_parser("info", help="print a server's ModelInfo", description="Print TARGET's ModelInfo.")
+    info.add_argument("target", metavar="TARGET", help="server address host:port")
+    info.add_argument("--json", action="store_true", help="print it as JSON")
+    info.add_argument("--timeout", type=float, default=10.0, help="seconds (default: 10)")
+    info.set_defaults(run=run_info)
+
+    bench = subparsers.add_parser(
+        "bench", help="load a server with random routed batches and report latency and throughput",
+        description="Send random routed batches to TARGET from CONCURRENCY concurrent callers; print latency "
+                    "percentiles, requests/s, tokens/s and the server's own queue/compute split.",
+    )
+    bench.add_argument("target", metavar="TARGET", help="server address host:port")
+    bench.add_argument("--concurrency", type=int, default=4, help="requests in flight (default: 4)")
+    bench.add_argument("--tokens", type=int, default=32, help="tokens per request (default: 32)")
+    bench.add_argument("--topk", type=int, default=4, help="routes per token, capped at the expert count (default: 4)")
+    bench.add_argument("--layer", type=int, default=None, help="layer to call (default: the server's first)")
+    group = bench.add_mutually_exclusive_group()
+    group.add_argument("--count", type=int, default=None, help="requests to send (default: 200)")
+    group.add_argument("--duration", type=float, default=None, help="seconds to run instead of a count")
+    bench.add_argument("--stream", action="store_true", help="send over ForwardStream sessions instead of unary calls")
+    bench.add_argument("--timeout", type=float, default=60.0, help="deadline of each call in seconds (default: 60)")
+    bench.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    bench.set_defaults(run=run_bench)
+
+    check = subparsers.add_parser(
+        "check", help="compare a server's outputs with the local reference on the same checkpoint",
+        description="Send random batches to TARGET and run them through the local reference on DIR (whose "
+                    "content hash must match the server's); print rel L2, max abs, cosine and NaN count per "
+                    "batch; exit 1 beyond spec section 6 tolerance (rel L2 1e-2 bf16/fp16, 2e-3 fp32).",
+    )
+    check.add_argument("target", metavar="TARGET", help="server address host:port")
+    check.add_argument("--checkpoint", required=True, metavar="DIR", help="the checkpoint the server should be serving")
+    check.add_argument("--tokens", type=int, default=64, help="tokens per batch (default: 64, the spec's minimum)")
+    check.add_argument("--batches", type=int, default=2, help="batches per layer (default: 2)")
+    check.add_argument("--topk", type=int, default=4, help="routes per token, capped at the expert count (default: 4)")
+    check.add_argument("--layers", type=int, nargs="*", default=None, help="layers to check (default: all)")
+    check.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    check.add_argument("--timeout", type=float, default=120.0, help="deadline of each call in seconds (default: 120)")
+    check.set_defaults(run=run_check)
+
+
+def random_batch(tokens: int, hidden: int, num_experts: int, topk: int, dtype: Any, gen: Any) -> tuple[Any, Any, Any]:
+    """Standard-normal hidden states and softmax-top-k routes to distinct experts."""
+    import torch
+
+    from lutb_client.routing import softmax_topk
+
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    logits = torch.randn(tokens, num_experts, generator=gen)
+    weights, ids = softmax_topk(logits, min(topk, num_experts))
+    return x, ids, weights
+
+
+def _model_dtype(info: Any) -> Any:
+    from lutb_client.codec import to_torch_dtype
+
+    return to_torch_dtype(info.dtype)
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from lutb_client.client import ExpertClient
+    from lutb_client.codec import dtype_name
+    from lutb_client.errors import ExpertServiceError
+
+    try:
+        with ExpertClient(args.target, timeout=args.timeout, retries=0) as client:
+            info = client.model_info()
+    except ExpertServiceError as exc:
+        print(f"lutb info: {args.target}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        from google.protobuf import json_format
+
+        print(json_format.MessageToJson(info, preserving_proto_field_name=True))
+        return EXIT_OK
+    rows = [
+        ("format", f"{info.format} v{info.format_version}"),
+        ("hidden_size", info.hidden_size),
+        ("intermediate_size", info.intermediate_size),
+        ("num_experts", info.num_experts),
+        ("activation", info.activation),
+        ("dtype", dtype_name(info.dtype)),
+        ("mxfp8_scale_mode", info.mxfp8_scale_mode),
+        ("backend", info.backend),
+        ("backend_reason", info.backend_reason),
+        ("device", info.device),
+        ("max_tokens_per_request", info.max_tokens_per_request),
+        ("max_batch_tokens", info.max_batch_tokens),
+        ("content_hash", info.content_hash),
+        ("server_version", info.server_version),
+    ]
+    for layer in info.layers:
+        rows.append((f"layer {layer.layer}", f"{len(layer.expert_ids)} experts: {_ranges(list(layer.expert_ids))}"))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return EXIT_OK
+
+
+def _ranges(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    parts, start = [], None
+    for i, v in enumerate(ids):
+        if start is None:
+            start = v
+        if i + 1 == len(ids) or ids[i + 1] != v + 1:
+            parts.append(f"{start}-{v}" if v != start else f"{v}")
+            start = None
+    return ",".join(parts)
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from lutb_client.errors import ExpertServiceError
+
+    try:
+        return asyncio.run(_bench(args))
+    except ExpertServiceError as exc:
+        print(f"lutb bench: {args.target}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    import asyncio
+    import time
+
+    import torch
+    from tqdm import tqdm
+
+    from lutb_client.client import AsyncExpertClient, ForwardResult
+    from lutb_client.errors import ExpertServiceError
+
+    count = args.count if args.count is not None or args.duration is not None else 200
+    async with AsyncExpertClient(args.target, timeout=args.timeout) as client:
+        info = await client.model_info()
+        layer = args.layer if args.layer is not None else info.layers[0].layer
+        dtype = _model_dtype(info)
+        gen = torch.Generator().manual_seed(args.seed)
+        pool = [random_batch(args.tokens, info.hidden_size, info.num_experts, args.topk, dtype, gen) for _ in range(8)]
+        latencies: list[float] = []
+        results: list[ForwardResult] = []
+        errors: dict[str, int] = {}
+        sent = 0
+        stop_at = time.monotonic() + args.duration if args.duration is not None else None
+        bar = tqdm(total=count if stop_at is None else None, unit="req", desc="bench", file=sys.stderr)
+
+        def more() -> bool:
+            nonlocal sent
+            if stop_at is not None:
+                ok = time.monotonic() < stop_at
+            else:
+                ok = sent < count
+            if ok:
+                sent += 1
+            return ok
+
+        async def worker(index: int) -> None:
+            session = client.stream() if args.stream else None
+            try:
+                i = index
+                while more():
+                    x, ids, w = pool[i % len(pool)]
+                    i += 1
+                    start = time.perf_counter()
+                    try:
+                        if session is not None:
+                            result = await session.forward(layer, x, ids, w, detailed=True)
+                        else:
+                            result = await client.forward_detailed(layer, x, ids, w)
+                    except ExpertServiceError as exc:
+                        errors[exc.code.name] = errors.get(exc.code.name, 0) + 1
+                    else:
+                        latencies.append(time.perf_counter() - start)
+                        results.append(result)
+                    bar.update(1)
+            finally:
+                if session is not None:
+                    await session.close()
+
+        began = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(args.concurrency)))
+        elapsed = time.perf_counter() - began
+        bar.close()
+
+    lat = sorted(latencies)
+    ok = len(lat)
+    print(f"target {args.target}  layer {layer}  backend {info.backend} on {info.device}  "
+          f"{'stream' if args.stream else 'unary'}  concurrency {args.concurrency}  tokens/request {args.tokens}  "
+          f"top-k {min(args.topk, info.num_experts)}")
+    print(f"requests: {ok} ok" + "".join(f", {n} {code}" for code, n in sorted(errors.items())) + f" in {elapsed:.2f}s")
+    print(f"latency ms: p50 {_percentile(lat, 50) * 1e3:.2f}  p90 {_percentile(lat, 90) * 1e3:.2f}  "
+          f"p99 {_percentile(lat, 99) * 1e3:.2f}")
+    print(f"throughput: {ok / elapsed:.1f} requests/s  {ok * args.tokens / elapsed:.1f} tokens/s")
+    if results:
+        def mean(values: list[float]) -> float:
+            return sum(values) / len(values)
+
+        queue = mean([r.timing.queue_us for r in results]) / 1e3
+        compute = mean([r.timing.compute_us for r in results]) / 1e3
+        total = mean([r.timing.total_us for r in results]) / 1e3
+        batch = mean([r.timing.batch_tokens for r in results])
+        print(f"server (mean): queue {queue:.2f} ms  compute {compute:.2f} ms  total {total:.2f} ms  "
+              f"batch {batch:.1f} tokens")
+    return EXIT_OK if not errors else EXIT_ERROR
+
+
+def run_check(args: argparse.Namespace) -> int:
+    import torch
+
+    from lutb_client.client import ExpertClient
+    from lutb_client.errors import ExpertServiceError
+    from lutb_kernels.checkpoint import Checkpoint
+    from lutb_kernels.errors import LutBError
+    from lutb_kernels.experts.reference import ReferenceExperts
+
+    try:
+        checkpoint = Checkpoint(args.checkpoint)
+    except LutBError as exc:
+        print(f"lutb check: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        client = ExpertClient(args.target, timeout=args.timeout)
+        info = client.model_info()
+    except ExpertServiceError as exc:
+        print(f"lutb check: {args.target}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    local_hash = checkpoint.content_hash()
+    if info.content_hash != local_hash:
+        print(f"lutb check: refusing: the server serves checkpoint {info.content_hash}, "
+              f"but {args.checkpoint} is {local_hash}", file=sys.stderr)
+        return EXIT_ERROR
+    config = checkpoint.config
+    tolerance = TOLERANCE[config.dtype]
+    layers = args.layers if args.layers else [layer.layer for layer in info.layers]
+    gen = torch.Generator().manual_seed(args.seed)
+    worst = 0.0
+    failed = False
+    print(f"checking {args.target} ({info.backend} on {info.device}) against the local reference; "
+          f"{config.dtype}: rel L2 tolerance {tolerance:g}")
+    print(f"{'layer':>5} {'batch':>5} {'mode':>11} {'rel_l2':>10} {'max_abs':>10} {'cosine':>10} {'nan':>5}  verdict")
+    with client:
+        for layer in layers:
+            reference = ReferenceExperts(config, checkpoint.layer(layer), "cpu")
+            for batch in range(args.batches):
+                x, ids, w = random_batch(args.tokens, config.hidden_size, config.num_experts, args.topk, config.torch_dtype, gen)
+                mode = "route_major" if batch % 2 else "combined"
+                try:
+                    got = client.forward(layer, x, ids, w, output_mode=mode)
+                except ExpertServiceError as exc:
+                    print(f"lutb check: layer {layer}: {exc}", file=sys.stderr)
+                    return EXIT_ERROR
+                want = reference.forward(x, ids, w, output_mode=mode)
+                g, r = got.double(), want.double()
+                nan = int(torch.isnan(got).sum())
+                rel = float((g - r).norm() / r.norm().clamp_min(1e-30))
+                max_abs = float((g - r).abs().max()) if g.numel() else 0.0
+                cosine = float(torch.nn.functional.cosine_similarity(g.flatten(), r.flatten(), dim=0))
+                ok = nan == 0 and got.shape == want.shape and rel <= tolerance
+                failed |= not ok
+                worst = max(worst, rel)
+                print(f"{layer:>5} {batch:>5} {mode:>11} {rel:>10.3e} {max_abs:>10.3e} {cosine:>10.6f} {nan:>5}  "
+                      f"{'ok' if ok else 'FAIL'}")
+    print(f"{'FAIL' if failed else 'ok'}: worst rel L2 {worst:.3e} (tolerance {tolerance:g})")
+    return EXIT_MISMATCH if failed else EXIT_OK

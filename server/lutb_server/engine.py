@@ -1,0 +1,207 @@
+"""The expert engine: a checkpoint's layers on one backend, and the checks every request passes.
+
+It knows nothing of gRPC: the servicer decodes messages into tensors, the engine
+validates them (:meth:`ExpertEngine.prepare`, raising errors that name the field)
+and runs experts calls (:meth:`ExpertEngine.forward`). Pooling is the scheduler's job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lutb_kernels.checkpoint import Checkpoint, CheckpointConfig, check_layer
+from lutb_kernels.experts.base import LayerExperts
+from lutb_kernels.reference import OutputMode
+from lutb_server.backends import BackendChoice
+from lutb_server.errors import InvalidArgument, LayerNotFound
+
+log = logging.getLogger(__name__)
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ID_DTYPES = (torch.int32, torch.int64)
+OUTPUT_MODES: tuple[OutputMode, ...] = ("combined", "route_major")
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, ready to pool: CPU tensors in the dtypes the backends take.
+
+    ``x``: ``[T, H]`` model dtype; ``topk_ids``: int32 ``[T, k]``; ``topk_weights``: float32 ``[T, k]``.
+    """
+
+    layer: int
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    apply_router_weight_on_input: bool
+    output_mode: OutputMode
+
+    @property
+    def tokens(self) -> int:
+        return int(self.x.shape[0])
+
+    @property
+    def pool_key(self) -> tuple[int, int, bool, str]:
+        """Requests with equal keys can share one experts call: same layer, top-k, weighting and output mode."""
+        return (self.layer, int(self.topk_ids.shape[1]), self.apply_router_weight_on_input, self.output_mode)
+
+
+class ExpertEngine:
+    """A checkpoint's MoE layers loaded on one backend and device.
+
+    Args:
+        checkpoint: the opened checkpoint.
+        backend: the chosen backend class and device (see :func:`lutb_server.backends.choose_backend`).
+        max_tokens_per_request: requests with more tokens are refused.
+        validate_tiles: check every tile of every layer before loading it.
+        progress: optional wrapper around the layer iteration (e.g. tqdm).
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        backend: BackendChoice,
+        *,
+        max_tokens_per_request: int = 4096,
+        validate_tiles: bool = True,
+        progress: Callable[[list[int]], object] | None = None,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.config: CheckpointConfig = checkpoint.config
+        self.backend = backend
+        self.device = backend.device
+        self.max_tokens_per_request = max_tokens_per_request
+        self.content_hash = checkpoint.content_hash()
+        self.model_dtype = self.config.torch_dtype
+        start = time.perf_counter()
+        self._layers: dict[int, LayerExperts] = {}
+        layers = checkpoint.layers
+        for layer in progress(layers) if progress else layers:  # type: ignore[union-attr]
+            weights = checkpoint.layer(layer)
+            if validate_tiles:
+                check_layer(self.config, layer, weights, tiles=True, where=str(checkpoint.path))
+            self._layers[layer] = backend.cls(self.config, weights, self.device)
+        log.info(
+            "loaded %d layer(s) of %s on %s with backend %s in %.2fs",
+            len(self._layers), checkpoint.path, self.device, backend.name, time.perf_counter() - start,
+        )
+
+    @classmethod
+    def open(cls, path: str | Path, backend: BackendChoice, **kwargs: object) -> ExpertEngine:
+        """Open the checkpoint at ``path`` and load it (keyword arguments as for the constructor)."""
+        return cls(Checkpoint(path), backend, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(self._layers)
+
+    def expert_ids(self, layer: int) -> list[int]:
+        """Global ids of the experts held in ``layer``, ascending."""
+        return self._layers[layer].expert_ids.tolist()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights the backend holds on its device, all layers."""
+        return sum(experts.weight_bytes for experts in self._layers.values())
+
+    def prepare(
+        self,
+        layer: int,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: str = "combined",
+    ) -> PreparedRequest:
+        """Validate one request and convert it for the backends.
+
+        ``hidden_states`` of another float dtype is rounded to the model dtype (round to
+        nearest even), then checked for NaN/Inf. ``topk_ids`` become int32.
+
+        Raises:
+            LayerNotFound: ``layer`` is not held here.
+            InvalidArgument: anything else wrong; the message names the field.
+        """
+        if layer not in self._layers:
+            raise LayerNotFound(f"layer {layer} is not held by this server; it holds layers {self.layer_ids}")
+        x, ids, w = hidden_states, topk_ids, topk_weights
+        hidden = self.config.hidden_size
+        if x.dtype not in FLOAT_DTYPES:
+            raise InvalidArgument(f"hidden_states: dtype {x.dtype} not allowed; send {self.model_dtype} (or bfloat16/float16/float32, rounded to it)")
+        if x.dim() != 2 or x.shape[1] != hidden:
+            raise InvalidArgument(f"hidden_states: shape {list(x.shape)} does not match [T, {hidden}] (hidden size {hidden})")
+        tokens = int(x.shape[0])
+        if tokens > self.max_tokens_per_request:
+            raise InvalidArgument(f"hidden_states: {tokens} tokens exceed max_tokens_per_request = {self.max_tokens_per_request}")
+        if ids.dtype not in ID_DTYPES:
+            raise InvalidArgument(f"topk_ids: dtype {ids.dtype} not allowed; expected int32 or int64")
+        if ids.dim() != 2 or ids.shape[0] != tokens or ids.shape[1] < 1:
+            raise InvalidArgument(f"topk_ids: shape {list(ids.shape)} does not match [T, k] with T = {tokens} (hidden_states) and k >= 1")
+        if w.dtype != torch.float32:
+            raise InvalidArgument(f"topk_weights: dtype {w.dtype} not allowed; expected float32")
+        if w.shape != ids.shape:
+            raise InvalidArgument(f"topk_weights: shape {list(w.shape)} does not match topk_ids shape {list(ids.shape)}")
+        if output_mode not in OUTPUT_MODES:
+            raise InvalidArgument(f"output_mode: {output_mode!r} is not one of {', '.join(OUTPUT_MODES)}")
+        if output_mode == "route_major" and apply_router_weight_on_input:
+            raise InvalidArgument("output_mode: route_major cannot be combined with apply_router_weight_on_input")
+        if apply_router_weight_on_input and ids.shape[1] != 1:
+            raise InvalidArgument(f"apply_router_weight_on_input: needs top-k == 1, got k = {ids.shape[1]} (topk_ids)")
+        num_experts = self.config.num_experts
+        if ids.numel():
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= num_experts:
+                bad = low if low < 0 else high
+                raise InvalidArgument(f"topk_ids: expert id {bad} outside the global range [0, {num_experts})")
+        if not bool(torch.isfinite(w).all()):
+            raise InvalidArgument("topk_weights: holds NaN or Inf")
+        converted = x.to(self.model_dtype)
+        if not bool(torch.isfinite(converted).all()):
+            count = int((~torch.isfinite(converted)).sum())
+            after = f" after rounding {x.dtype} to {self.model_dtype}" if x.dtype != self.model_dtype else ""
+            raise InvalidArgument(f"hidden_states: holds {count} NaN or Inf value(s){after}")
+        return PreparedRequest(
+            layer, converted, ids.to(torch.int32), w, bool(apply_router_weight_on_input), output_mode  # type: ignore[arg-type]
+        )
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: OutputMode = "combined",
+    ) -> torch.Tensor:
+        """Run ``layer``'s experts on a (pooled) batch already validated by :meth:`prepare`.
+
+        Blocks until the result is on the CPU: ``[T, H]`` (combined) or ``[T, k, H]``
+        (route-major) in the model dtype. Call it from a worker thread, not an event loop.
+        """
+        experts = self._layers[layer]
+        out = experts.forward(
+            x.to(self.device, non_blocking=True),
+            topk_ids.to(self.device, non_blocking=True),
+            topk_weights.to(self.device, non_blocking=True),
+            apply_router_weight_on_input=apply_router_weight_on_input,
+            output_mode=output_mode,
+        )
+        return out.to("cpu")
+
+    def forward_prepared(self, request: PreparedRequest) -> torch.Tensor:
+        """:meth:`forward` on one prepared request."""
+        return self.forward(
+            request.layer, request.x, request.topk_ids, request.topk_weights,
+            apply_router_weight_on_input=request.apply_router_weight_on_input, output_mode=request.output_mode,
+        )
+
+
+__all__ = ["ExpertEngine", "PreparedRequest"]

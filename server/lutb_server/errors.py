@@ -1,0 +1,100 @@
+"""The server's errors and THE map from an error to a gRPC status (the only one).
+
+Engine and scheduler raise :class:`ServiceError` subclasses, which name their status
+code as a string so that they need no gRPC import; the servicer turns any exception
+into ``(grpc.StatusCode, message)`` with :func:`to_status`. Bad input never maps
+to INTERNAL: every refusal of a request raises one of the classes below, a
+:class:`lutb_client.codec.CodecError` or a ``lutb_kernels`` ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, ClassVar
+
+from lutb_client.codec import CodecError
+from lutb_kernels.errors import LutBError
+
+if TYPE_CHECKING:
+    import grpc
+
+
+class ServiceError(Exception):
+    """Base class of the errors a request can end with; :attr:`code` names its gRPC status."""
+
+    code: ClassVar[str] = "INTERNAL"
+
+
+class InvalidArgument(ServiceError):
+    """The request is malformed; the message names the field."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class LayerNotFound(ServiceError):
+    """The request names a layer this server does not hold."""
+
+    code = "NOT_FOUND"
+
+
+class QueueFull(ServiceError):
+    """The scheduler's queue holds ``max_queue_requests`` requests already."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class DeadlineExpired(ServiceError):
+    """The request's deadline passed before its batch started; it was not computed."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class Unavailable(ServiceError):
+    """The server is loading or draining; the client should retry (elsewhere)."""
+
+    code = "UNAVAILABLE"
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend or device that was asked for cannot run here (startup error, not a request error)."""
+
+
+# Exception type -> status name, first match wins. Request errors of lutb_kernels and the
+# codec are ValueErrors that name the field; they are bad input, never INTERNAL. (Names,
+# not grpc.StatusCode members, so that the engine can import this module without gRPC.)
+_STATUS_MAP: tuple[tuple[type[BaseException], str], ...] = (
+    (CodecError, "INVALID_ARGUMENT"),
+    (LutBError, "INVALID_ARGUMENT"),
+    (asyncio.TimeoutError, "DEADLINE_EXCEEDED"),
+    (asyncio.CancelledError, "CANCELLED"),
+)
+
+
+def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and message a request that raised ``exc`` ends with."""
+    import grpc
+
+    if isinstance(exc, ServiceError):
+        return getattr(grpc.StatusCode, exc.code), str(exc)
+    for exc_type, name in _STATUS_MAP:
+        if isinstance(exc, exc_type):
+            return getattr(grpc.StatusCode, name), str(exc) or exc_type.__name__
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def status_code_value(code: grpc.StatusCode) -> int:
+    """The numeric google.rpc.Code of a status (what ``lutb.v1.Status.code`` carries)."""
+    return int(code.value[0])
+
+
+__all__ = [
+    "BackendUnavailableError",
+    "DeadlineExpired",
+    "InvalidArgument",
+    "LayerNotFound",
+    "QueueFull",
+    "ServiceError",
+    "Unavailable",
+    "status_code_value",
+    "to_status",
+]

@@ -1,0 +1,126 @@
+"""Every Prometheus metric the server exports, on a per-server registry (no global state).
+
+======================================== ========= ===================================== ===========================================
+name                                     type      labels                                what
+======================================== ========= ===================================== ===========================================
+lutb_grpc_requests_total                 counter   service, method, code                 finished gRPC calls
+lutb_grpc_request_duration_seconds       histogram service, method                       server-side call latency
+lutb_grpc_requests_in_flight             gauge     service, method                       calls being handled
+lutb_forward_requests_total              counter   rpc, code                             forward requests (unary and each stream message)
+lutb_queue_wait_seconds                  histogram backend, layer                        time from enqueue to the start of its batch
+lutb_compute_seconds                     histogram backend, layer                        one experts call (a pooled batch)
+lutb_batch_tokens                        histogram backend, layer                        tokens per experts call
+lutb_batch_requests                      histogram backend, layer                        requests pooled per experts call
+lutb_tokens_processed_total              counter   backend, layer                        tokens computed
+lutb_deadline_dropped_total              counter   layer                                 requests dropped unrun: deadline passed in the queue
+lutb_queue_depth                         gauge                                           requests waiting in the scheduler
+lutb_backend_info                        info      backend, device, compute_capability,  what runs the experts
+                                                   dtype, activation, content_hash
+lutb_weight_bytes                        gauge                                           weight bytes held on the device
+lutb_gpu_memory_allocated_bytes          gauge     device                                torch.cuda.memory_allocated (GPU only)
+lutb_gpu_memory_reserved_bytes           gauge     device                                torch.cuda.memory_reserved (GPU only)
+======================================== ========= ===================================== ===========================================
+
+Label sets are bounded: methods are the registered ones, codes the gRPC codes,
+layers those of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 16))
+REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class _GpuMemoryCollector(Collector):
+    """Reads torch's CUDA allocator counters at scrape time."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        import torch
+
+        label = str(self.device)
+        allocated = GaugeMetricFamily("lutb_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated on the serving device", labels=["device"])
+        reserved = GaugeMetricFamily("lutb_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved on the serving device", labels=["device"])
+        allocated.add_metric([label], float(torch.cuda.memory_allocated(self.device)))
+        reserved.add_metric([label], float(torch.cuda.memory_reserved(self.device)))
+        yield allocated
+        yield reserved
+
+
+class ServerMetrics:
+    """The server's metrics, registered on :attr:`registry` (a fresh one unless given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.grpc_requests = Counter("lutb_grpc_requests", "Finished gRPC calls", ["service", "method", "code"], registry=r)
+        self.grpc_duration = Histogram(
+            "lutb_grpc_request_duration_seconds", "Server-side gRPC call latency", ["service", "method"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.grpc_in_flight = Gauge("lutb_grpc_requests_in_flight", "gRPC calls being handled", ["service", "method"], registry=r)
+        self.forward_requests = Counter(
+            "lutb_forward_requests", "Forward requests by RPC (each stream message counts) and status code", ["rpc", "code"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "lutb_queue_wait_seconds", "Time from enqueue to the start of the request's batch", ["backend", "layer"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.compute = Histogram(
+            "lutb_compute_seconds", "Duration of one experts call (a pooled batch)", ["backend", "layer"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.batch_tokens = Histogram(
+            "lutb_batch_tokens", "Tokens per experts call", ["backend", "layer"], buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.batch_requests = Histogram(
+            "lutb_batch_requests", "Requests pooled per experts call", ["backend", "layer"], buckets=REQUEST_BUCKETS, registry=r
+        )
+        self.tokens = Counter("lutb_tokens_processed", "Tokens computed", ["backend", "layer"], registry=r)
+        self.deadline_dropped = Counter(
+            "lutb_deadline_dropped", "Requests dropped without computing: their deadline passed in the queue", ["layer"], registry=r
+        )
+        self.queue_depth = Gauge("lutb_queue_depth", "Requests waiting in the scheduler", registry=r)
+        self.backend_info = Info("lutb_backend", "What runs the experts", registry=r)
+        self.weight_bytes = Gauge("lutb_weight_bytes", "Weight bytes the backend holds on its device", registry=r)
+        self._http: Any = None
+        self._http_thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    def describe_backend(self, *, backend: str, device: str, compute_capability: str, dtype: str, activation: str,
+                         content_hash: str, weight_bytes: int) -> None:
+        """Set the backend info and weight gauge; add the GPU memory gauges on a CUDA device."""
+        self.backend_info.info({
+            "backend": backend, "device": device, "compute_capability": compute_capability or "none",
+            "dtype": dtype, "activation": activation, "content_hash": content_hash,
+        })
+        self.weight_bytes.set(weight_bytes)
+        if device.startswith("cuda"):
+            self.registry.register(_GpuMemoryCollector(device))
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` over HTTP on ``host:port`` in a daemon thread; returns the bound port."""
+        self._http, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = int(self._http.server_port)
+        return self.port
+
+    def close(self) -> None:
+        """Stop the HTTP server, if any."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+__all__ = ["ServerMetrics"]

@@ -1,0 +1,300 @@
+"""The batching scheduler: pools concurrent requests into experts calls run off the event loop.
+
+Requests arrive validated (:class:`~lutb_server.engine.PreparedRequest`). The
+dispatcher takes the oldest waiting request, waits up to ``max_wait_us`` (from that
+request's arrival) for more, then pools every waiting request with the same
+:attr:`~lutb_server.engine.PreparedRequest.pool_key` (layer, top-k, weighting,
+output mode), oldest first, up to ``max_batch_tokens`` (a larger request runs
+alone), concatenates them along the token axis into one ``engine.forward`` call on
+a single worker thread, and splits the output back. While that call runs, new
+requests queue up and form the next batch (continuous batching).
+
+Isolation: every request was validated before it was queued; should a pooled call
+fail anyway, each of its requests is rerun alone so that only the culprit fails.
+Requests whose deadline passed or whose caller went away are dropped before
+computing. The queue holds at most ``max_queue_requests`` waiting requests;
+beyond that :meth:`BatchScheduler.submit` raises :class:`~lutb_server.errors.QueueFull`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from lutb_kernels.reference import OutputMode
+from lutb_server.engine import PreparedRequest
+from lutb_server.errors import DeadlineExpired, QueueFull, Unavailable
+from lutb_server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class ForwardEngine(Protocol):
+    """What the scheduler needs of an engine (``ExpertEngine`` is one)."""
+
+    def forward(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+        apply_router_weight_on_input: bool = False, output_mode: OutputMode = "combined",
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """A request's output and where its time went."""
+
+    output: torch.Tensor
+    queue_s: float
+    compute_s: float
+    batch_tokens: int
+    batch_requests: int
+
+
+@dataclass(eq=False)
+class _Item:
+    request: PreparedRequest
+    deadline: float | None  # time.monotonic() seconds
+    future: asyncio.Future[ForwardResult]
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class BatchScheduler:
+    """Pools requests into experts calls (see the module docstring).
+
+    Args:
+        engine: runs one (pooled) experts call, blocking.
+        max_batch_tokens: most tokens per pooled call.
+        max_wait_us: how long the oldest request waits for company.
+        max_queue_requests: most requests waiting (not yet in a batch).
+        metrics: where to record queue wait, compute, batch sizes; none if None.
+        backend_name: the ``backend`` label of those metrics.
+    """
+
+    def __init__(
+        self,
+        engine: ForwardEngine,
+        *,
+        max_batch_tokens: int = 8192,
+        max_wait_us: int = 500,
+        max_queue_requests: int = 1024,
+        metrics: ServerMetrics | None = None,
+        backend_name: str = "",
+    ) -> None:
+        self._engine = engine
+        self.max_batch_tokens = max_batch_tokens
+        self.max_wait_s = max_wait_us / 1e6
+        self.max_queue_requests = max_queue_requests
+        self._metrics = metrics
+        self._backend = backend_name
+        self._pending: deque[_Item] = deque()
+        self._wake = asyncio.Event()
+        self._executor: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the dispatcher on the running loop and the compute thread."""
+        if self._task is not None:
+            return
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lutb-compute")
+        self._task = asyncio.create_task(self._dispatch_forever(), name="lutb-scheduler")
+
+    async def close(self) -> None:
+        """Stop dispatching; waiting requests fail with UNAVAILABLE; wait for the running call."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        while self._pending:
+            item = self._pending.popleft()
+            if not item.future.done():
+                item.future.set_exception(Unavailable("server is shutting down; request not computed"))
+        self._set_depth()
+        if self._executor is not None:
+            await asyncio.to_thread(self._executor.shutdown, True)
+            self._executor = None
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for a batch."""
+        return len(self._pending)
+
+    # -- submit ----------------------------------------------------------------------------
+
+    async def submit(self, request: PreparedRequest, *, deadline: float | None = None) -> ForwardResult:
+        """Queue ``request`` and wait for its result.
+
+        Args:
+            deadline: ``time.monotonic()`` time after which the request is not worth computing.
+
+        Raises:
+            QueueFull: ``max_queue_requests`` requests are waiting already.
+            DeadlineExpired: the deadline passed before the request's batch started.
+            Unavailable: the scheduler is closed or closing.
+        """
+        if self._closed or self._task is None:
+            raise Unavailable("server is not accepting work (starting or shutting down)")
+        if deadline is not None and deadline <= time.monotonic():
+            raise DeadlineExpired("deadline expired before the request was queued; not computed")
+        if len(self._pending) >= self.max_queue_requests:
+            raise QueueFull(
+                f"queue full: {len(self._pending)} requests waiting (max_queue_requests = {self.max_queue_requests}); retry later"
+            )
+        item = _Item(request, deadline, asyncio.get_running_loop().create_future())
+        self._pending.append(item)
+        self._set_depth()
+        self._wake.set()
+        return await item.future  # cancelling the caller cancels the future; the dispatcher skips it
+
+    # -- dispatcher ------------------------------------------------------------------------
+
+    async def _dispatch_forever(self) -> None:
+        while True:
+            try:
+                batch = await self._next_batch()
+                if batch:
+                    await self._execute(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # pragma: no cover - a scheduler bug must not stop serving
+                log.exception("scheduler dispatch failed")
+
+    async def _next_batch(self) -> list[_Item]:
+        while not self._pending:
+            self._wake.clear()
+            await self._wake.wait()
+        self._drop_dead()
+        if not self._pending:
+            return []
+        head = self._pending[0]
+        wait_until = head.enqueued + self.max_wait_s
+        while self._pooled_tokens(head) < self.max_batch_tokens:
+            remaining = wait_until - time.monotonic()
+            if remaining <= 0:
+                break
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+        self._drop_dead()
+        return self._take_batch()
+
+    def _pooled_tokens(self, head: _Item) -> int:
+        key = head.request.pool_key
+        return sum(item.request.tokens for item in self._pending if item.request.pool_key == key)
+
+    def _drop_dead(self) -> None:
+        """Remove requests whose caller is gone (future done) or whose deadline passed (fail them)."""
+        if not self._pending:
+            return
+        now = time.monotonic()
+        keep: deque[_Item] = deque()
+        for item in self._pending:
+            if item.future.done():
+                continue
+            if item.deadline is not None and item.deadline <= now:
+                waited = (now - item.enqueued) * 1e3
+                item.future.set_exception(DeadlineExpired(f"deadline expired after {waited:.1f} ms in the queue; not computed"))
+                if self._metrics is not None:
+                    self._metrics.deadline_dropped.labels(str(item.request.layer)).inc()
+                continue
+            keep.append(item)
+        self._pending = keep
+        self._set_depth()
+
+    def _take_batch(self) -> list[_Item]:
+        if not self._pending:
+            return []
+        head = self._pending.popleft()
+        batch, tokens, key = [head], head.request.tokens, head.request.pool_key
+        rest: deque[_Item] = deque()
+        for item in self._pending:
+            if item.request.pool_key == key and tokens + item.request.tokens <= self.max_batch_tokens:
+                batch.append(item)
+                tokens += item.request.tokens
+            else:
+                rest.append(item)
+        self._pending = rest
+        self._set_depth()
+        return batch
+
+    async def _execute(self, batch: list[_Item]) -> None:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        tokens = sum(item.request.tokens for item in batch)
+        layer = str(batch[0].request.layer)
+        try:
+            outputs, compute_s = await loop.run_in_executor(self._executor, _compute, self._engine, [i.request for i in batch])
+        except Exception as exc:
+            if len(batch) == 1:
+                _fail(batch[0], exc)
+                return
+            log.warning("pooled call of %d requests failed (%s); rerunning each alone", len(batch), exc)
+            for item in batch:
+                if item.future.done():
+                    continue
+                try:
+                    (output,), compute_s = await loop.run_in_executor(self._executor, _compute, self._engine, [item.request])
+                except Exception as single_exc:
+                    _fail(item, single_exc)
+                else:
+                    self._finish(item, output, started, compute_s, item.request.tokens, 1)
+            return
+        for item, output in zip(batch, outputs):
+            self._finish(item, output, started, compute_s, tokens, len(batch))
+        if self._metrics is not None:
+            m, labels = self._metrics, (self._backend, layer)
+            m.compute.labels(*labels).observe(compute_s)
+            m.batch_tokens.labels(*labels).observe(tokens)
+            m.batch_requests.labels(*labels).observe(len(batch))
+            m.tokens.labels(*labels).inc(tokens)
+
+    def _finish(self, item: _Item, output: torch.Tensor, started: float, compute_s: float, tokens: int, requests: int) -> None:
+        queue_s = started - item.enqueued
+        if self._metrics is not None:
+            self._metrics.queue_wait.labels(self._backend, str(item.request.layer)).observe(queue_s)
+        if not item.future.done():
+            item.future.set_result(ForwardResult(output, queue_s, compute_s, tokens, requests))
+
+    def _set_depth(self) -> None:
+        if self._metrics is not None:
+            self._metrics.queue_depth.set(len(self._pending))
+
+
+def _compute(engine: ForwardEngine, requests: list[PreparedRequest]) -> tuple[list[torch.Tensor], float]:
+    """Worker thread: one experts call over ``requests`` (pooled), outputs split back; returns them and the seconds taken."""
+    start = time.perf_counter()
+    first = requests[0]
+    if len(requests) == 1:
+        x, ids, w = first.x, first.topk_ids, first.topk_weights
+    else:
+        x = torch.cat([r.x for r in requests])
+        ids = torch.cat([r.topk_ids for r in requests])
+        w = torch.cat([r.topk_weights for r in requests])
+    out = engine.forward(
+        first.layer, x, ids, w,
+        apply_router_weight_on_input=first.apply_router_weight_on_input, output_mode=first.output_mode,
+    )
+    outputs = list(torch.split(out, [r.tokens for r in requests])) if len(requests) > 1 else [out]
+    return outputs, time.perf_counter() - start
+
+
+def _fail(item: _Item, exc: BaseException) -> None:
+    if not item.future.done():
+        item.future.set_exception(exc)
+
+
+__all__ = ["BatchScheduler", "ForwardEngine", "ForwardResult"]

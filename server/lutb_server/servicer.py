@@ -1,0 +1,196 @@
+"""``lutb.v1.ExpertService`` over grpc.aio: decode, validate, hand to the scheduler, encode.
+
+Thin by design: validation lives in the engine, pooling in the scheduler, the
+error-to-status map in :mod:`lutb_server.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import torch
+
+from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
+from lutb_client.codec import decode_tensor, encode_tensor, to_proto_dtype
+from lutb_kernels.checkpoint import FORMAT, FORMAT_VERSION
+from lutb_server import __version__
+from lutb_server.engine import FLOAT_DTYPES, ID_DTYPES, ExpertEngine
+from lutb_server.errors import InvalidArgument, Unavailable, status_code_value, to_status
+from lutb_server.metrics import ServerMetrics
+from lutb_server.scheduler import BatchScheduler
+
+log = logging.getLogger(__name__)
+
+_OUTPUT_MODES = {pb.OUTPUT_MODE_UNSPECIFIED: "combined", pb.COMBINED: "combined", pb.ROUTE_MAJOR: "route_major"}
+STREAM_WINDOW = 256
+"""Most requests of one ForwardStream in flight at once (reading pauses beyond it)."""
+
+
+def build_model_info(engine: ExpertEngine, *, max_batch_tokens: int) -> pb.ModelInfo:
+    """The ``ModelInfo`` an engine serves."""
+    config = engine.config
+    return pb.ModelInfo(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_experts=config.num_experts,
+        layers=[pb.LayerInfo(layer=layer, expert_ids=engine.expert_ids(layer)) for layer in engine.layer_ids],
+        activation=config.activation,
+        dtype=to_proto_dtype(config.torch_dtype),
+        mxfp8_scale_mode=config.mxfp8_scale_mode,
+        backend=engine.backend.name,
+        backend_reason=engine.backend.reason,
+        device=str(engine.device),
+        max_tokens_per_request=engine.max_tokens_per_request,
+        content_hash=engine.content_hash,
+        server_version=__version__,
+        max_batch_tokens=max_batch_tokens,
+    )
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+class ExpertServicer(pb_grpc.ExpertServiceServicer):
+    """The ExpertService handlers.
+
+    The servicer is registered before the checkpoint is loaded (so that health answers
+    NOT_SERVING meanwhile); :meth:`bind` hands it the engine and scheduler once they exist.
+
+    Args:
+        metrics: counts forward requests by RPC and status.
+        accepting: returns False while the server drains; stream requests then get UNAVAILABLE.
+    """
+
+    def __init__(
+        self,
+        engine: ExpertEngine | None = None,
+        scheduler: BatchScheduler | None = None,
+        *,
+        metrics: ServerMetrics | None = None,
+        accepting: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self._metrics = metrics
+        self._accepting = accepting
+        self._engine: ExpertEngine | None = None
+        self._scheduler: BatchScheduler | None = None
+        self._info: pb.ModelInfo | None = None
+        if engine is not None and scheduler is not None:
+            self.bind(engine, scheduler)
+
+    def bind(self, engine: ExpertEngine, scheduler: BatchScheduler) -> None:
+        """Serve ``engine``'s model through ``scheduler`` from now on."""
+        self._engine = engine
+        self._scheduler = scheduler
+        self._info = build_model_info(engine, max_batch_tokens=scheduler.max_batch_tokens)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        if self._info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is still loading its checkpoint")
+        return self._info
+
+    async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
+        received = time.monotonic()
+        try:
+            response = await self._forward(request, _deadline(context), received)
+        except asyncio.CancelledError:
+            self._count("Forward", grpc.StatusCode.CANCELLED)
+            raise
+        except Exception as exc:
+            code, message = to_status(exc)
+            self._count("Forward", code)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("Forward request %d failed", request.request_id)
+            await context.abort(code, message)
+        self._count("Forward", grpc.StatusCode.OK)
+        return response
+
+    async def ForwardStream(
+        self, request_iterator: AsyncIterator[pb.ForwardRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ForwardResponse]:
+        deadline = _deadline(context)
+        window: asyncio.Queue[asyncio.Task[pb.ForwardResponse] | None] = asyncio.Queue(maxsize=STREAM_WINDOW)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await window.put(asyncio.ensure_future(self._stream_one(request, deadline)))
+            finally:
+                await window.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                task = await window.get()
+                if task is None:
+                    break
+                yield await task
+            await reader  # surfaces an error of the request stream itself
+        finally:
+            reader.cancel()
+            while not window.empty():
+                leftover = window.get_nowait()
+                if leftover is not None:
+                    leftover.cancel()
+
+    async def _stream_one(self, request: pb.ForwardRequest, deadline: float | None) -> pb.ForwardResponse:
+        """One stream message: never raises; an error becomes the response's status."""
+        received = time.monotonic()
+        try:
+            if not self._accepting():
+                raise Unavailable("server is draining; send this request to another replica")
+            response = await self._forward(request, deadline, received)
+        except asyncio.CancelledError:
+            self._count("ForwardStream", grpc.StatusCode.CANCELLED)
+            raise
+        except Exception as exc:
+            code, message = to_status(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("ForwardStream request %d failed", request.request_id)
+            self._count("ForwardStream", code)
+            return pb.ForwardResponse(request_id=request.request_id, status=pb.Status(code=status_code_value(code), message=message))
+        self._count("ForwardStream", grpc.StatusCode.OK)
+        return response
+
+    async def _forward(self, request: pb.ForwardRequest, deadline: float | None, received: float) -> pb.ForwardResponse:
+        if self._engine is None or self._scheduler is None:
+            raise Unavailable("server is still loading its checkpoint")
+        if request.HasField("hidden_scales"):
+            raise InvalidArgument("hidden_scales: MXFP8-quantized hidden_states are not supported yet; send them in the model dtype")
+        if request.output_mode not in _OUTPUT_MODES:
+            raise InvalidArgument(f"output_mode: unknown value {request.output_mode}")
+        for name in ("hidden_states", "topk_ids", "topk_weights"):
+            if not request.HasField(name):
+                raise InvalidArgument(f"{name}: missing")
+        x = decode_tensor(request.hidden_states, name="hidden_states", dtypes=FLOAT_DTYPES)
+        ids = decode_tensor(request.topk_ids, name="topk_ids", dtypes=ID_DTYPES)
+        weights = decode_tensor(request.topk_weights, name="topk_weights", dtypes=(torch.float32,))
+        prepared = self._engine.prepare(
+            request.layer, x, ids, weights,
+            apply_router_weight_on_input=request.apply_router_weight_on_input,
+            output_mode=_OUTPUT_MODES[request.output_mode],
+        )
+        result = await self._scheduler.submit(prepared, deadline=deadline)
+        response = pb.ForwardResponse(request_id=request.request_id, status=pb.Status(code=0))
+        encode_tensor(result.output, out=response.output)
+        timing = response.timing
+        timing.queue_us = int(result.queue_s * 1e6)
+        timing.compute_us = int(result.compute_s * 1e6)
+        timing.batch_tokens = result.batch_tokens
+        timing.total_us = int((time.monotonic() - received) * 1e6)
+        return response
+
+    def _count(self, rpc: str, code: grpc.StatusCode) -> None:
+        if self._metrics is not None:
+            self._metrics.forward_requests.labels(rpc, code.name).inc()
+
+
+__all__ = ["STREAM_WINDOW", "ExpertServicer", "build_model_info"]

@@ -1,0 +1,135 @@
+"""Server configuration: one pydantic-settings model, four layers.
+
+Precedence, highest first: command-line flags (``lutb serve --max-wait-us 200``),
+environment variables (``LUTB_MAX_WAIT_US=200``), a YAML file (``--config FILE`` or
+``LUTB_CONFIG``; keys are the field names, ``max_wait_us: 200``), the defaults here.
+``lutb serve --help`` is generated from the field descriptions below.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "LUTB_"
+BackendName = Literal["auto", "reference", "emulated", "packed", "native"]
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+class ServerSettings(BaseSettings):
+    """Everything ``lutb serve`` can be told. Field names are the YAML keys; flags and
+    environment variables derive from them (``max_wait_us`` -> ``--max-wait-us``, ``LUTB_MAX_WAIT_US``)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", case_sensitive=False)
+
+    checkpoint: Path | None = Field(
+        None, description="LUT-B checkpoint directory to serve; unset serves the built-in demo checkpoint"
+    )
+    demo_dir: Path = Field(
+        Path("~/.cache/lutb-moe/demo"),
+        description="where the demo checkpoint is made once and cached (used when no checkpoint is given)",
+    )
+    host: str = Field("0.0.0.0", description="address the gRPC and metrics servers listen on")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks a free one)")
+    metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus metrics HTTP port; 0 disables metrics serving")
+    backend: BackendName = Field(
+        "auto", description="experts backend: auto (best available), reference, emulated, packed or native"
+    )
+    device: str = Field("auto", description="torch device: auto (cuda if present, else cpu), cpu, cuda or cuda:N")
+    max_batch_tokens: int = Field(
+        8192, ge=1, description="most tokens pooled into one experts call (a larger single request runs alone)"
+    )
+    max_wait_us: int = Field(
+        500, ge=0, description="how long a batch waits for more requests to pool, in microseconds (0: never wait)"
+    )
+    max_queue_requests: int = Field(
+        1024, ge=1, description="requests waiting in the scheduler before new ones get RESOURCE_EXHAUSTED"
+    )
+    max_tokens_per_request: int = Field(
+        4096, ge=1, description="largest token count T of one request (more is INVALID_ARGUMENT)"
+    )
+    max_message_bytes: int = Field(
+        256 * 1024 * 1024, ge=4 * 1024 * 1024, description="largest gRPC message received or sent, in bytes"
+    )
+    shutdown_grace_s: float = Field(
+        20.0, ge=0, description="on SIGTERM/SIGINT, seconds in-flight calls get to finish before they are cancelled"
+    )
+    validate_checkpoint: bool = Field(
+        True, description="check every weight tile of the checkpoint at startup (spec section 1 rules)"
+    )
+    config: Path | None = Field(None, description="YAML file of settings (keys are these names with underscores)")
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+    @field_validator("checkpoint", "demo_dir", "config")
+    @classmethod
+    def _expand(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        init_kwargs = getattr(init_settings, "init_kwargs", {}) or {}
+        path = init_kwargs.get("config") or os.environ.get(f"{ENV_PREFIX}CONFIG") or None
+        return init_settings, env_settings, _YamlFileSource(settings_cls, path)
+
+
+class _YamlFileSource(PydanticBaseSettingsSource):
+    """Settings from a YAML mapping of field names to values (the ``--config`` file)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: str | Path | None) -> None:
+        super().__init__(settings_cls)
+        self.path = Path(path).expanduser() if path else None
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover - unused
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        if self.path is None:
+            return {}
+        try:
+            data = yaml.safe_load(self.path.read_text()) or {}
+        except OSError as exc:
+            raise ValueError(f"config file {self.path}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config file {self.path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {self.path}: must hold a mapping of setting names to values")
+        # Accept "max-wait-us" as well as "max_wait_us".
+        return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def flag_name(field: str) -> str:
+    """``max_wait_us`` -> ``--max-wait-us``."""
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    """``max_wait_us`` -> ``LUTB_MAX_WAIT_US``."""
+    return ENV_PREFIX + field.upper()
+
+
+def load_settings(cli: dict[str, Any] | None = None) -> ServerSettings:
+    """Build the settings: ``cli`` (only flags actually given) over ``LUTB_*`` env over the YAML file over defaults."""
+    return ServerSettings(**(cli or {}))
+
+
+__all__ = ["BackendName", "ServerSettings", "env_name", "flag_name", "load_settings"]

@@ -1,0 +1,211 @@
+"""ExpertClient, AsyncExpertClient and their stream sessions against a real server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from lutb_client import AsyncExpertClient, ExpertClient, ExpertServiceError
+from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+from lutb_kernels.checkpoint import Checkpoint
+from lutb_kernels.reference import reference_moe_forward
+from lutb_kernels.tiles import tiles_to_dense
+from lutb_server.testing import ServerThread, free_port
+
+HIDDEN = 128
+NUM_EXPERTS = 8
+
+
+def _batch(tokens: int, k: int, seed: int, dtype: torch.dtype = torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+    ids = torch.rand(tokens, NUM_EXPERTS, generator=gen).argsort(dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(tokens, k, generator=gen)
+    return x, ids, w
+
+
+def _reference(checkpoint: Path, layer: int, x, ids, w, **kwargs) -> torch.Tensor:
+    ckpt = Checkpoint(checkpoint)
+    weights = ckpt.layer(layer)
+    return reference_moe_forward(
+        x, ids, w, tiles_to_dense(weights.w13), tiles_to_dense(weights.w2), weights.expert_ids,
+        num_experts=ckpt.config.num_experts, activation=ckpt.config.activation,
+        scale_mode=ckpt.config.mxfp8_scale_mode, **kwargs,
+    )
+
+
+def test_model_info(server: ServerThread, client_checkpoint: Path) -> None:
+    with ExpertClient(server.address) as client:
+        info = client.model_info()
+    assert (info.format, info.format_version) == ("lut-b", 1)
+    assert (info.hidden_size, info.intermediate_size, info.num_experts) == (128, 128, 8)
+    assert [(layer.layer, list(layer.expert_ids)) for layer in info.layers] == [(0, [0, 1, 2, 4, 5, 7]), (3, [0, 1, 2, 4, 5, 7])]
+    assert info.dtype == pb.BFLOAT16 and info.activation == "silu" and info.mxfp8_scale_mode == "rceil"
+    assert info.backend == "reference" and "auto" in info.backend_reason and info.device == "cpu"
+    assert info.content_hash == Checkpoint(client_checkpoint).content_hash()
+    assert info.server_version and info.max_tokens_per_request > 0
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "kwargs"),
+    [
+        (1, 1, {}),
+        (17, 2, {}),
+        (64, 4, {}),
+        (9, 3, {"output_mode": "route_major"}),
+        (12, 1, {"apply_router_weight_on_input": True}),
+        (0, 2, {}),
+    ],
+)
+def test_forward_equals_reference(server: ServerThread, client_checkpoint: Path, tokens: int, k: int, kwargs: dict) -> None:
+    """Alone in its batch, the server's output is bit-identical to reference_moe_forward (routes to 3 and 6 add zero)."""
+    x, ids, w = _batch(tokens, k, seed=tokens * 10 + k)
+    with ExpertClient(server.address) as client:
+        got = client.forward(3, x, ids, w, **kwargs)
+    want = _reference(client_checkpoint, 3, x, ids, w, **kwargs)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+def test_int64_ids_and_float32_hidden_states_are_converted(server: ServerThread) -> None:
+    x, ids, w = _batch(8, 2, seed=3, dtype=torch.float32)
+    with ExpertClient(server.address) as client:
+        converted = client.forward(0, x, ids.long(), w)
+        native = client.forward(0, x.to(torch.bfloat16), ids, w)
+    assert torch.equal(converted, native)
+
+
+def test_errors_raise_expert_service_error(server: ServerThread) -> None:
+    x, ids, w = _batch(4, 2, seed=1)
+    with ExpertClient(server.address) as client:
+        with pytest.raises(ExpertServiceError) as info:
+            client.forward(0, x, ids + 8, w)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "topk_ids" in info.value.message
+        with pytest.raises(ExpertServiceError) as info:
+            client.forward(5, x, ids, w)
+        assert info.value.code == grpc.StatusCode.NOT_FOUND and "layer 5" in info.value.message
+        with pytest.raises(ExpertServiceError) as info:
+            client.forward(0, x, ids, w, output_mode="sideways")
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_sync_stream_keeps_order_and_survives_errors(server: ServerThread) -> None:
+    batches = [_batch(3 + i, 2, seed=100 + i) for i in range(12)]
+    with ExpertClient(server.address) as client:
+        want = [client.forward(0, *b) for b in batches]
+        with client.stream(max_in_flight=5) as stream:
+            futures = []
+            for i, b in enumerate(batches):
+                futures.append(stream.submit(0, *b, detailed=True))
+                if i == 4:
+                    futures.append(stream.submit(9, *b))  # unknown layer: fails alone
+        results = []
+        for f in futures:
+            try:
+                results.append(f.result(timeout=30))
+            except ExpertServiceError as exc:
+                results.append(exc)
+    errors = [r for r in results if isinstance(r, ExpertServiceError)]
+    assert len(errors) == 1 and errors[0].code == grpc.StatusCode.NOT_FOUND and errors[0].request_id is not None
+    good = [r for r in results if not isinstance(r, ExpertServiceError)]
+    ids = [r.request_id for r in good]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    for result, expected in zip(good, want):
+        assert torch.equal(result.output, expected)
+
+
+def test_async_client_and_stream(server: ServerThread) -> None:
+    batches = [_batch(5, 2, seed=200 + i) for i in range(8)]
+
+    async def main():
+        async with AsyncExpertClient(server.address) as client:
+            info = await client.model_info()
+            alone = [await client.forward(0, *b) for b in batches]
+            async with client.stream(max_in_flight=3) as stream:
+                futures = [await stream.submit(0, *b) for b in batches[:4]]
+                bad = await stream.submit(0, batches[0][0], batches[0][1] + 100, batches[0][2])
+                futures += [await stream.submit(0, *b) for b in batches[4:]]
+                outputs = await asyncio.gather(*futures)
+                with pytest.raises(ExpertServiceError) as err:
+                    await bad
+                assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "topk_ids" in err.value.message
+                again = await stream.forward(0, *batches[0])  # the stream is still open
+            return info, alone, outputs, again
+
+    info, alone, outputs, again = asyncio.run(main())
+    assert info.hidden_size == HIDDEN
+    for got, want in zip(outputs, alone):
+        assert torch.equal(got, want)
+    assert torch.equal(again, alone[0])
+
+
+def test_retries_unavailable_until_the_server_comes_up(client_checkpoint: Path) -> None:
+    port = free_port()
+    x, ids, w = _batch(2, 2, seed=5)
+    late: dict[str, ServerThread] = {}
+
+    def start_late() -> None:
+        time.sleep(0.6)
+        late["server"] = ServerThread(checkpoint=client_checkpoint, port=port).start()
+
+    starter = threading.Thread(target=start_late)
+    starter.start()
+    try:
+        with ExpertClient(f"127.0.0.1:{port}", timeout=30, retries=12, backoff_s=0.05, max_backoff_s=0.4) as client:
+            out = client.forward(0, x, ids, w)
+        assert out.shape == (2, HIDDEN)
+    finally:
+        starter.join()
+        if "server" in late:
+            late["server"].stop()
+
+
+def test_retries_give_up_with_unavailable() -> None:
+    port = free_port()
+    x, ids, w = _batch(2, 2, seed=5)
+    start = time.monotonic()
+    with ExpertClient(f"127.0.0.1:{port}", timeout=10, retries=2, backoff_s=0.01) as client:
+        with pytest.raises(ExpertServiceError) as info:
+            client.forward(0, x, ids, w)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - start < 5
+
+
+def test_default_deadline_applies() -> None:
+    """A server that never answers: the call ends with DEADLINE_EXCEEDED after the client's default timeout."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)  # accepts TCP but never speaks HTTP/2
+    try:
+        with ExpertClient(f"127.0.0.1:{listener.getsockname()[1]}", timeout=0.5, retries=0) as client:
+            start = time.monotonic()
+            with pytest.raises(ExpertServiceError) as info:
+                client.forward(0, *_batch(1, 1, seed=0))
+        assert info.value.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+        assert time.monotonic() - start < 5
+    finally:
+        listener.close()
+
+
+def test_client_package_needs_no_server_dependencies() -> None:
+    code = (
+        "import sys\n"
+        "for name in ('pydantic', 'pydantic_settings', 'prometheus_client', 'yaml', 'lutb_server'):\n"
+        "    sys.modules[name] = None\n"
+        "import lutb_client, lutb_client.client, lutb_client.codec, lutb_client.routing, lutb_client.errors\n"
+        "assert not any(m.startswith('lutb_server') for m in sys.modules if sys.modules[m] is not None)\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

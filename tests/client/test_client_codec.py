@@ -1,0 +1,71 @@
+"""lutb_client.codec: round trips of every dtype, the wire layout, and refusals naming the field."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+from lutb_client.codec import CodecError, decode_tensor, encode_tensor
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.uint8, torch.float8_e4m3fn]
+SHAPES = [(0,), (1,), (3, 5), (2, 0, 4), (7, 33), ()]
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return (torch.randn(shape) * 10).to(dtype)
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, dtype=dtype)
+    return torch.randint(-(2**31), 2**31 - 1, shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_round_trip_is_bit_exact(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    t = _random(shape, dtype)
+    msg = encode_tensor(t)
+    assert list(msg.shape) == list(shape)
+    back = decode_tensor(pb.Tensor.FromString(msg.SerializeToString()))
+    assert back.dtype == dtype and back.shape == t.shape
+    assert torch.equal(back.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+def test_wire_layout_is_row_major_little_endian() -> None:
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()  # non-contiguous: encoded row-major as [3, 2]
+    msg = encode_tensor(t)
+    assert np.frombuffer(msg.data, dtype="<f4").tolist() == [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+    bf = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)
+    assert encode_tensor(bf).data == bytes([0x80, 0x3F, 0x00, 0xC0])  # bf16 bit patterns, little-endian
+    assert encode_tensor(torch.tensor([1.0], dtype=torch.float8_e4m3fn)).data == bytes([0x38])
+
+
+def test_decoded_tensor_is_writable_and_independent() -> None:
+    msg = encode_tensor(torch.zeros(4))
+    t = decode_tensor(msg)
+    t += 1
+    assert decode_tensor(msg).sum() == 0
+
+
+@pytest.mark.parametrize(
+    ("msg", "kwargs", "words"),
+    [
+        (pb.Tensor(dtype=pb.FLOAT32, shape=[2, 2], data=b"\0" * 15), {}, ["x", "15 bytes", "16"]),
+        (pb.Tensor(dtype=pb.DATA_TYPE_UNSPECIFIED, shape=[1], data=b"\0"), {}, ["x", "DATA_TYPE_UNSPECIFIED"]),
+        (pb.Tensor(dtype=99, shape=[1], data=b"\0"), {}, ["x", "DataType(99)"]),
+        (pb.Tensor(dtype=pb.INT32, shape=[1], data=b"\0" * 4), {"dtypes": (torch.float32,)}, ["x", "INT32", "FLOAT32"]),
+        (pb.Tensor(dtype=pb.FLOAT32, shape=[4], data=b"\0" * 16), {"ndim": 2}, ["x", "2 dimensions"]),
+        (pb.Tensor(dtype=pb.FLOAT32, shape=[-1, 4], data=b""), {}, ["x", "negative"]),
+    ],
+)
+def test_refusals_name_the_field(msg: pb.Tensor, kwargs: dict, words: list[str]) -> None:
+    with pytest.raises(CodecError) as info:
+        decode_tensor(msg, name="x", **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_encode_refuses_dtype_without_wire_type() -> None:
+    with pytest.raises(CodecError, match="complex64"):
+        encode_tensor(torch.zeros(2, dtype=torch.complex64))

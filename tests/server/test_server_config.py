@@ -1,0 +1,172 @@
+"""Settings precedence (CLI > env > YAML > defaults), `lutb serve --help`, and the backend registry."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from lutb_kernels.checkpoint import CheckpointConfig
+from lutb_kernels.experts.base import LayerExperts, Support
+from lutb_server import backends
+from lutb_server.backends import AUTO_ORDER, BACKENDS, BackendEntry, choose_backend, load_class, resolve_device
+from lutb_server.cli import serve_cmd
+from lutb_server.errors import BackendUnavailableError
+from lutb_server.settings import ServerSettings, env_name, flag_name, load_settings
+
+FIXED_NAMES = {
+    "checkpoint": "LUTB_CHECKPOINT", "host": "LUTB_HOST", "port": "LUTB_PORT", "metrics_port": "LUTB_METRICS_PORT",
+    "backend": "LUTB_BACKEND", "device": "LUTB_DEVICE", "max_batch_tokens": "LUTB_MAX_BATCH_TOKENS",
+    "max_wait_us": "LUTB_MAX_WAIT_US", "max_queue_requests": "LUTB_MAX_QUEUE_REQUESTS",
+    "max_tokens_per_request": "LUTB_MAX_TOKENS_PER_REQUEST", "shutdown_grace_s": "LUTB_SHUTDOWN_GRACE_S",
+    "config": "LUTB_CONFIG", "demo_dir": "LUTB_DEMO_DIR",
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in FIXED_NAMES.values():
+        monkeypatch.delenv(name, raising=False)
+
+
+def _parse(argv: list[str]) -> ServerSettings:
+    parser = argparse.ArgumentParser()
+    serve_cmd.register(parser.add_subparsers())
+    return serve_cmd.settings_from_args(parser.parse_args(["serve", *argv]))
+
+
+def test_fixed_names_and_defaults() -> None:
+    for field, env in FIXED_NAMES.items():
+        assert field in ServerSettings.model_fields and env_name(field) == env
+    s = load_settings({})
+    assert (s.checkpoint, s.host, s.port, s.metrics_port, s.backend, s.device, s.shutdown_grace_s) == (
+        None, "0.0.0.0", 50051, 9400, "auto", "auto", 20.0)
+    assert s.demo_dir == Path("~/.cache/lutb-moe/demo").expanduser()
+
+
+def test_precedence_cli_env_file_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "lutb.yaml"
+    config.write_text("port: 1111\nmax_wait_us: 7\nmetrics-port: 5\nmax_queue_requests: 3\n")
+    monkeypatch.setenv("LUTB_CONFIG", str(config))
+    monkeypatch.setenv("LUTB_PORT", "2222")
+    monkeypatch.setenv("LUTB_MAX_WAIT_US", "8")
+    s = _parse(["--max-wait-us", "9"])
+    assert s.max_wait_us == 9  # CLI over env and file
+    assert s.port == 2222  # env over file
+    assert s.metrics_port == 5 and s.max_queue_requests == 3  # file over defaults
+    assert s.max_batch_tokens == ServerSettings.model_fields["max_batch_tokens"].default
+
+
+def test_config_flag_and_bad_values(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("backend: reference\nvalidate_checkpoint: false\n")
+    s = _parse(["--config", str(config), "--no-validate-checkpoint"])
+    assert s.backend == "reference" and s.validate_checkpoint is False
+    config.write_text("bogus: 1\n")
+    with pytest.raises(ValidationError, match="bogus"):
+        _parse(["--config", str(config)])
+    with pytest.raises(ValidationError, match="device"):
+        load_settings({"device": "gpu"})
+    with pytest.raises(ValidationError, match="port"):
+        load_settings({"port": 70000})
+
+
+def test_help_documents_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="lutb")
+    serve_cmd.register(parser.add_subparsers())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for field in ServerSettings.model_fields:
+        assert flag_name(field) in text and env_name(field) in text
+
+
+def test_device_resolution() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(BackendUnavailableError, match="no CUDA device"):
+            resolve_device("cuda:0")
+
+
+CONFIG = CheckpointConfig(128, 128, 8)
+
+
+def test_registry_has_every_backend_and_auto_ends_with_reference() -> None:
+    assert set(BACKENDS) == {"reference", "emulated", "packed", "native"}
+    assert AUTO_ORDER[-1] == "reference"
+    cls, why = load_class("reference")
+    assert cls is not None and why == ""
+
+
+def test_auto_on_cpu_explains_its_choice() -> None:
+    choice = choose_backend("auto", CONFIG, torch.device("cpu"))
+    if not torch.cuda.is_available():
+        assert choice.name == "reference"
+    assert choice.reason.startswith("auto")
+
+
+class _NoGpu(LayerExperts):
+    name = "nogpu"
+
+    @classmethod
+    def supports(cls, config, device):
+        return Support(device.type == "cuda", "needs a CUDA device")
+
+    def forward(self, *a, **k):  # pragma: no cover
+        raise NotImplementedError
+
+    @property
+    def weight_bytes(self) -> int:  # pragma: no cover
+        return 0
+
+
+class _Broken(_NoGpu):
+    @classmethod
+    def supports(cls, config, device):
+        raise RuntimeError("driver exploded")
+
+
+def test_unavailable_backends_give_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    module = types.ModuleType("fake_backends")
+    module.NoGpu, module.Broken = _NoGpu, _Broken
+    monkeypatch.setitem(__import__("sys").modules, "fake_backends", module)
+    registry = dict(BACKENDS)
+    registry["nogpu"] = BackendEntry("nogpu", "fake_backends", "NoGpu")
+    registry["broken"] = BackendEntry("broken", "fake_backends", "Broken")
+    registry["missing"] = BackendEntry("missing", "no_such_module_anywhere", "X")
+    registry["wrongclass"] = BackendEntry("wrongclass", "fake_backends", "Nothing")
+    monkeypatch.setattr(backends, "BACKENDS", registry)
+    monkeypatch.setattr(backends, "AUTO_ORDER", ("missing", "broken", "nogpu", "wrongclass", "reference"))
+    cpu = torch.device("cpu")
+    for name, words in {"nogpu": "needs a CUDA device", "broken": "driver exploded", "missing": "cannot be imported",
+                        "wrongclass": "no LayerExperts subclass", "bogus": "unknown backend"}.items():
+        with pytest.raises(BackendUnavailableError) as info:
+            choose_backend(name, CONFIG, cpu)
+        assert words in str(info.value) and name in str(info.value)
+    choice = choose_backend("auto", CONFIG, cpu)
+    assert choice.name == "reference"
+    for words in ("missing:", "broken:", "nogpu:", "wrongclass:"):
+        assert words in choice.reason
+
+
+def test_demo_checkpoint_is_made_once_and_served(tmp_path: Path) -> None:
+    pytest.importorskip("lutb_kernels.synth")
+    from lutb_client import ExpertClient
+    from lutb_server.app import DEMO_NAME, ensure_demo_checkpoint
+    from lutb_server.testing import ServerThread
+
+    path = ensure_demo_checkpoint(tmp_path)
+    assert path == tmp_path / DEMO_NAME
+    stamp = [f.stat().st_mtime_ns for f in sorted(path.glob("*.safetensors"))]
+    assert ensure_demo_checkpoint(tmp_path) == path
+    assert [f.stat().st_mtime_ns for f in sorted(path.glob("*.safetensors"))] == stamp  # cached, not remade
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+    with ServerThread(demo_dir=tmp_path) as server, ExpertClient(server.address) as client:
+        info = client.model_info()
+    assert (info.hidden_size, info.num_experts, len(info.layers)) == (256, 8, 2)

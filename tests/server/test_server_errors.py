@@ -1,0 +1,129 @@
+"""Every refusal of the service: its status code and a message naming the field (unary and in-stream)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+import pytest
+import torch
+
+from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
+from lutb_client.codec import encode_tensor
+from lutb_server.testing import ServerThread
+
+HIDDEN = 128
+OK = grpc.StatusCode.OK
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _request(tokens: int = 4, k: int = 2, **fields) -> pb.ForwardRequest:
+    x = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
+    ids = torch.randint(0, 8, (tokens, k), dtype=torch.int32)
+    w = torch.rand(tokens, k)
+    fields.setdefault("layer", 0)
+    request = pb.ForwardRequest(request_id=7, **fields)
+    encode_tensor(x, out=request.hidden_states)
+    encode_tensor(ids, out=request.topk_ids)
+    encode_tensor(w, out=request.topk_weights)
+    return request
+
+
+def _with(tensor_field: str, tensor: torch.Tensor, **kwargs) -> pb.ForwardRequest:
+    request = _request(**kwargs)
+    encode_tensor(tensor, out=getattr(request, tensor_field))
+    return request
+
+
+def _mutate(fn: Callable[[pb.ForwardRequest], None], **kwargs) -> pb.ForwardRequest:
+    request = _request(**kwargs)
+    fn(request)
+    return request
+
+
+def _nan_x() -> torch.Tensor:
+    x = torch.randn(4, HIDDEN).to(torch.bfloat16)
+    x[2, 5] = float("nan")
+    return x
+
+
+def _inf_x() -> torch.Tensor:
+    x = torch.randn(4, HIDDEN).to(torch.bfloat16)
+    x[0, 0] = float("-inf")
+    return x
+
+
+CASES = {
+    "hidden dtype int32": (_with("hidden_states", torch.zeros(4, HIDDEN, dtype=torch.int32)), INVALID, "hidden_states"),
+    "hidden dtype fp8": (_with("hidden_states", torch.zeros(4, HIDDEN, dtype=torch.float8_e4m3fn)), INVALID, "hidden_states"),
+    "hidden dtype unspecified": (_mutate(lambda r: setattr(r.hidden_states, "dtype", 0)), INVALID, "hidden_states"),
+    "hidden wrong H": (_with("hidden_states", torch.zeros(4, 64, dtype=torch.bfloat16)), INVALID, "hidden_states"),
+    "hidden 1-D": (_with("hidden_states", torch.zeros(HIDDEN, dtype=torch.bfloat16)), INVALID, "hidden_states"),
+    "hidden short data": (_mutate(lambda r: setattr(r.hidden_states, "data", r.hidden_states.data[:-2])), INVALID, "hidden_states"),
+    "hidden NaN": (_with("hidden_states", _nan_x()), INVALID, "hidden_states"),
+    "hidden Inf": (_with("hidden_states", _inf_x()), INVALID, "hidden_states"),
+    "hidden missing": (_mutate(lambda r: r.ClearField("hidden_states")), INVALID, "hidden_states"),
+    "ids dtype float": (_with("topk_ids", torch.zeros(4, 2)), INVALID, "topk_ids"),
+    "ids T mismatch": (_with("topk_ids", torch.zeros(3, 2, dtype=torch.int32)), INVALID, "topk_ids"),
+    "ids above range": (_with("topk_ids", torch.full((4, 2), 8, dtype=torch.int32)), INVALID, "topk_ids"),
+    "ids negative": (_with("topk_ids", torch.full((4, 2), -1, dtype=torch.int64)), INVALID, "topk_ids"),
+    "ids short data": (_mutate(lambda r: setattr(r.topk_ids, "data", r.topk_ids.data + b"\0")), INVALID, "topk_ids"),
+    "weights dtype bf16": (_with("topk_weights", torch.ones(4, 2, dtype=torch.bfloat16)), INVALID, "topk_weights"),
+    "weights shape": (_with("topk_weights", torch.ones(4, 3)), INVALID, "topk_weights"),
+    "weights NaN": (_with("topk_weights", torch.full((4, 2), float("nan"))), INVALID, "topk_weights"),
+    "route-major with weights on input": (
+        _request(k=1, apply_router_weight_on_input=True, output_mode=pb.ROUTE_MAJOR), INVALID, "output_mode"),
+    "weights on input with k=2": (_request(k=2, apply_router_weight_on_input=True), INVALID, "apply_router_weight_on_input"),
+    "unknown output mode": (_request(output_mode=9), INVALID, "output_mode"),
+    "too many tokens": (_request(tokens=65), INVALID, "max_tokens_per_request"),
+    "hidden_scales set": (_mutate(lambda r: encode_tensor(torch.zeros(4, 4, dtype=torch.uint8), out=r.hidden_scales)),
+                          INVALID, "hidden_scales"),
+    "unknown layer": (_request(layer=5), grpc.StatusCode.NOT_FOUND, "layer 5"),
+}
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerThread):
+    with grpc.insecure_channel(server.address) as channel:
+        yield pb_grpc.ExpertServiceStub(channel)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_unary_refusal(stub, case: str) -> None:
+    request, code, word = CASES[case]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Forward(request, timeout=10)
+    assert info.value.code() == code, info.value.details()
+    assert word in info.value.details()
+
+
+def test_each_refusal_inside_one_stream(stub) -> None:
+    """All the bad requests and good ones interleaved on one stream: each answered in order, the stream lives on."""
+    requests, expected = [], []
+    for i, (request, code, word) in enumerate(CASES.values()):
+        good = _request()
+        good.request_id = 1000 + i
+        bad = pb.ForwardRequest()
+        bad.CopyFrom(request)
+        bad.request_id = 2000 + i
+        requests += [good, bad]
+        expected += [(1000 + i, OK, ""), (2000 + i, code, word)]
+    responses = list(stub.ForwardStream(iter(requests), timeout=60))
+    assert len(responses) == len(requests)
+    for response, (request_id, code, word) in zip(responses, expected):
+        assert response.request_id == request_id
+        assert response.status.code == code.value[0], response.status.message
+        assert word in response.status.message
+        assert response.HasField("output") == (code == OK)
+
+
+def test_float32_input_is_rounded_to_the_model_dtype(stub) -> None:
+    x32 = torch.randn(4, HIDDEN)
+    request32 = _with("hidden_states", x32)
+    request16 = pb.ForwardRequest()
+    request16.CopyFrom(request32)
+    encode_tensor(x32.to(torch.bfloat16), out=request16.hidden_states)
+    a = stub.Forward(request32, timeout=10)
+    b = stub.Forward(request16, timeout=10)
+    assert a.output == b.output and a.output.dtype == pb.BFLOAT16

@@ -1,0 +1,96 @@
+"""The metrics endpoint, scraped over HTTP on loopback and parsed: counts match the calls made."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from lutb_client import ExpertClient, ExpertServiceError
+from lutb_server.testing import ServerThread, free_port
+
+HIDDEN = 128
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def _get(samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _batch(tokens: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16),
+            torch.randint(0, 8, (tokens, 2), generator=gen, dtype=torch.int32), torch.rand(tokens, 2, generator=gen))
+
+
+def test_metrics_count_the_calls(tiny_checkpoint: Path) -> None:
+    port = free_port()
+    with ServerThread(checkpoint=tiny_checkpoint, metrics_port=port, max_wait_us=0) as server:
+        assert server.server.metrics_port == port
+        with ExpertClient(server.address) as client:
+            client.model_info()
+            token_counts = [3, 5, 7, 11]
+            for i, tokens in enumerate(token_counts):
+                client.forward(0, *_batch(tokens, i))
+            x, ids, w = _batch(2, 9)
+            for _ in range(2):
+                with pytest.raises(ExpertServiceError):
+                    client.forward(0, x, ids + 100, w)
+            with pytest.raises(ExpertServiceError):
+                client.forward(4, x, ids, w)
+            with client.stream() as stream:
+                futures = [stream.submit(1, *_batch(4, 20 + i)) for i in range(3)] + [stream.submit(0, x, ids - 100, w)]
+            assert sum(1 for f in futures if f.exception() is None) == 3
+        samples = _scrape(port)
+    svc = "lutb.v1.ExpertService"
+    assert _get(samples, "lutb_grpc_requests_total", service=svc, method="Forward", code="OK") == 4
+    assert _get(samples, "lutb_grpc_requests_total", service=svc, method="Forward", code="INVALID_ARGUMENT") == 2
+    assert _get(samples, "lutb_grpc_requests_total", service=svc, method="Forward", code="NOT_FOUND") == 1
+    assert _get(samples, "lutb_grpc_requests_total", service=svc, method="GetModelInfo", code="OK") == 1
+    assert _get(samples, "lutb_grpc_requests_total", service=svc, method="ForwardStream", code="OK") == 1
+    assert _get(samples, "lutb_grpc_request_duration_seconds_count", service=svc, method="Forward") == 7
+    assert _get(samples, "lutb_grpc_requests_in_flight", service=svc, method="Forward") == 0
+    assert _get(samples, "lutb_forward_requests_total", rpc="Forward", code="OK") == 4
+    assert _get(samples, "lutb_forward_requests_total", rpc="ForwardStream", code="OK") == 3
+    assert _get(samples, "lutb_forward_requests_total", rpc="ForwardStream", code="INVALID_ARGUMENT") == 1
+    assert _get(samples, "lutb_tokens_processed_total", backend="reference", layer="0") == sum(token_counts)
+    assert _get(samples, "lutb_tokens_processed_total", backend="reference", layer="1") == 12
+    assert _get(samples, "lutb_batch_tokens_sum", backend="reference", layer="0") == sum(token_counts)
+    assert _get(samples, "lutb_batch_tokens_count", backend="reference", layer="0") == 4  # max_wait_us = 0, sequential calls
+    assert _get(samples, "lutb_compute_seconds_count", backend="reference", layer="1") >= 1
+    assert _get(samples, "lutb_queue_wait_seconds_count", backend="reference", layer="0") == 4
+    assert _get(samples, "lutb_queue_wait_seconds_count", backend="reference", layer="1") == 3
+    assert _get(samples, "lutb_queue_depth") == 0
+    assert _get(samples, "lutb_weight_bytes") > 0
+    info = [labels for (name, labels) in samples if name == "lutb_backend_info"]
+    assert len(info) == 1 and dict(info[0])["backend"] == "reference" and dict(info[0])["device"] == "cpu"
+    assert not any(name.startswith("lutb_gpu_memory") for name, _ in samples)  # CPU: no GPU gauges
+
+
+def test_two_servers_in_one_process_keep_separate_metrics(tiny_checkpoint: Path) -> None:
+    with ServerThread(checkpoint=tiny_checkpoint) as a, ServerThread(checkpoint=tiny_checkpoint) as b:
+        with ExpertClient(a.address) as client:
+            client.forward(0, *_batch(2, 0))
+        ra, rb = a.server.metrics.registry, b.server.metrics.registry
+        labels = {"service": "lutb.v1.ExpertService", "method": "Forward", "code": "OK"}
+        assert ra.get_sample_value("lutb_grpc_requests_total", labels) == 1
+        assert rb.get_sample_value("lutb_grpc_requests_total", labels) is None
+
+
+def test_metrics_port_zero_disables_serving(tiny_checkpoint: Path) -> None:
+    with ServerThread(checkpoint=tiny_checkpoint, metrics_port=0) as server:
+        assert server.server.metrics_port is None
+        with grpc.insecure_channel(server.address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=10)

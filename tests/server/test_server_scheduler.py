@@ -1,0 +1,194 @@
+"""BatchScheduler with a recording fake engine: pooling rules, limits, deadlines, isolation, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from lutb_server.engine import PreparedRequest
+from lutb_server.errors import DeadlineExpired, QueueFull, Unavailable
+from lutb_server.metrics import ServerMetrics
+from lutb_server.scheduler import BatchScheduler
+
+H = 4
+POISON = 7.0
+
+
+class FakeEngine:
+    """Returns x * 2 (combined) / x repeated per route (route-major); records every call; refuses POISON rows."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.calls: list[tuple[int, int, bool, str]] = []
+        self.gate = gate
+
+    def forward(self, layer, x, topk_ids, topk_weights, *, apply_router_weight_on_input=False, output_mode="combined"):
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        self.calls.append((layer, x.shape[0], apply_router_weight_on_input, output_mode))
+        if (x == POISON).any():
+            raise ValueError("poisoned row")
+        if output_mode == "route_major":
+            return x.unsqueeze(1).expand(-1, topk_ids.shape[1], -1).clone()
+        return x * 2
+
+
+def _req(tokens: int, *, layer: int = 0, k: int = 2, fill: float | None = None, mode: str = "combined",
+         on_input: bool = False) -> PreparedRequest:
+    x = torch.randn(tokens, H) if fill is None else torch.full((tokens, H), fill)
+    return PreparedRequest(layer, x, torch.zeros(tokens, k, dtype=torch.int32), torch.ones(tokens, k), on_input, mode)
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def _with_scheduler(engine, body, **kwargs):
+    scheduler = BatchScheduler(engine, **kwargs)
+    await scheduler.start()
+    try:
+        return await body(scheduler)
+    finally:
+        await scheduler.close()
+
+
+def test_pools_compatible_requests_and_splits_results() -> None:
+    engine = FakeEngine()
+    requests = [_req(t) for t in (3, 1, 5)] + [_req(2, layer=1), _req(2, k=3), _req(2, mode="route_major")]
+
+    async def body(s):
+        return await asyncio.gather(*(s.submit(r) for r in requests))
+
+    results = _run(_with_scheduler(engine, body, max_wait_us=50_000))
+    assert sorted(engine.calls) == sorted([(0, 9, False, "combined"), (1, 2, False, "combined"),
+                                           (0, 2, False, "combined"), (0, 2, False, "route_major")])
+    for request, result in zip(requests[:3], results[:3]):
+        assert torch.equal(result.output, request.x * 2)
+        assert result.batch_tokens == 9 and result.batch_requests == 3
+    assert results[5].output.shape == (2, 2, H)
+
+
+def test_max_batch_tokens_and_oversized_requests() -> None:
+    engine = FakeEngine()
+    requests = [_req(10) for _ in range(5)] + [_req(40)]
+
+    async def body(s):
+        return await asyncio.gather(*(s.submit(r) for r in requests))
+
+    results = _run(_with_scheduler(engine, body, max_wait_us=50_000, max_batch_tokens=25))
+    assert all(tokens <= 25 for _, tokens, _, _ in engine.calls if tokens != 40)
+    assert (0, 40, False, "combined") in engine.calls  # larger than the limit: runs alone
+    assert sum(tokens for _, tokens, _, _ in engine.calls) == 90
+    for request, result in zip(requests, results):
+        assert torch.equal(result.output, request.x * 2)
+
+
+def test_no_wait_runs_immediately() -> None:
+    engine = FakeEngine()
+
+    async def body(s):
+        start = time.monotonic()
+        await s.submit(_req(1))
+        return time.monotonic() - start
+
+    assert _run(_with_scheduler(engine, body, max_wait_us=0)) < 1.0
+
+
+def test_expired_deadline_is_dropped_unrun() -> None:
+    gate = threading.Event()
+    engine = FakeEngine(gate)
+    metrics = ServerMetrics()
+
+    async def body(s):
+        first = asyncio.ensure_future(s.submit(_req(1)))
+        await asyncio.sleep(0.05)  # the first call now blocks the worker
+        late = asyncio.ensure_future(s.submit(_req(5), deadline=time.monotonic() + 0.05))
+        await asyncio.sleep(0.2)
+        gate.set()
+        await first
+        with pytest.raises(DeadlineExpired, match="not computed"):
+            await late
+        with pytest.raises(DeadlineExpired):
+            await s.submit(_req(1), deadline=time.monotonic() - 1)
+
+    _run(_with_scheduler(engine, body, max_wait_us=0, metrics=metrics))
+    assert [tokens for _, tokens, _, _ in engine.calls] == [1]
+    assert metrics.registry.get_sample_value("lutb_deadline_dropped_total", {"layer": "0"}) == 1
+
+
+def test_cancelled_caller_is_not_computed() -> None:
+    gate = threading.Event()
+    engine = FakeEngine(gate)
+
+    async def body(s):
+        first = asyncio.ensure_future(s.submit(_req(1)))
+        await asyncio.sleep(0.05)
+        gone = asyncio.ensure_future(s.submit(_req(6)))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        gate.set()
+        await first
+        await s.submit(_req(2))
+
+    _run(_with_scheduler(engine, body, max_wait_us=0))
+    assert [tokens for _, tokens, _, _ in engine.calls] == [1, 2]
+
+
+def test_queue_full() -> None:
+    gate = threading.Event()
+    engine = FakeEngine(gate)
+
+    async def body(s):
+        running = asyncio.ensure_future(s.submit(_req(1)))
+        await asyncio.sleep(0.05)
+        queued = [asyncio.ensure_future(s.submit(_req(1))) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        assert s.queue_depth == 2
+        with pytest.raises(QueueFull, match="max_queue_requests = 2"):
+            await s.submit(_req(1))
+        gate.set()
+        await asyncio.gather(running, *queued)
+
+    _run(_with_scheduler(engine, body, max_wait_us=0, max_queue_requests=2))
+
+
+def test_a_failing_pooled_call_fails_only_the_culprit() -> None:
+    engine = FakeEngine()
+    requests = [_req(2), _req(3, fill=POISON), _req(4)]
+
+    async def body(s):
+        return await asyncio.gather(*(s.submit(r) for r in requests), return_exceptions=True)
+
+    results = _run(_with_scheduler(engine, body, max_wait_us=50_000))
+    assert isinstance(results[1], ValueError)
+    for i in (0, 2):
+        assert torch.equal(results[i].output, requests[i].x * 2)
+        assert results[i].batch_requests == 1  # rerun alone after the pooled call failed
+    assert engine.calls[0][1] == 9
+
+
+def test_close_fails_waiting_requests_with_unavailable() -> None:
+    gate = threading.Event()
+    engine = FakeEngine(gate)
+
+    async def body():
+        s = BatchScheduler(engine, max_wait_us=0)
+        await s.start()
+        running = asyncio.ensure_future(s.submit(_req(1)))
+        await asyncio.sleep(0.05)
+        waiting = asyncio.ensure_future(s.submit(_req(1)))
+        await asyncio.sleep(0.01)
+        closing = asyncio.ensure_future(s.close())
+        await asyncio.sleep(0.05)
+        gate.set()
+        await closing
+        with pytest.raises(Unavailable):
+            await waiting
+        with pytest.raises(Unavailable):
+            await s.submit(_req(1))
+        running.cancel()
+
+    _run(body())

@@ -1,0 +1,121 @@
+"""`lutb serve` in a subprocess: SIGTERM with calls in flight drains them and exits 0 within the grace."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from lutb_client import ExpertClient, ExpertServiceError
+from lutb_server.testing import free_port
+
+SERVE = "import sys; from lutb_server.cli import main; sys.exit(main(sys.argv[1:]))"
+GRACE_S = 8
+
+
+def _start(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", SERVE, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _wait_listening(proc: subprocess.Popen, timeout: float = 90) -> list[str]:
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        seen.append(line)
+        if "listening on" in line:
+            return seen
+    proc.kill()
+    pytest.fail("server did not start:\n" + "".join(seen))
+
+
+def test_sigterm_drains_in_flight_calls(tiny_checkpoint: Path) -> None:
+    port = free_port()
+    proc = _start(["--checkpoint", str(tiny_checkpoint), "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
+                   "--max-wait-us", "600000"], env={"LUTB_SHUTDOWN_GRACE_S": str(GRACE_S)})
+    try:
+        _wait_listening(proc)
+        target = f"127.0.0.1:{port}"
+        statuses: list[int] = []
+        channel = grpc.insecure_channel(target)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="lutb.v1.ExpertService"))
+
+        def follow() -> None:
+            try:
+                for response in watch:
+                    statuses.append(response.status)
+            except grpc.RpcError:
+                pass
+
+        watcher = threading.Thread(target=follow, daemon=True)
+        watcher.start()
+        x = torch.randn(4, 128).to(torch.bfloat16)
+        ids = torch.randint(0, 8, (4, 2), dtype=torch.int32)
+        w = torch.rand(4, 2)
+
+        def call() -> object:
+            try:
+                with ExpertClient(target, retries=0, timeout=30) as client:
+                    return client.forward(0, x, ids, w)
+            except ExpertServiceError as exc:
+                return exc
+
+        with ThreadPoolExecutor(8) as pool:
+            first = [pool.submit(call) for _ in range(5)]
+            time.sleep(0.3)  # in flight: waiting in the 0.6 s batch window
+            sent_at = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+            late = [pool.submit(call) for _ in range(3)]  # after the signal
+            in_flight = [f.result(60) for f in first]
+            turned_away = [f.result(60) for f in late]
+        code = proc.wait(GRACE_S + 10)
+        elapsed = time.monotonic() - sent_at
+        watcher.join(5)
+        channel.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0
+    assert elapsed < GRACE_S
+    for outcome in in_flight:  # none lost: every call in flight at SIGTERM finished
+        assert isinstance(outcome, torch.Tensor) and outcome.shape == (4, 128), outcome
+    for outcome in turned_away:  # calls after SIGTERM: UNAVAILABLE (draining, or the port already closed)
+        assert isinstance(outcome, ExpertServiceError) and outcome.code == grpc.StatusCode.UNAVAILABLE, outcome
+    SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert statuses[-2:] == [SERVING, NOT_SERVING], statuses
+
+
+def test_forcing_an_unavailable_backend_exits_with_a_reason(tiny_checkpoint: Path) -> None:
+    proc = _start(["--checkpoint", str(tiny_checkpoint), "--backend", "native", "--port", "0", "--metrics-port", "0",
+                   "--host", "127.0.0.1"])
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 2
+    assert "backend 'native' cannot run" in out
+
+
+def test_bad_setting_exits_with_a_reason() -> None:
+    proc = _start(["--device", "tpu"])
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 2 and "device" in out
