@@ -16,7 +16,8 @@ from collections.abc import Sequence
 # Order here is the order in `lutb --help`.
 SUBCOMMAND_MODULES = (
     "lutb_server.cli.serve_cmd",  # serve
-    "lutb_server.cli.client_cmds",  # info, bench, check
+    "lutb_server.cli.client_cmds",  # info, bench
+    "lutb_server.cli.check_cmd",  # check, record
     "lutb_server.cli.checkpoint_cmds",  # synth, quantize, inspect
     "lutb_server.cli.health_cmd",  # health
     "lutb_server.cli.shard_cmd",  # shard

@@ -1,7 +1,7 @@
-"""Client-side commands: ``lutb info``, ``lutb bench`` and ``lutb check`` against a running server.
+"""Client-side commands: ``lutb info`` and ``lutb bench`` against a running server.
 
-Exit codes: 0 success; 1 ``check`` found outputs beyond tolerance; 2 the server
-could not be reached, refused, or the checkpoints differ.
+Exit codes: 0 success; 2 the server could not be reached or refused. (``lutb check``
+and ``lutb record`` live in :mod:`lutb_server.cli.check_cmd`.)
 """
 
 from __future__ import annotations
@@ -11,10 +11,7 @@ import sys
 from typing import Any
 
 EXIT_OK = 0
-EXIT_MISMATCH = 1
 EXIT_ERROR = 2
-TOLERANCE = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 2e-3}
-"""Relative L2 error allowed by spec section 6, per model dtype."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,22 +38,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--timeout", type=float, default=60.0, help="deadline of each call in seconds (default: 60)")
     bench.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     bench.set_defaults(run=run_bench)
-
-    check = subparsers.add_parser(
-        "check", help="compare a server's outputs with the local reference on the same checkpoint",
-        description="Send random batches to TARGET and run them through the local reference on DIR (whose "
-                    "content hash must match the server's); print rel L2, max abs, cosine and NaN count per "
-                    "batch; exit 1 beyond spec section 6 tolerance (rel L2 1e-2 bf16/fp16, 2e-3 fp32).",
-    )
-    check.add_argument("target", metavar="TARGET", help="server address host:port")
-    check.add_argument("--checkpoint", required=True, metavar="DIR", help="the checkpoint the server should be serving")
-    check.add_argument("--tokens", type=int, default=64, help="tokens per batch (default: 64, the spec's minimum)")
-    check.add_argument("--batches", type=int, default=2, help="batches per layer (default: 2)")
-    check.add_argument("--topk", type=int, default=4, help="routes per token, capped at the expert count (default: 4)")
-    check.add_argument("--layers", type=int, nargs="*", default=None, help="layers to check (default: all)")
-    check.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    check.add_argument("--timeout", type=float, default=120.0, help="deadline of each call in seconds (default: 120)")
-    check.set_defaults(run=run_check)
 
 
 def random_batch(tokens: int, hidden: int, num_experts: int, topk: int, dtype: Any, gen: Any) -> tuple[Any, Any, Any]:
@@ -230,63 +211,3 @@ async def _bench(args: argparse.Namespace) -> int:
         print(f"server (mean): queue {queue:.2f} ms  compute {compute:.2f} ms  total {total:.2f} ms  "
               f"batch {batch:.1f} tokens")
     return EXIT_OK if not errors else EXIT_ERROR
-
-
-def run_check(args: argparse.Namespace) -> int:
-    import torch
-
-    from lutb_client.client import ExpertClient
-    from lutb_client.errors import ExpertServiceError
-    from lutb_kernels.checkpoint import Checkpoint
-    from lutb_kernels.errors import LutBError
-    from lutb_kernels.experts.reference import ReferenceExperts
-
-    try:
-        checkpoint = Checkpoint(args.checkpoint)
-    except LutBError as exc:
-        print(f"lutb check: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    try:
-        client = ExpertClient(args.target, timeout=args.timeout)
-        info = client.model_info()
-    except ExpertServiceError as exc:
-        print(f"lutb check: {args.target}: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    local_hash = checkpoint.content_hash()
-    if info.content_hash != local_hash:
-        print(f"lutb check: refusing: the server serves checkpoint {info.content_hash}, "
-              f"but {args.checkpoint} is {local_hash}", file=sys.stderr)
-        return EXIT_ERROR
-    config = checkpoint.config
-    tolerance = TOLERANCE[config.dtype]
-    layers = args.layers if args.layers else [layer.layer for layer in info.layers]
-    gen = torch.Generator().manual_seed(args.seed)
-    worst = 0.0
-    failed = False
-    print(f"checking {args.target} ({info.backend} on {info.device}) against the local reference; "
-          f"{config.dtype}: rel L2 tolerance {tolerance:g}")
-    print(f"{'layer':>5} {'batch':>5} {'mode':>11} {'rel_l2':>10} {'max_abs':>10} {'cosine':>10} {'nan':>5}  verdict")
-    with client:
-        for layer in layers:
-            reference = ReferenceExperts(config, checkpoint.layer(layer), "cpu")
-            for batch in range(args.batches):
-                x, ids, w = random_batch(args.tokens, config.hidden_size, config.num_experts, args.topk, config.torch_dtype, gen)
-                mode = "route_major" if batch % 2 else "combined"
-                try:
-                    got = client.forward(layer, x, ids, w, output_mode=mode)
-                except ExpertServiceError as exc:
-                    print(f"lutb check: layer {layer}: {exc}", file=sys.stderr)
-                    return EXIT_ERROR
-                want = reference.forward(x, ids, w, output_mode=mode)
-                g, r = got.double(), want.double()
-                nan = int(torch.isnan(got).sum())
-                rel = float((g - r).norm() / r.norm().clamp_min(1e-30))
-                max_abs = float((g - r).abs().max()) if g.numel() else 0.0
-                cosine = float(torch.nn.functional.cosine_similarity(g.flatten(), r.flatten(), dim=0))
-                ok = nan == 0 and got.shape == want.shape and rel <= tolerance
-                failed |= not ok
-                worst = max(worst, rel)
-                print(f"{layer:>5} {batch:>5} {mode:>11} {rel:>10.3e} {max_abs:>10.3e} {cosine:>10.6f} {nan:>5}  "
-                      f"{'ok' if ok else 'FAIL'}")
-    print(f"{'FAIL' if failed else 'ok'}: worst rel L2 {worst:.3e} (tolerance {tolerance:g})")
-    return EXIT_MISMATCH if failed else EXIT_OK

@@ -1,0 +1,444 @@
+"""Run a check: send the same batches to two sides, compare, judge; or record one side's answers.
+
+A *side* answers batches: :class:`NodeSide` (a live server), :class:`ReferenceSide`
+(the local plain-PyTorch reference on a checkpoint) or :class:`RecordedSide` (the
+answers kept in a record file). :func:`run_check` compares a target side with the
+side it is checked against (the judge) and returns a :class:`~lutb_client.check.report.CheckReport`;
+:func:`record_node` keeps a node's answers in a file (:mod:`lutb_client.check.record`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lutb_client.check.compare import ErrorStats, route_rows_by_expert
+from lutb_client.check.record import Recording, read_recording, write_recording
+from lutb_client.check.report import POOLED, CheckReport, Row
+from lutb_client.check.suites import Batch, NodeShape, headroom_probe, make_batches, resolve_suites
+from lutb_client.codec import dtype_name, to_torch_dtype
+
+IDENTITY_FIELDS = ("content_hash", "mxfp8_scale_mode")
+"""Fields two sides must share to be compared without ``force`` (spec section 3: the scale mode is identity)."""
+SHAPE_FIELDS = ("hidden_size", "num_experts", "dtype")
+"""Fields without which no comparison is possible, ``force`` or not."""
+DEFAULT_TOKENS = 1024
+DEFAULT_TOPK = 8
+
+
+class CheckError(Exception):
+    """The check cannot run (unreachable node, bad checkpoint or record, layers not held, sizes that differ)."""
+
+
+class IdentityMismatch(CheckError):
+    """The two sides serve different checkpoints or scale modes; ``differences`` says which fields."""
+
+    def __init__(self, differences: list[dict[str, Any]], target: str, against: str) -> None:
+        self.differences = differences
+        parts = [f"{d['field']} differs: {target} has {d['target']}, {against} has {d['against']}" for d in differences]
+        super().__init__("; ".join(parts))
+
+
+def model_info_dict(info: Any) -> dict[str, Any]:
+    """A ``lutb.v1.ModelInfo`` as plain JSON-ready data (integers as numbers, dtype by name)."""
+    return {
+        "format": info.format,
+        "format_version": int(info.format_version),
+        "hidden_size": int(info.hidden_size),
+        "intermediate_size": int(info.intermediate_size),
+        "num_experts": int(info.num_experts),
+        "layers": [{"layer": int(layer.layer), "expert_ids": [int(e) for e in layer.expert_ids]} for layer in info.layers],
+        "activation": info.activation,
+        "dtype": dtype_name(info.dtype),
+        "mxfp8_scale_mode": info.mxfp8_scale_mode,
+        "backend": info.backend,
+        "backend_reason": info.backend_reason,
+        "device": info.device,
+        "max_tokens_per_request": int(info.max_tokens_per_request),
+        "max_batch_tokens": int(info.max_batch_tokens),
+        "content_hash": info.content_hash,
+        "server_version": info.server_version,
+    }
+
+
+def model_dtype(info: dict[str, Any]) -> torch.dtype:
+    """The torch model dtype of a :func:`model_info_dict`."""
+    from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+
+    return to_torch_dtype(pb.DataType.Value(info["dtype"]))
+
+
+def _layers_of(info: dict[str, Any]) -> dict[int, list[int]]:
+    return {int(entry["layer"]): [int(e) for e in entry["expert_ids"]] for entry in info["layers"]}
+
+
+class Side:
+    """Something that answers batches. ``address`` names it in reports; ``info`` is its ModelInfo as a dict."""
+
+    address: str
+    kind: str
+    info: dict[str, Any]
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"address": self.address, "kind": self.kind, "model_info": self.info}
+
+
+class NodeSide(Side):
+    """A live expert server."""
+
+    kind = "node"
+
+    def __init__(self, address: str, *, timeout: float = 120.0) -> None:
+        from lutb_client.client import ExpertClient
+        from lutb_client.errors import ExpertServiceError
+
+        self.address = address
+        self.client = ExpertClient(address, timeout=timeout, retries=1)
+        try:
+            self.info = model_info_dict(self.client.model_info(timeout=min(timeout, 15.0)))
+        except ExpertServiceError as exc:
+            self.client.close()
+            raise CheckError(f"{address}: {exc}") from None
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.client.forward(
+            batch.layer, batch.hidden_states, batch.topk_ids, batch.topk_weights,
+            apply_router_weight_on_input=batch.apply_router_weight_on_input, output_mode=batch.output_mode,
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class ReferenceSide(Side):
+    """The local reference (``lutb_kernels`` ReferenceExperts) on a checkpoint directory; one layer loaded at a time."""
+
+    kind = "reference"
+
+    def __init__(self, checkpoint: str | Path, *, device: str = "auto") -> None:
+        from lutb_kernels.checkpoint import Checkpoint
+        from lutb_kernels.errors import LutBError
+
+        try:
+            self.checkpoint = Checkpoint(checkpoint)
+        except LutBError as exc:
+            raise CheckError(str(exc)) from None
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.address = "reference"
+        config = self.checkpoint.config
+        self.info = {
+            "format": "lut-b",
+            "format_version": 1,
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size,
+            "num_experts": config.num_experts,
+            "layers": [{"layer": layer, "expert_ids": self.checkpoint.expert_ids(layer).tolist()}
+                       for layer in self.checkpoint.layers],
+            "activation": config.activation,
+            "dtype": dtype_name(config.torch_dtype),
+            "mxfp8_scale_mode": config.mxfp8_scale_mode,
+            "backend": "reference",
+            "backend_reason": f"local reference on {self.checkpoint.path}",
+            "device": str(self.device),
+            "max_tokens_per_request": 0,
+            "max_batch_tokens": 0,
+            "content_hash": self.checkpoint.content_hash(),
+            "server_version": "",
+            "checkpoint_path": str(self.checkpoint.path),
+        }
+        self._layer: int | None = None
+        self._experts: Any = None
+
+    def _experts_of(self, layer: int) -> Any:
+        from lutb_kernels.experts.reference import ReferenceExperts
+
+        if self._layer != layer:
+            self._experts = None  # release the previous layer before loading the next
+            self._experts = ReferenceExperts(self.checkpoint.config, self.checkpoint.layer(layer), self.device)
+            self._layer = layer
+        return self._experts
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        experts = self._experts_of(batch.layer)
+        out = experts.forward(
+            batch.hidden_states.to(self.device, self.checkpoint.config.torch_dtype),
+            batch.topk_ids.to(self.device), batch.topk_weights.to(self.device, torch.float32),
+            apply_router_weight_on_input=batch.apply_router_weight_on_input, output_mode=batch.output_mode,
+        )
+        return out.cpu()
+
+
+class RecordedSide(Side):
+    """The answers kept in a record file (see :mod:`lutb_client.check.record`)."""
+
+    kind = "record"
+
+    def __init__(self, recording: Recording, file: str | Path) -> None:
+        self.recording = recording
+        self.file = str(file)
+        self.address = recording.address
+        self.info = recording.model_info
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        if batch.index in self.recording.outputs:
+            return self.recording.outputs[batch.index]
+        import grpc
+
+        from lutb_client.errors import ExpertServiceError
+
+        error = self.recording.errors.get(batch.index, {"code": "UNKNOWN", "message": "not recorded"})
+        code = getattr(grpc.StatusCode, str(error.get("code")), grpc.StatusCode.UNKNOWN)
+        raise ExpertServiceError(code, f"(recorded) {error.get('message', '')}")
+
+
+def compare_identity(target: dict[str, Any], against: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(differences, incompatible)``: identity fields that differ, and shape fields that make comparison impossible."""
+    differences = [{"field": f, "target": target.get(f), "against": against.get(f)}
+                   for f in IDENTITY_FIELDS if target.get(f) != against.get(f)]
+    incompatible = [{"field": f, "target": target.get(f), "against": against.get(f)}
+                    for f in SHAPE_FIELDS if target.get(f) != against.get(f)]
+    return differences, incompatible
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency of the project
+        return None
+    return tqdm(total=total, desc=desc, unit="batch", file=sys.stderr, disable=not enabled, leave=False)
+
+
+def _select_layers(info: dict[str, Any], layers: Sequence[int] | None, who: str) -> list[int]:
+    held = _layers_of(info)
+    chosen = list(layers) if layers else sorted(held)
+    missing = [layer for layer in chosen if layer not in held]
+    if missing:
+        raise CheckError(f"{who} does not hold layer(s) {missing}; it holds {sorted(held)}")
+    return chosen
+
+
+def _cap(tokens: int, *infos: dict[str, Any]) -> int:
+    cap = max(1, int(tokens))
+    for info in infos:
+        limit = int(info.get("max_tokens_per_request") or 0)
+        if limit > 0:
+            cap = min(cap, limit)
+    return cap
+
+
+def _shape(info: dict[str, Any], topk: int, cap: int) -> NodeShape:
+    return NodeShape(
+        hidden_size=int(info["hidden_size"]), num_experts=int(info["num_experts"]), dtype=model_dtype(info),
+        experts=_layers_of(info), max_tokens=cap, topk=topk,
+    )
+
+
+def _call(side: Side, batch: Batch) -> tuple[torch.Tensor | None, dict[str, str] | None]:
+    from lutb_client.errors import ExpertServiceError
+
+    try:
+        return side.forward(batch), None
+    except ExpertServiceError as exc:
+        return None, {"code": exc.code.name, "message": exc.message}
+    except Exception as exc:  # noqa: BLE001 - the reference's refusal of a batch is a finding, not a crash
+        return None, {"code": type(exc).__name__, "message": str(exc)}
+
+
+def run_check(
+    target: Side,
+    against: Side,
+    *,
+    suites: Iterable[str] | None = None,
+    layers: Sequence[int] | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    seed: int = 0,
+    topk: int = DEFAULT_TOPK,
+    force: bool = False,
+    progress: bool = True,
+) -> CheckReport:
+    """Send the same batches to ``target`` and ``against`` (the judge) and judge ``target``.
+
+    With a :class:`RecordedSide` as ``target`` the recorded batches are replayed (``suites``,
+    ``tokens``, ``seed`` and ``topk`` then come from the record; ``layers`` filters).
+
+    Raises:
+        IdentityMismatch: content hash or scale mode differ and ``force`` is False.
+        CheckError: sizes or dtypes differ, or a layer is not held by both sides.
+        ValueError: an unknown suite name.
+    """
+    differences, incompatible = compare_identity(target.info, against.info)
+    if incompatible:
+        text = "; ".join(f"{d['field']}: {target.address} has {d['target']}, {against.address} has {d['against']}"
+                         for d in incompatible)
+        raise CheckError(f"cannot compare: {text}")
+    if differences and not force:
+        raise IdentityMismatch(differences, target.address, against.address)
+
+    replay: dict[str, Any] | None = None
+    headroom: dict[int, float] = {}
+    if isinstance(target, RecordedSide):
+        rec = target.recording
+        chosen = list(layers) if layers else rec.layers or sorted({b.layer for b in rec.batches})
+        missing = [layer for layer in chosen if layer not in {b.layer for b in rec.batches}]
+        if missing:
+            raise CheckError(f"the record holds no batches of layer(s) {missing}")
+        _select_layers(against.info, chosen, against.address)
+        batches = [b for b in rec.batches if b.layer in chosen]
+        suite_names, seed, tokens, topk = rec.suites, rec.seed, rec.tokens, rec.topk
+        headroom = {k: v for k, v in rec.headroom.items() if k in chosen}
+        replay = {"file": target.file, "recorded_at": rec.recorded_at, "address": rec.address}
+    else:
+        suite_names = resolve_suites(suites)
+        chosen = _select_layers(target.info, layers, target.address)
+        _select_layers(against.info, chosen, against.address)
+        cap = _cap(tokens, target.info, against.info)
+        shape = _shape(target.info, topk, cap)
+
+        def room(layer: int) -> float:
+            if layer not in headroom:
+                headroom[layer] = headroom_probe(against.forward, layer, shape, seed=seed)
+            return headroom[layer]
+
+        batches = make_batches(suite_names, shape, chosen, cap=cap, seed=seed, headroom=room)
+
+    hidden = int(target.info["hidden_size"])
+    target_held = _layers_of(target.info)
+    layer_stats: dict[tuple[str, int], ErrorStats] = {}
+    layer_tokens: dict[tuple[str, int], int] = {}
+    layer_errors: dict[tuple[str, int], list[str]] = {}
+    expert_stats: dict[tuple[str, int, int], ErrorStats] = {}
+    expert_routes: dict[tuple[str, int, int], int] = {}
+    errors: list[dict[str, Any]] = []
+    bar = _progress(len(batches), f"check {target.address}", progress)
+    try:
+        for batch in batches:
+            key = (batch.part, batch.layer)
+            keys = [key, (POOLED, batch.layer)] if batch.standard else [key]
+            for k in keys:
+                layer_stats.setdefault(k, ErrorStats())
+                layer_tokens[k] = layer_tokens.get(k, 0) + batch.tokens
+            got, err_t = _call(target, batch)
+            ref, err_a = _call(against, batch)
+            if got is not None and ref is not None and got.shape != ref.shape:
+                err_t = {"code": "SHAPE", "message": f"output shape {list(got.shape)} != judge's {list(ref.shape)}"}
+            for side, err in (("target", err_t), ("against", err_a)):
+                if err is not None:
+                    errors.append({"suite": batch.part, "layer": batch.layer, "batch": batch.index, "side": side, **err})
+                    for k in keys:
+                        layer_errors.setdefault(k, []).append(f"{side} {err['code']}: {err['message']}")
+            if err_t is not None or err_a is not None:
+                if bar is not None:
+                    bar.update(1)
+                continue
+            assert got is not None and ref is not None
+            for k in keys:
+                layer_stats[k].add(got.reshape(-1, hidden), ref.reshape(-1, hidden))
+            if batch.output_mode == "route_major":
+                for expert, (g, r) in route_rows_by_expert(got, ref, batch.topk_ids).items():
+                    ek = (batch.part, batch.layer, expert)
+                    expert_stats.setdefault(ek, ErrorStats()).add(g, r)
+                    expert_routes[ek] = expert_routes.get(ek, 0) + int(g.shape[0])
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+    layer_rows = [Row(suite=part, layer=layer, stats=stats, tokens=layer_tokens[(part, layer)],
+                      errors=layer_errors.get((part, layer), []))
+                  for (part, layer), stats in layer_stats.items()]
+    expert_rows = [Row(suite=part, layer=layer, expert=expert, stats=stats, tokens=expert_routes[(part, layer, expert)],
+                       held=expert in target_held.get(layer, []))
+                   for (part, layer, expert), stats in expert_stats.items()]
+    return CheckReport(
+        target=target.describe(), against=against.describe(), dtype=str(model_dtype(target.info)).removeprefix("torch."),
+        suites=list(suite_names), seed=seed, tokens=tokens, topk=topk, layers_checked=list(chosen),
+        layer_rows=layer_rows, expert_rows=expert_rows, differences=differences if force else [], forced=bool(force and differences),
+        replay=replay, headroom=headroom, errors=errors, batches=len(batches),
+    )
+
+
+def record_node(
+    target: NodeSide,
+    out: str | Path,
+    *,
+    suites: Iterable[str] | None = None,
+    layers: Sequence[int] | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    seed: int = 0,
+    topk: int = DEFAULT_TOPK,
+    progress: bool = True,
+) -> Recording:
+    """Send the check's batches to ``target`` and keep requests, responses and its ModelInfo in ``out``.
+
+    The headroom of the ``huge`` and ``heavy_tailed`` inputs is probed on ``target`` itself (there is no judge).
+    Requests the node refuses are recorded with their error.
+    """
+    suite_names = resolve_suites(suites)
+    chosen = _select_layers(target.info, layers, target.address)
+    cap = _cap(tokens, target.info)
+    shape = _shape(target.info, topk, cap)
+    headroom: dict[int, float] = {}
+
+    def room(layer: int) -> float:
+        if layer not in headroom:
+            headroom[layer] = headroom_probe(target.forward, layer, shape, seed=seed)
+        return headroom[layer]
+
+    batches = make_batches(suite_names, shape, chosen, cap=cap, seed=seed, headroom=room)
+    outputs: dict[int, torch.Tensor] = {}
+    errors: dict[int, dict[str, str]] = {}
+    bar = _progress(len(batches), f"record {target.address}", progress)
+    try:
+        for batch in batches:
+            got, err = _call(target, batch)
+            if got is not None:
+                outputs[batch.index] = got
+            else:
+                assert err is not None
+                errors[batch.index] = err
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    rec = Recording(address=target.address, model_info=target.info, batches=batches, outputs=outputs, errors=errors,
+                    suites=suite_names, seed=seed, tokens=tokens, topk=topk, layers=chosen, headroom=headroom)
+    write_recording(out, rec)
+    return rec
+
+
+def open_recording(path: str | Path) -> RecordedSide:
+    """A :class:`RecordedSide` of a record file (raises :class:`~lutb_client.check.record.RecordError`)."""
+    return RecordedSide(read_recording(path), path)
+
+
+__all__ = [
+    "DEFAULT_TOKENS",
+    "DEFAULT_TOPK",
+    "IDENTITY_FIELDS",
+    "CheckError",
+    "IdentityMismatch",
+    "NodeSide",
+    "RecordedSide",
+    "ReferenceSide",
+    "Side",
+    "compare_identity",
+    "model_dtype",
+    "model_info_dict",
+    "open_recording",
+    "record_node",
+    "run_check",
+]
