@@ -1,0 +1,401 @@
+#!/usr/bin/env python3
+"""GPU experts benchmark: emulated and packed LUT-B backends against two bf16 peers, one device call.
+
+For each MoE shape and batch size T, with uniform random top-k routing shared by every
+backend, times one whole experts forward (CUDA-graph replay of ``forward_unchecked``; falls
+back to ``triton.testing.do_bench`` and says so when capture fails):
+
+- ``packed``: LUT-B tiles decoded in registers (``lut_b_moe_gemm``), MXFP8 activations;
+- ``emulated``: weights dequantized to bf16 at load, MXFP8 QDQ, Triton grouped GEMM;
+- ``bf16_grouped_mm``: ``torch._grouped_mm`` on the same bf16 weights (sort, gather, GEMM,
+  activation, GEMM, weighted scatter-add), when this torch has it;
+- ``bf16_triton``: our grouped GEMM on the same bf16 weights without the MXFP8 QDQ.
+
+Also measures the HBM bandwidth (large device-to-device copy: bytes read + written over
+time; and a read-only reduction), the LUT-B bytes the packed forward touches (only experts
+that receive tokens), and the weight memory per backend. Prints met/not-met for the targets
+and writes ``results.json`` and ``results.md`` to ``--out``; the short table comes last.
+
+Usage::
+
+    PYTHONPATH=kernels python3 bench/kernels.py --out bench/results/<date> [--quick] [--tune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    # name: (experts, hidden, intermediate, top_k)
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+    "deepseek-v3": (256, 7168, 2048, 8),
+}
+TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
+QUICK_TOKENS = (1, 32, 8192)
+BACKENDS = ("packed", "emulated", "bf16_grouped_mm", "bf16_triton")
+PEERS = ("bf16_grouped_mm", "bf16_triton")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def time_graph(fn, *, replays: int = 20, rounds: int = 7) -> tuple[float, str]:
+    """Median microseconds per call: CUDA-graph replay, else do_bench. Returns (us, method)."""
+    torch.cuda.synchronize()
+    try:
+        fn()  # warm-up / compile outside the capture
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(rounds):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / replays)
+        del graph
+        return statistics.median(times), "cuda-graph"
+    except Exception as exc:  # noqa: BLE001 - any capture failure falls back
+        torch.cuda.synchronize()
+        from triton.testing import do_bench
+
+        ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return ms * 1e3, f"do_bench (graph capture failed: {type(exc).__name__}: {str(exc)[:80]})"
+
+
+def hbm_bandwidth() -> dict:
+    n = 2 * 1024**3  # 2 GiB
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    copy_us, _ = time_graph(lambda: dst.copy_(src), replays=5, rounds=5)
+    x = src.view(torch.float32)
+    acc = torch.empty((), device="cuda")
+    read_us, _ = time_graph(lambda: torch.sum(x, out=acc), replays=5, rounds=5)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {
+        "copy_read_plus_write_TBps": 2 * n / copy_us / 1e6,
+        "copy_read_TBps": n / copy_us / 1e6,
+        "sum_read_TBps": n / read_us / 1e6,
+    }
+
+
+# ----------------------------------------------------------------------------- peers
+
+
+class Bf16GroupedMm:
+    """``torch._grouped_mm`` pipeline on dense bf16 weights ``[E, N, K]`` (transposed views, no copy)."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, activation: str) -> None:
+        self.w13t = w13.transpose(1, 2)  # [E, H, 2I], column-major in the last two dims
+        self.w2t = w2.transpose(1, 2)  # [E, I, H]
+        self.activation = activation
+        self.experts = w13.shape[0]
+
+    @staticmethod
+    def available() -> bool:
+        return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability() >= (9, 0)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from lutb_kernels.mxfp8_triton import act_rounded
+
+        tokens, top_k = ids.shape
+        flat = ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        a = x[order // top_k]
+        h = torch._grouped_mm(a, self.w13t, offs=offs)
+        g = act_rounded(h, self.activation)
+        y = torch._grouped_mm(g, self.w2t, offs=offs)
+        y = (y.float() * weights.reshape(-1)[order, None]).to(x.dtype)
+        out = torch.zeros((tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+        out.index_add_(0, order // top_k, y.float())
+        return out.to(x.dtype)
+
+
+class Bf16Triton:
+    """Our grouped GEMM on dense bf16 weights, no MXFP8 QDQ (the emulated flow minus quantization)."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, activation: str, num_experts: int) -> None:
+        self.w13, self.w2, self.activation, self.num_experts = w13, w2, activation, num_experts
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from lutb_kernels.experts._triton_common import choose_route_block
+        from lutb_kernels.grouped_gemm import grouped_gemm, moe_combine
+        from lutb_kernels.mxfp8_triton import act_rounded
+        from lutb_kernels.routing import moe_align_block_size
+
+        tokens, top_k = ids.shape
+        block = choose_route_block(tokens * top_k, self.num_experts)
+        sorted_ids, expert_ids, ntpp = moe_align_block_size(ids, block, self.num_experts)
+        h = torch.empty((tokens * top_k, self.w13.shape[1]), dtype=x.dtype, device=x.device)
+        grouped_gemm(x, self.w13, h, None, sorted_ids, expert_ids, ntpp, top_k, block_m=block)
+        g = act_rounded(h, self.activation)
+        y = torch.empty((tokens * top_k, self.w2.shape[1]), dtype=x.dtype, device=x.device)
+        grouped_gemm(g, self.w2, y, weights.reshape(-1), sorted_ids, expert_ids, ntpp, 1, block_m=block)
+        held = torch.ones(tokens * top_k, dtype=torch.bool, device=x.device)
+        return moe_combine(y, held, top_k)
+
+
+# ----------------------------------------------------------------------------- per shape
+
+
+def make_backends(name: str, experts: int, hidden: int, inter: int) -> tuple[dict, dict, object]:
+    from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights
+    from lutb_kernels.experts.emulated import LutBEmulationTritonExperts
+    from lutb_kernels.experts.packed import LutBPackedExperts
+    from lutb_kernels.lut_b_gemm import random_tiles
+
+    cfg = CheckpointConfig(hidden_size=hidden, intermediate_size=inter, num_experts=experts, activation="silu", dtype="bfloat16")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t0 = time.time()
+    layer = LayerWeights(
+        random_tiles(cfg.w13_tiles_shape(experts), k=hidden, device="cuda", generator=gen),
+        random_tiles(cfg.w2_tiles_shape(experts), k=inter, device="cuda", generator=gen),
+        torch.arange(experts, dtype=torch.int32),
+    )
+    packed = LutBPackedExperts(cfg, layer, "cuda")
+    emulated = LutBEmulationTritonExperts(cfg, layer, "cuda")
+    del layer
+    log(f"[{name}] weights ready in {time.time() - t0:.1f} s")
+    n_weights = experts * (cfg.w13_rows * hidden + hidden * inter)
+    memory = {
+        "packed": packed.weight_bytes,
+        "emulated": emulated.weight_bytes,
+        "bf16_grouped_mm": emulated.weight_bytes,
+        "bf16_triton": emulated.weight_bytes,
+    }
+    bits = {k: v * 8 / n_weights for k, v in memory.items()}
+    fns: dict = {
+        "packed": lambda x, i, w: packed.forward_unchecked(x, i, w),
+        "emulated": lambda x, i, w: emulated.forward_unchecked(x, i, w),
+        "bf16_triton": Bf16Triton(emulated.w13, emulated.w2, "silu", experts),
+    }
+    if Bf16GroupedMm.available():
+        fns["bf16_grouped_mm"] = Bf16GroupedMm(emulated.w13, emulated.w2, "silu")
+    info = {"memory_bytes": memory, "bits_per_weight": bits, "per_expert_packed_bytes": packed.weight_bytes // experts}
+    return fns, info, (packed, emulated)
+
+
+def bench_shape(name: str, tokens_list: tuple[int, ...], results: dict) -> None:
+    experts, hidden, inter, top_k = SHAPES[name]
+    fns, info, (packed, emulated) = make_backends(name, experts, hidden, inter)
+    shape_res = {"experts": experts, "hidden": hidden, "intermediate": inter, "top_k": top_k, **info, "runs": {}}
+    results["shapes"][name] = shape_res
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for tokens in tokens_list:
+        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
+        weights = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=gen), dim=1)
+        touched_experts = int(torch.unique(ids).numel())
+        run = {"touched_experts": touched_experts, "touched_packed_bytes": touched_experts * info["per_expert_packed_bytes"]}
+        if tokens == 32:  # a sanity check on the big shapes the unit tests do not cover
+            a, b = packed.forward_unchecked(x, ids, weights).float(), emulated.forward_unchecked(x, ids, weights).float()
+            run["packed_vs_emulated_rel_l2"] = float((a - b).norm() / b.norm())
+        for backend, fn in fns.items():
+            try:
+                us, method = time_graph(lambda fn=fn: fn(x, ids, weights))
+            except torch.cuda.OutOfMemoryError as exc:
+                us, method = float("nan"), f"OOM: {exc}"[:100]
+                torch.cuda.empty_cache()
+            run[backend] = {"us": us, "method": method}
+        packed_us = run["packed"]["us"]
+        run["packed_touched_TBps"] = run["touched_packed_bytes"] / packed_us / 1e6
+        peers = [run[p]["us"] for p in PEERS if p in run and not math.isnan(run[p]["us"])]
+        run["fastest_peer_us"] = min(peers) if peers else float("nan")
+        shape_res["runs"][tokens] = run
+        log(f"[{name}] T={tokens:5d} " + " ".join(f"{b}={run[b]['us']:.1f}us" for b in fns) +
+            f" touched={run['packed_touched_TBps']:.2f}TB/s")
+    del fns, packed, emulated
+    torch.cuda.empty_cache()
+
+
+def evaluate_targets(results: dict) -> list[dict]:
+    hbm = results["hbm"]["copy_read_plus_write_TBps"]
+    targets = []
+    for name, sh in results["shapes"].items():
+        for tokens, run in sh["runs"].items():
+            tokens = int(tokens)
+            packed, peer = run["packed"]["us"], run["fastest_peer_us"]
+            if name in ("mixtral-8x7b", "deepseek-v3") and tokens <= 32:
+                frac = run["packed_touched_TBps"] / hbm
+                targets.append({"target": f"{name} T={tokens}: packed >= 60% HBM on touched bytes",
+                                "value": f"{100 * frac:.0f}%", "met": frac >= 0.6})
+                targets.append({"target": f"{name} T={tokens}: packed >= 2.5x faster than fastest bf16 peer",
+                                "value": f"{peer / packed:.2f}x", "met": peer / packed >= 2.5})
+            if tokens == 8192:
+                targets.append({"target": f"{name} T=8192: packed within 1.5x of fastest bf16 peer",
+                                "value": f"{packed / peer:.2f}x", "met": packed / peer <= 1.5})
+            em = run["emulated"]["us"]
+            targets.append({"target": f"{name} T={tokens}: emulated within 1.25x of fastest bf16 peer",
+                            "value": f"{em / peer:.2f}x", "met": em / peer <= 1.25})
+        targets.append({"target": f"{name}: packed weights <= 3.3 bits/weight",
+                        "value": f"{sh['bits_per_weight']['packed']:.3f}", "met": sh["bits_per_weight"]["packed"] <= 3.3})
+    return targets
+
+
+# ----------------------------------------------------------------------------- tuning (optional)
+
+
+def tune(results: dict, quick: bool) -> None:
+    """Sweep lut_b_moe_gemm configs on the decode and prefill GEMMs of mixtral and deepseek."""
+    from triton.testing import do_bench
+
+    from lutb_kernels import mxfp8_triton as mt
+    from lutb_kernels.experts._triton_common import choose_route_block
+    from lutb_kernels.lut_b_gemm import LutBGemmConfig, default_config, lut_b_moe_gemm, random_tiles
+    from lutb_kernels.routing import moe_align_block_size
+
+    out = results.setdefault("tune", [])
+    for name in ("mixtral-8x7b", "deepseek-v3"):
+        experts, hidden, inter, top_k = SHAPES[name]
+        for which, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+            w = random_tiles((experts, n // 128, k // 128), k=k, device="cuda")
+            for tokens in ((1, 32) if quick else (1, 8, 32, 2048)):
+                m_rows = tokens if which == "w13" else tokens * top_k
+                tk = top_k if which == "w13" else 1
+                ids = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
+                block = choose_route_block(tokens * top_k, experts)
+                sorted_ids, expert_ids, ntpp = moe_align_block_size(ids, block, experts)
+                q = mt.mxfp8_qdq(torch.randn(m_rows, k, device="cuda", dtype=torch.bfloat16), k_order="decoder",
+                                 out_dtype=torch.bfloat16)
+                s = None  # the packed experts feed bf16 MXFP8 values
+                outt = torch.empty(tokens * top_k, n, device="cuda", dtype=torch.bfloat16)
+                base = default_config(tokens * top_k, n, k, experts, block, torch.device("cuda"))
+                cands = {base}
+                for bn in (64, 128):
+                    for sk in (1, 2, 4, 8, 16):
+                        for g in (1, 2):
+                            for warps in (4, 8):
+                                cands.add(LutBGemmConfig(block_m=block, block_n=bn, split_k=sk, swap_ab=True,
+                                                         num_warps=warps, num_stages=3, groups_per_step=g))
+                best = []
+                for cfg in cands:
+                    try:
+                        ms = do_bench(lambda cfg=cfg: lut_b_moe_gemm(q, s, w, outt, None, sorted_ids, expert_ids, ntpp, tk,
+                                                                     block_m=block, a_k_order="decoder", config=cfg),
+                                      warmup=5, rep=20, return_mode="median")
+                    except Exception as exc:  # noqa: BLE001
+                        log(f"  tune {cfg}: {type(exc).__name__}")
+                        continue
+                    best.append((ms * 1e3, cfg))
+                best.sort(key=lambda t: t[0])
+                base_us = next(us for us, c in best if c == base) if any(c == base for _, c in best) else float("nan")
+                rec = {"shape": name, "gemm": which, "tokens": tokens, "default_us": base_us, "default": str(base),
+                       "best": [(us, str(c)) for us, c in best[:3]]}
+                out.append(rec)
+                log(f"[tune] {name} {which} T={tokens}: default {base_us:.1f} us; best {best[0][0]:.1f} us {best[0][1]}")
+            del w
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def markdown(results: dict, targets: list[dict]) -> str:
+    lines = [f"# GPU experts benchmark ({results['device']})", "",
+             f"torch {results['torch']}, triton {results['triton']}; HBM (2 GiB D2D copy, read+write): "
+             f"{results['hbm']['copy_read_plus_write_TBps']:.2f} TB/s; read-only sum: {results['hbm']['sum_read_TBps']:.2f} TB/s", "",
+             "Median microseconds per whole experts forward (bf16, silu, uniform random routing).", "",
+             "| shape | T | packed | emulated | bf16 _grouped_mm | bf16 triton | packed touched TB/s | packed vs fastest peer |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, sh in results["shapes"].items():
+        for tokens, run in sh["runs"].items():
+            cell = lambda b: f"{run[b]['us']:.1f}" if b in run else "n/a"  # noqa: E731
+            lines.append(f"| {name} | {tokens} | {cell('packed')} | {cell('emulated')} | {cell('bf16_grouped_mm')} | "
+                         f"{cell('bf16_triton')} | {run['packed_touched_TBps']:.2f} | {run['fastest_peer_us'] / run['packed']['us']:.2f}x |")
+    lines += ["", "| shape | backend | weight GB | bits/weight |", "| --- | --- | --- | --- |"]
+    for name, sh in results["shapes"].items():
+        for b, v in sh["memory_bytes"].items():
+            lines.append(f"| {name} | {b} | {v / 1e9:.2f} | {sh['bits_per_weight'][b]:.3f} |")
+    lines += ["", "| target | value | met |", "| --- | --- | --- |"]
+    lines += [f"| {t['target']} | {t['value']} | {'met' if t['met'] else 'NOT MET'} |" for t in targets]
+    methods = {run[b]["method"] for sh in results["shapes"].values() for run in sh["runs"].values()
+               for b in BACKENDS if b in run and run[b]["method"] != "cuda-graph"}
+    if methods:
+        lines += ["", "Timing fallbacks: " + "; ".join(sorted(methods))]
+    return "\n".join(lines) + "\n"
+
+
+def short_table(results: dict, targets: list[dict]) -> str:
+    lines = [f"HBM copy {results['hbm']['copy_read_plus_write_TBps']:.2f} TB/s",
+             f"{'shape':15s} {'T':>5s} {'packed':>9s} {'emul':>9s} {'gmm':>9s} {'bf16tri':>9s} {'pk TB/s':>7s} {'pk/peer':>7s}"]
+    for name, sh in results["shapes"].items():
+        for tokens, run in sh["runs"].items():
+            f = lambda b: f"{run[b]['us']:9.1f}" if b in run else f"{'n/a':>9s}"  # noqa: E731
+            lines.append(f"{name:15s} {int(tokens):5d} {f('packed')} {f('emulated')} {f('bf16_grouped_mm')} {f('bf16_triton')} "
+                         f"{run['packed_touched_TBps']:7.2f} {run['fastest_peer_us'] / run['packed']['us']:6.2f}x")
+    met = sum(t["met"] for t in targets)
+    lines.append(f"targets met: {met}/{len(targets)}")
+    lines += [f"  NOT MET: {t['target']} ({t['value']})" for t in targets if not t["met"]]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for results.json and results.md")
+    parser.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS} only")
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--tokens", nargs="*", type=int, default=None)
+    parser.add_argument("--tune", action="store_true", help="also sweep lut_b_moe_gemm configs (adds ~2-4 minutes)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    results: dict = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "capability": list(torch.cuda.get_device_capability()),
+        "grouped_mm": Bf16GroupedMm.available(), "shapes": {},
+    }
+    results["hbm"] = hbm_bandwidth()
+    log(f"HBM: {results['hbm']}")
+    tokens = tuple(args.tokens) if args.tokens else (QUICK_TOKENS if args.quick else TOKENS)
+    for name in args.shapes:
+        bench_shape(name, tokens, results)
+    if args.tune:
+        tune(results, args.quick)
+    targets = evaluate_targets(results)
+    results["targets"] = targets
+    results["wall_s"] = time.time() - t_start
+    (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    (args.out / "results.md").write_text(markdown(results, targets))
+    print(f"\nwrote {args.out}/results.json and results.md in {results['wall_s']:.0f} s\n")
+    print(short_table(results, targets))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Triton kernels behind :mod:`lutb_kernels.lut_b_gemm` (imports triton; load lazily)."""

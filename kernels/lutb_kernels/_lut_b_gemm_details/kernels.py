@@ -1,0 +1,288 @@
+"""The LUT-B x MXFP8 grouped GEMM kernel: tiles decoded in registers, bf16 tensor-core dots.
+
+Tile layout (spec section 1), seen as int32 words: word 0..3 hold the 8 bf16 LUT entries
+(entry 2w in the low half of word w, 2w+1 in the high half); bytes 16 + 4r + g the E8M0
+scale of (row r, group g); words 132 + 3 (4r + g) + b the bit-plane b of (r, g).
+
+Decoder order. From the three plane words of one (row, 32-group),
+``sel_i = ((p0 >> i) & 0x11111111) | ((p1 >> i) & 0x11111111) << 1 | ((p2 >> i) & 0x11111111) << 2``
+holds in nibble j the code of column ``i + 4j``; a lookup turns it into 4 bf16x2 words
+``w = 0..3`` holding the columns ``i + 8w`` and ``i + 8w + 4``. The decoder emits a group's 32
+weights in position order ``8w + 2i + h`` (column ``i + 8w + 4h``), which puts the 4 words of
+selector ``i`` exactly where the tensor cores' register operand wants lane ``i`` of a quad; the
+activations are read in the same order (``lutb_kernels.mxfp8_triton.decoder_column_order``),
+which the dot product does not mind.
+
+Two decoders produce the same values (constexpr ``DECODER``):
+
+- ``DECODER == 1`` (NVIDIA, sm80+): ``prmt.b32`` looks up 4 weights per instruction. Per
+  (row, group) the 4 LUT words are multiplied by the group's power-of-two scale as bf16x2
+  (4 ``fma.rn.bf16x2``, exact while the result is a normal bf16) and split into two words
+  of low bytes and two of high bytes (4 ``prmt``); per 8 weights two ``prmt`` pick the low
+  and high bytes and two more (selectors 0x5140, 0x7362) interleave them into bf16x2 words.
+- ``DECODER == 0`` (pure Triton, for the interpreter and other GPUs): shifts, masks and a
+  3-level select over the LUT, float32 scale multiply.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pow2_e8m0_f32(s):
+    """float32 ``2**(s - 127)`` for int32 E8M0 bytes (0 is the subnormal 2**-127)."""
+    return tl.where(s == 0, 0x400000, s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_lut_words(w_words_ptr, tile_word):
+    """The 4 uint32 words holding a tile's 8 bf16 LUT entries (scalar loads, broadcast to all threads)."""
+    w0 = tl.load(w_words_ptr + tile_word).to(tl.uint32, bitcast=True)
+    w1 = tl.load(w_words_ptr + tile_word + 1).to(tl.uint32, bitcast=True)
+    w2 = tl.load(w_words_ptr + tile_word + 2).to(tl.uint32, bitcast=True)
+    w3 = tl.load(w_words_ptr + tile_word + 3).to(tl.uint32, bitcast=True)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    """Pure-Triton decoder: float32 ``[BLOCK_N, 32 G]`` in decoder order.
+
+    ``p0, p1, p2``: uint32 ``[BLOCK_N, G]`` plane words per (row, group); ``sc``: int32
+    ``[BLOCK_N, G]`` E8M0 bytes; ``w0..w3``: uint32 LUT words.
+    """
+    pos = tl.arange(0, 32)
+    col = ((pos % 8) // 2 + 8 * (pos // 8) + 4 * (pos % 2)).to(tl.uint32)[None, None, :]
+    code = ((p0[:, :, None] >> col) & 1) | (((p1[:, :, None] >> col) & 1) << 1) | (((p2[:, :, None] >> col) & 1) << 2)
+    # LUT entries as float32 bit patterns (bf16 bits in the high half)
+    e0 = w0 << 16
+    e1 = w0 & 0xFFFF0000
+    e2 = w1 << 16
+    e3 = w1 & 0xFFFF0000
+    e4 = w2 << 16
+    e5 = w2 & 0xFFFF0000
+    e6 = w3 << 16
+    e7 = w3 & 0xFFFF0000
+    b0 = (code & 1) != 0
+    b1 = (code & 2) != 0
+    b2 = (code & 4) != 0
+    lo = tl.where(b1, tl.where(b0, e3, e2), tl.where(b0, e1, e0))
+    hi = tl.where(b1, tl.where(b0, e7, e6), tl.where(b0, e5, e4))
+    bits = tl.where(b2, hi, lo)
+    val = bits.to(tl.float32, bitcast=True) * pow2_e8m0_f32(sc)[:, :, None]
+    return tl.reshape(val, (BLOCK_N, 32 * G))
+
+
+@triton.jit
+def scaled_lut_bytes(w0, w1, w2, w3, scale_word):
+    """Per (row, group): the LUT times the group's scale (bf16x2 fma), split into byte words.
+
+    ``scale_word``: uint32 ``[...]``, the bf16 ``2**(s-127)`` in both halves. Returns uint32
+    ``(L0, L1, H0, H1)`` of the same shape: low bytes of entries 0-3, 4-7, high bytes 0-3, 4-7.
+    """
+    z = tl.full(scale_word.shape, 0, tl.uint32)
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1, t2, t3, nz;
+        mov.b32 nz, 0x80008000;
+        fma.rn.bf16x2 t0, $4, $8, nz;
+        fma.rn.bf16x2 t1, $5, $8, nz;
+        fma.rn.bf16x2 t2, $6, $8, nz;
+        fma.rn.bf16x2 t3, $7, $8, nz;
+        prmt.b32 $0, t0, t1, 0x6420;
+        prmt.b32 $1, t2, t3, 0x6420;
+        prmt.b32 $2, t0, t1, 0x7531;
+        prmt.b32 $3, t2, t3, 0x7531;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
+        args=[z + w0, z + w1, z + w2, z + w3, scale_word],
+        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def prmt_lookup(sel, l0, l1, h0, h1):
+    """8 weights per selector word: returns 4 bf16x2 words (elements j = 0,1 / 2,3 / 4,5 / 6,7)."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 lo, hi, lo2, hi2, s2;
+        prmt.b32 lo, $4, $5, $8;
+        prmt.b32 hi, $6, $7, $8;
+        shr.b32 s2, $8, 16;
+        prmt.b32 lo2, $4, $5, s2;
+        prmt.b32 hi2, $6, $7, s2;
+        prmt.b32 $0, lo, hi, 0x5140;
+        prmt.b32 $1, lo, hi, 0x7362;
+        prmt.b32 $2, lo2, hi2, 0x5140;
+        prmt.b32 $3, lo2, hi2, 0x7362;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
+        args=[l0, l1, h0, h1, sel],
+        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    """prmt decoder: bfloat16 ``[BLOCK_N, 32 G]`` in decoder order (arguments as :func:`decode_pure`)."""
+    sb = tl.where(sc == 0, 0x40, sc << 7).to(tl.uint32)  # bf16 bits of 2**(s-127)
+    scale_word = sb | (sb << 16)
+    l0, l1, h0, h1 = scaled_lut_bytes(w0, w1, w2, w3, scale_word)  # [BLOCK_N, G]
+    ii = tl.arange(0, 4).to(tl.uint32)[None, None, :]
+    m = 0x11111111
+    sel = ((p0[:, :, None] >> ii) & m) | (((p1[:, :, None] >> ii) & m) << 1) | (((p2[:, :, None] >> ii) & m) << 2)
+    z = tl.full(sel.shape, 0, tl.uint32)
+    o0, o1, o2, o3 = prmt_lookup(sel, z + l0[:, :, None], z + l1[:, :, None], z + h0[:, :, None], z + h1[:, :, None])
+    words = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # [BN, G, 4i, 2, 2]: word w = 2a + b
+    words = tl.reshape(words, (BLOCK_N, G, 4, 4))  # [BN, g, i, w]
+    # [BN, g, w, i]: position 8w + 2i + h of a group. The MMA's register operand gives lane q of
+    # each quad the bf16 pairs at k = 2q, 2q+1, 2q+8, 2q+9 of every 16-wide k step; with this order
+    # those are exactly the 4 words one selector (i = q) produced, so no data moves between lanes.
+    words = tl.permute(words, (0, 1, 3, 2))
+    words = tl.reshape(words, (BLOCK_N, 16 * G))
+    lo = (words & 0xFFFF).to(tl.uint16)
+    hi = (words >> 16).to(tl.uint16)
+    halves = tl.reshape(tl.join(lo, hi), (BLOCK_N, 32 * G))
+    return halves.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def lut_b_moe_gemm_kernel(
+    a_ptr,  # uint8 [M, K]: float8_e4m3fn bytes; or [M, K] float values (A_DEQUANTIZED)
+    as_ptr,  # uint8 [M, K/32]: E8M0 (unused when A_DEQUANTIZED)
+    w_bytes_ptr,  # uint8 [E, N/128, K/128, 6672]
+    w_words_ptr,  # int32 view of the same memory, [E, N/128, K/128, 1668]
+    out_ptr,  # [num_valid, N] out dtype (SPLIT_K == 1)
+    ws_ptr,  # float32 [num_valid, N] zeroed workspace (SPLIT_K > 1)
+    topk_w_ptr,  # float32, flat route index
+    sorted_ptr,  # int32 [EM]
+    eid_ptr,  # int32 [EM / ROUTE_BLOCK]
+    ntpp_ptr,  # int32 [1]
+    N,
+    K,
+    num_valid,
+    tiles_per_split,
+    stride_am,
+    stride_asm,
+    stride_om,
+    TOP_K: tl.constexpr,
+    ROUTE_BLOCK: tl.constexpr,  # rows per routing block (moe_align_block_size's block_m)
+    BLOCK_M: tl.constexpr,  # rows per program (divides ROUTE_BLOCK)
+    BLOCK_N: tl.constexpr,  # output columns per program (divides 128)
+    SPLIT_K: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    DECODER: tl.constexpr,
+    A_PERMUTED: tl.constexpr,
+    A_DEQUANTIZED: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    G: tl.constexpr,  # 32-column groups per K step: 4 (a whole tile), 2 or 1 (fewer registers)
+):
+    SUBS: tl.constexpr = ROUTE_BLOCK // BLOCK_M
+    pid0 = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    blk = pid0 // SUBS
+    sub = pid0 % SUBS
+    ntpp = tl.load(ntpp_ptr)
+    if blk * ROUTE_BLOCK >= ntpp:
+        return
+    expert = tl.load(eid_ptr + blk)
+    if expert < 0:
+        return
+    offs_m = blk * ROUTE_BLOCK + sub * BLOCK_M + tl.arange(0, BLOCK_M)
+    route = tl.load(sorted_ptr + offs_m)
+    valid = route < num_valid
+    a_row = (route // TOP_K).to(tl.int64)
+
+    n_tiles = N // 128
+    k_tiles = K // 128
+    n0 = pid_n * BLOCK_N
+    tn = n0 // 128
+    rows = (n0 % 128) + tl.arange(0, BLOCK_N)  # rows inside the tile
+    gg = tl.arange(0, G)
+    tile0 = (expert.to(tl.int64) * n_tiles + tn) * k_tiles  # index of tile (expert, tn, 0)
+
+    kk = tl.arange(0, 32 * G)
+    if A_PERMUTED:
+        a_cols = kk
+    else:  # gather the decoder order by address: position 8w + 2i + h holds column i + 8w + 4h
+        kp = kk % 32
+        a_cols = kk - kp + (kp % 8) // 2 + 8 * (kp // 8) + 4 * (kp % 2)
+    a_base = a_ptr + a_row[:, None] * stride_am + a_cols[None, :]
+    as_base = as_ptr + a_row[:, None] * stride_asm + gg[None, :]
+
+    if SWAP_AB:
+        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+    else:
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+
+    STEPS: tl.constexpr = 4 // G  # K steps per tile
+    k_lo = pid_k * tiles_per_split
+    k_hi = tl.minimum(k_lo + tiles_per_split, k_tiles)
+    rg = 4 * rows[:, None] + gg[None, :]  # [BN, G] (row, group) index of the step's first group
+    for step in range(k_lo * STEPS, k_hi * STEPS):
+        tile = tile0 + step // STEPS
+        g0 = (step % STEPS) * G
+        tw = tile * 1668
+        w0, w1, w2, w3 = load_lut_words(w_words_ptr, tw)
+        sc = tl.load(w_bytes_ptr + tile * 6672 + 16 + g0 + rg).to(tl.int32)
+        pw = w_words_ptr + tw + 132 + 3 * (rg + g0)
+        p0 = tl.load(pw).to(tl.uint32, bitcast=True)
+        p1 = tl.load(pw + 1).to(tl.uint32, bitcast=True)
+        p2 = tl.load(pw + 2).to(tl.uint32, bitcast=True)
+        if DECODER == 1:
+            w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
+        else:
+            w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
+
+        if A_DEQUANTIZED:  # MXFP8 values already dequantized (bf16 holds them exactly)
+            af = tl.load(a_base + step * (32 * G), mask=valid[:, None], other=0.0)
+        else:  # e4m3 -> float32, times the block's power of two
+            a8 = tl.load(a_base + step * (32 * G), mask=valid[:, None], other=0)
+            sa = tl.load(as_base + step * G, mask=valid[:, None], other=0).to(tl.int32)
+            af = a8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            af = tl.reshape(tl.reshape(af, (BLOCK_M, G, 32)) * pow2_e8m0_f32(sa)[:, :, None], (BLOCK_M, 32 * G))
+        if DOT_BF16:
+            a_op = af.to(tl.bfloat16)
+            w_op = w_op.to(tl.bfloat16)
+        else:
+            a_op = af
+            w_op = w_op.to(tl.float32)
+        if SWAP_AB:
+            acc = tl.dot(w_op, tl.trans(a_op), acc)
+        else:
+            acc = tl.dot(a_op, tl.trans(w_op), acc)
+
+    cols = n0 + tl.arange(0, BLOCK_N)
+    route64 = route.to(tl.int64)
+    if SWAP_AB:
+        o_off = route64[None, :] * stride_om + cols[:, None]
+        o_mask = valid[None, :]
+    else:
+        o_off = route64[:, None] * stride_om + cols[None, :]
+        o_mask = valid[:, None]
+    if SPLIT_K == 1:
+        if MUL_WEIGHT:
+            w = tl.load(topk_w_ptr + route, mask=valid, other=0.0)
+            if SWAP_AB:
+                acc = acc * w[None, :]
+            else:
+                acc = acc * w[:, None]
+        tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        if SWAP_AB:
+            ws_off = (route64 * N)[None, :] + cols[:, None]
+        else:
+            ws_off = (route64 * N)[:, None] + cols[None, :]
+        tl.atomic_add(ws_ptr + ws_off, acc, mask=o_mask, sem="relaxed")

@@ -1,0 +1,208 @@
+"""What the GPU experts backends share: support predicates and the routed forward skeleton.
+
+The skeleton (spec section 4, for every backend that batches the experts with grouped GEMMs)::
+
+    check_forward_args (host sync: topk id range)
+    held = expert_map[topk_ids] >= 0                              [T, k]
+    routing = moe_align_block_size(topk_ids, route_block, E, expert_map)
+    y = backend._routed_forward(...)                              [T*k, H], rows of held routes
+    flag check (host sync: NaN/Inf met by an MXFP8 quantization)
+    combined:    moe_combine(y, held)   (float32 sum over held routes, rounded to d)
+    route-major: y with the rows of routes not held zeroed        [T, k, H]
+
+``forward_unchecked`` is the same without the checks and syncs, for CUDA-graph capture.
+Nothing here imports triton; the ops import their kernels when first launched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import ClassVar
+
+import torch
+
+from lutb_kernels.checkpoint import DTYPES, CheckpointConfig, LayerWeights
+from lutb_kernels.errors import NonFiniteInputError
+from lutb_kernels.experts.base import LayerExperts, Support
+from lutb_kernels.mxfp8 import SCALE_MODES
+from lutb_kernels.reference import OutputMode, check_forward_args
+from lutb_kernels.routing import moe_align_block_size
+from lutb_kernels.tiles import TILE
+
+# ----------------------------------------------------------------------------- support predicates
+
+
+def triton_present() -> Support:
+    try:
+        found = importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a stub in sys.modules without a spec
+        found = False
+    if not found:
+        return Support(False, "triton is not installed (install the 'cuda' extra)")
+    return Support(True, "triton present")
+
+
+def cuda_device(device: torch.device) -> Support:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return Support(False, f"needs a CUDA device, got {device.type}")
+    if not torch.cuda.is_available():
+        return Support(False, "CUDA is not available")
+    return Support(True, f"CUDA device {torch.cuda.get_device_name(device)}")
+
+
+def nvidia_sm89(device: torch.device) -> Support:
+    if torch.version.hip is not None:
+        return Support(False, "the packed kernel's decoder uses NVIDIA PTX (prmt); ROCm is not supported")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return Support(False, f"needs compute capability 8.9 or newer (Triton's float8e4nv conversions), got {cap[0]}.{cap[1]}")
+    return Support(True, f"compute capability {cap[0]}.{cap[1]}")
+
+
+def shape_ok(config: CheckpointConfig) -> Support:
+    if config.hidden_size % TILE or config.intermediate_size % TILE:
+        return Support(False, f"hidden_size and intermediate_size must be multiples of {TILE}, got {config.hidden_size} and {config.intermediate_size}")
+    return Support(True, "")
+
+
+def quant_scheme_ok(config: CheckpointConfig) -> Support:
+    if not isinstance(config, CheckpointConfig):
+        return Support(False, f"needs a LUT-B v1 checkpoint config, got {type(config).__name__}")
+    if config.mxfp8_scale_mode not in SCALE_MODES:
+        return Support(False, f"unknown MXFP8 scale mode {config.mxfp8_scale_mode!r}")
+    return Support(True, "")
+
+
+def dtype_ok(config: CheckpointConfig) -> Support:
+    if config.dtype not in DTYPES:
+        return Support(False, f"model dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
+    return Support(True, "")
+
+
+def choose_route_block(num_routes: int, num_local_experts: int) -> int:
+    """Rows per routing block: 16/32/64/128/256 by the average rows per held expert.
+
+    Smaller blocks waste fewer padded rows at small batches (decode: one route per expert pads
+    to 16, not 128); 128 keeps the tensor cores busy at large ones. Depends on shapes only, so
+    a captured CUDA graph stays valid for its batch size.
+    """
+    avg = num_routes / max(1, min(num_local_experts, num_routes))
+    if avg <= 16:
+        return 16
+    if avg <= 32:
+        return 32
+    if avg <= 96:
+        return 64
+    if avg <= 512:
+        return 128
+    return 256
+
+
+# ----------------------------------------------------------------------------- the skeleton
+
+
+class RoutedTritonExperts(LayerExperts):
+    """Base of the grouped-GEMM backends; subclasses implement :meth:`_routed_forward`."""
+
+    name: ClassVar[str]
+    fixed_route_block: ClassVar[int | None] = None
+    capture_safe: ClassVar[bool] = True
+    """``forward_unchecked`` does no host sync, launches by shapes only, only flags NaN/Inf, and
+    computes each token from its own row and routes (see ``LayerExperts.capture_safe``)."""
+
+    def __init__(self, config: CheckpointConfig, weights: LayerWeights, device: torch.device | str) -> None:
+        super().__init__(config, weights, device)
+        self._emap = self.expert_map()
+
+    def route_block(self, num_routes: int) -> int:
+        if self.fixed_route_block is not None:
+            return self.fixed_route_block
+        return choose_route_block(num_routes, self.num_local_experts)
+
+    def _routed_forward(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        held: torch.Tensor,
+        routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        top_k: int,
+        route_block: int,
+        nonfinite: torch.Tensor,
+        *,
+        weight_on_input: bool,
+        weight_on_output: bool,
+    ) -> torch.Tensor:
+        """Spec steps 1-6 for the held routes: ``[T*k, H]`` in ``x.dtype`` (other rows unspecified)."""
+        raise NotImplementedError
+
+    def _check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      apply_router_weight_on_input: bool, output_mode: OutputMode) -> None:
+        check_forward_args(
+            x, topk_ids, topk_weights, num_experts=self.config.num_experts,
+            apply_router_weight_on_input=apply_router_weight_on_input, output_mode=output_mode,
+        )
+        if x.shape[1] != self.config.hidden_size:
+            raise ValueError(f"hidden_states must have {self.config.hidden_size} columns, got {x.shape[1]}")
+        for name, t in (("hidden_states", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if t.device != self.device:
+                raise ValueError(f"{name} must be on {self.device}, got {t.device}")
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: OutputMode = "combined",
+    ) -> torch.Tensor:
+        """Validate, run :meth:`forward_unchecked`, refuse NaN/Inf (two host syncs in all)."""
+        self._check_inputs(x, topk_ids, topk_weights, apply_router_weight_on_input, output_mode)
+        nonfinite = torch.zeros(1, dtype=torch.int32, device=self.device)
+        out = self.forward_unchecked(
+            x, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
+            output_mode=output_mode, nonfinite=nonfinite,
+        )
+        if x.shape[0] and bool(nonfinite.item()):
+            raise NonFiniteInputError("MXFP8 quantization refuses NaN or infinite input (hidden states or activation output)")
+        return out
+
+    def forward_unchecked(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: OutputMode = "combined",
+        nonfinite: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward` without validation and without host syncs (CUDA-graph capturable).
+
+        The caller vouches for the arguments (as :meth:`forward` checks them) and, when it
+        passes an int32 ``[1]`` ``nonfinite`` flag, reads it afterwards: 1 means an MXFP8
+        quantization met NaN/Inf and the output must not be used.
+        """
+        from lutb_kernels.grouped_gemm import moe_combine
+
+        tokens, top_k = topk_ids.shape
+        hidden = self.config.hidden_size
+        if tokens == 0:
+            shape = (0, top_k, hidden) if output_mode == "route_major" else (0, hidden)
+            return torch.empty(shape, dtype=x.dtype, device=self.device)
+        if nonfinite is None:
+            nonfinite = torch.zeros(1, dtype=torch.int32, device=self.device)
+        x = x.contiguous()
+        weights = topk_weights.float().contiguous()
+        held = self._emap[topk_ids.long()] >= 0  # [T, k]
+        route_block = self.route_block(tokens * top_k)
+        routing = moe_align_block_size(topk_ids, route_block, self.config.num_experts, expert_map=self._emap)
+        y = self._routed_forward(
+            x, weights, held, routing, top_k, route_block, nonfinite,
+            weight_on_input=apply_router_weight_on_input,
+            weight_on_output=output_mode == "combined" and not apply_router_weight_on_input,
+        )
+        if output_mode == "route_major":
+            return y.view(tokens, top_k, hidden).masked_fill(~held.unsqueeze(-1), 0)
+        return moe_combine(y, held, top_k)

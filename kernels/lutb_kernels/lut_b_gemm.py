@@ -1,0 +1,310 @@
+"""``lut_b_moe_gemm``: grouped GEMM of MXFP8 activations with LUT-B v1 weight tiles (Triton).
+
+The op consumes the block-aligned routing of :func:`lutb_kernels.routing.moe_align_block_size`:
+row ``p`` of ``sorted_token_ids`` is a flat route index ``route = token * top_k + slot``; it
+reads A row ``route // top_k`` and writes out row ``route``. The sentinel ``M * top_k`` (padding)
+is skipped and blocks whose expert id is -1 (past ``num_tokens_post_padded``) write nothing.
+Rows of routes that have no row in ``sorted_token_ids`` (experts not held) are not touched:
+the caller zeroes or excludes them.
+
+Arithmetic. Each weight is decoded in registers to bfloat16 ``lut[code] * 2**(s-127)``, each
+activation to ``e4m3 * 2**(s_a-127)`` in bfloat16; both are exact in bfloat16 unless the
+product falls below the smallest normal bfloat16 (``2**-126``; weights that small decode with
+one rounding, activations lose bits below ``2**-133``), far outside realistic scales. The tensor
+cores multiply them exactly and accumulate in float32, then the routed weight (float32) is
+applied and the result rounded to ``out.dtype``. Only the order of the float32 sum differs from
+:func:`lut_b_moe_gemm_reference`.
+
+Configs (:class:`LutBGemmConfig`, :func:`default_config`): decoder ``prmt`` (inline PTX, NVIDIA
+sm80+) or ``triton`` (pure Triton: the CPU interpreter and other GPUs), rows per program, output
+columns per program (a divisor of 128: a program stays inside one tile row), split-K (fp32
+atomics into a zeroed workspace, then a finalize pass), swap-AB (weights as the MMA's M side for
+small batches), warps and pipeline stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from lutb_kernels._grouped_gemm_details.launch import (
+    cdiv,
+    check_out_and_weights,
+    check_routing,
+    interpreting,
+    is_nvidia,
+    next_pow2,
+    sm_count,
+)
+from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize
+from lutb_kernels.mxfp8_triton import decoder_column_order
+from lutb_kernels.tiles import TILE, TILE_BYTES, tiles_to_dense
+
+Decoder = Literal["prmt", "triton"]
+
+
+@dataclass(frozen=True)
+class LutBGemmConfig:
+    """Launch parameters of :func:`lut_b_moe_gemm`.
+
+    ``block_m``: rows per program (divides the routing block); ``block_n``: output columns per
+    program (16..128, divides 128); ``split_k``: programs sharing one output tile along K;
+    ``swap_ab``: compute ``W @ A^T`` so the weights fill the MMA's M side; ``decoder``: "prmt"
+    or "triton"; ``groups_per_step``: 32-column groups decoded per K step (4 = a whole tile;
+    2 or 1 hold fewer decoded weights in registers, for large ``block_m``).
+    """
+
+    block_m: int
+    block_n: int = 128
+    split_k: int = 1
+    swap_ab: bool = False
+    decoder: Decoder = "prmt"
+    num_warps: int = 4
+    num_stages: int = 3
+    groups_per_step: int = 4
+
+
+def default_decoder(device: torch.device) -> Decoder:
+    """``prmt`` on NVIDIA GPUs of compute capability 8.0 or newer, else ``triton``."""
+    if is_nvidia(device) and torch.cuda.get_device_capability(device) >= (8, 0):
+        return "prmt"
+    return "triton"
+
+
+def default_config(num_routes: int, n: int, k: int, num_experts: int, route_block: int, device: torch.device) -> LutBGemmConfig:
+    """A config keyed on the routing block (the batch) and the matrix shape.
+
+    Every size uses swap-AB (decoded weights in registers as the MMA's M side, 128 output
+    columns per program) and decodes one 32-column group per K step: offline SASS counts for
+    sm90 (``docs/kernels.md``) give about 2 instructions per weight in the loop at block 16-64
+    and no spills at 128, against 5-15 with whole-tile steps. Small batches (decode) split K
+    until the grid holds about four waves of programs over the SMs.
+    """
+    decoder = default_decoder(device)
+    if interpreting():
+        return LutBGemmConfig(block_m=min(route_block, 16), block_n=min(64, n), split_k=1, swap_ab=False,
+                              decoder=decoder, num_warps=4, num_stages=1, groups_per_step=4)
+    k_tiles = k // TILE
+    active_blocks = min(num_experts, num_routes) + num_routes // route_block
+    block_m = route_block
+    warps = 4 if route_block <= 64 else 8
+    programs = active_blocks * (n // 128)
+    target = 4 * sm_count(device)
+    split_k = 1
+    while programs * split_k < target and k_tiles // (split_k * 2) >= 4:
+        split_k *= 2
+    return LutBGemmConfig(block_m=block_m, block_n=128, split_k=split_k, swap_ab=True, decoder=decoder,
+                          num_warps=warps, num_stages=3, groups_per_step=1)
+
+
+def _check_args(
+    a_mxfp8: torch.Tensor,
+    a_scales: torch.Tensor | None,
+    w_packed: torch.Tensor,
+    out: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    top_k: int,
+    block_m: int,
+    a_k_order: str,
+) -> tuple[int, int, int]:
+    device = a_mxfp8.device
+    want = (torch.float8_e4m3fn,) if a_scales is not None else (torch.bfloat16, torch.float16, torch.float32)
+    if a_mxfp8.dtype not in want or a_mxfp8.dim() != 2 or a_mxfp8.stride(1) != 1:
+        raise ValueError(f"a_mxfp8 must be {' or '.join(map(str, want))} [M, K] with unit column stride "
+                         f"(a float dtype when a_scales is None), got {a_mxfp8.dtype} {tuple(a_mxfp8.shape)}")
+    m, k = a_mxfp8.shape
+    if k % TILE:
+        raise ValueError(f"K must be a multiple of {TILE}, got {k}")
+    if a_scales is None:
+        pass
+    elif a_scales.dtype != torch.uint8 or tuple(a_scales.shape) != (m, k // BLOCK) or a_scales.stride(1) != 1 or a_scales.device != device:
+        raise ValueError(f"a_scales must be uint8 [{m}, {k // BLOCK}] on {device}, got {a_scales.dtype} {tuple(a_scales.shape)}")
+    if w_packed.dtype != torch.uint8 or w_packed.dim() != 4 or w_packed.shape[2] * TILE != k or w_packed.shape[3] != TILE_BYTES:
+        raise ValueError(f"w_packed must be uint8 [E, N/128, {k // TILE}, {TILE_BYTES}], got {w_packed.dtype} {tuple(w_packed.shape)}")
+    if not w_packed.is_contiguous() or w_packed.device != device:
+        raise ValueError(f"w_packed must be contiguous on {device}")
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    if a_k_order not in ("natural", "decoder"):
+        raise ValueError(f"a_k_order must be 'natural' or 'decoder', got {a_k_order!r}")
+    n = w_packed.shape[1] * TILE
+    check_out_and_weights(out, topk_weights, m * top_k, n, device)
+    check_routing(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, device)
+    return m, n, k
+
+
+def lut_b_moe_gemm(
+    a_mxfp8: torch.Tensor,
+    a_scales: torch.Tensor | None,
+    w_packed: torch.Tensor,
+    out: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    top_k: int,
+    *,
+    block_m: int = 128,
+    a_k_order: Literal["natural", "decoder"] = "natural",
+    config: LutBGemmConfig | None = None,
+) -> torch.Tensor:
+    """``out[route] = (A[route // top_k] @ W[expert]^T) * topk_weights[route]`` over the routed rows.
+
+    Args:
+        a_mxfp8: float8_e4m3fn ``[M, K]``, ``K % 128 == 0``; or, with ``a_scales=None``, the
+            MXFP8 values already dequantized (bfloat16 holds them exactly; see
+            :func:`lutb_kernels.mxfp8_triton.mxfp8_qdq` ``out_dtype``), which spares the kernel
+            the per-element conversion at large batches.
+        a_scales: uint8 ``[M, K/32]``, E8M0 per 32-block, or None (see above).
+        w_packed: uint8 ``[E, N/128, K/128, 6672]`` LUT-B v1 tiles (E local experts).
+        out: ``[M * top_k, N]`` bfloat16/float16/float32 (``[M, N]`` when ``top_k == 1``); only
+            rows of routed, held routes are written.
+        topk_weights: float32 with ``M * top_k`` elements (``[M, top_k]``, flat route index), or None.
+        sorted_token_ids, expert_ids, num_tokens_post_padded: int32, from
+            ``moe_align_block_size(topk_ids, block_m, ...)``; expert ids are local (``< E``).
+        top_k: routes per A row.
+        block_m: the routing's block size (16, 32, 64, 128 or 256).
+        a_k_order: ``"decoder"`` when ``a_mxfp8`` was quantized with ``k_order="decoder"``
+            (contiguous loads); ``"natural"`` reads it in decoder order by address.
+        config: launch parameters; default :func:`default_config`.
+
+    Returns:
+        ``out``.
+    """
+    m, n, k = _check_args(a_mxfp8, a_scales, w_packed, out, topk_weights, sorted_token_ids, expert_ids,
+                          num_tokens_post_padded, top_k, block_m, a_k_order)
+    num_valid = m * top_k
+    if num_valid == 0 or n == 0 or expert_ids.numel() == 0:
+        return out
+    from lutb_kernels._grouped_gemm_details.kernels import split_k_finalize_kernel
+    from lutb_kernels._lut_b_gemm_details.kernels import lut_b_moe_gemm_kernel
+
+    device = a_mxfp8.device
+    if config is None:
+        config = default_config(num_valid, n, k, w_packed.shape[0], block_m, device)
+    bm = min(config.block_m, block_m)
+    if block_m % bm or config.block_n not in (16, 32, 64, 128) or config.split_k < 1 or config.groups_per_step not in (1, 2, 4):
+        raise ValueError(f"bad config {config} for block_m={block_m}")
+    k_tiles = k // TILE
+    split_k = min(config.split_k, k_tiles)
+    tiles_per_split = cdiv(k_tiles, split_k)
+    split_k = cdiv(k_tiles, tiles_per_split)
+    ws = torch.zeros((num_valid, n), dtype=torch.float32, device=device) if split_k > 1 else out
+    grid = (expert_ids.numel() * (block_m // bm), n // config.block_n, split_k)
+    lut_b_moe_gemm_kernel[grid](
+        a_mxfp8.view(torch.uint8) if a_scales is not None else a_mxfp8,
+        a_scales if a_scales is not None else a_mxfp8, w_packed, w_packed.view(torch.int32), out, ws,
+        topk_weights if topk_weights is not None else ws,
+        sorted_token_ids, expert_ids, num_tokens_post_padded,
+        n, k, num_valid, tiles_per_split,
+        a_mxfp8.stride(0), a_scales.stride(0) if a_scales is not None else 0, out.stride(0),
+        TOP_K=top_k, ROUTE_BLOCK=block_m, BLOCK_M=bm, BLOCK_N=config.block_n, SPLIT_K=split_k,
+        MUL_WEIGHT=topk_weights is not None,
+        DECODER=1 if config.decoder == "prmt" else 0,
+        A_PERMUTED=a_k_order == "decoder",
+        A_DEQUANTIZED=a_scales is None,
+        SWAP_AB=config.swap_ab,
+        DOT_BF16=not interpreting(),
+        G=config.groups_per_step,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split_k > 1:
+        fin_n = min(128, next_pow2(n))
+        split_k_finalize_kernel[(expert_ids.numel(), cdiv(n, fin_n))](
+            ws, out, topk_weights if topk_weights is not None else ws,
+            sorted_token_ids, expert_ids, num_tokens_post_padded, n, num_valid, out.stride(0),
+            ROUTE_BLOCK=block_m, BLOCK_N=fin_n, MUL_WEIGHT=topk_weights is not None, num_warps=4,
+        )
+    return out
+
+
+def lut_b_moe_gemm_reference(
+    a_mxfp8: torch.Tensor,
+    a_scales: torch.Tensor | None,
+    w_packed: torch.Tensor,
+    out: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    top_k: int,
+    *,
+    block_m: int = 128,
+    a_k_order: Literal["natural", "decoder"] = "natural",
+    config: LutBGemmConfig | None = None,
+) -> torch.Tensor:
+    """Plain-PyTorch twin of :func:`lut_b_moe_gemm` (``config`` is ignored).
+
+    Dequantizes A with :func:`~lutb_kernels.mxfp8.mxfp8_dequantize` and each expert's tiles
+    with :func:`~lutb_kernels.tiles.tiles_to_dense`, then walks the routing blocks; float32
+    throughout, rounded to ``out.dtype`` at the end.
+    """
+    m, n, k = _check_args(a_mxfp8, a_scales, w_packed, out, topk_weights, sorted_token_ids, expert_ids,
+                          num_tokens_post_padded, top_k, block_m, a_k_order)
+    num_valid = m * top_k
+    q = a_mxfp8
+    if a_k_order == "decoder":  # undo the permutation: natural column c sits at position inv[c]
+        order = decoder_column_order(k, q.device)
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(k, device=q.device)
+        q = q.view(torch.uint8)[:, inv].view(torch.float8_e4m3fn) if a_scales is not None else q[:, inv]
+    a = mxfp8_dequantize(q, a_scales, torch.float32) if a_scales is not None else q.float()
+    used = int(num_tokens_post_padded.item())
+    blocks = min(expert_ids.numel(), cdiv(used, block_m))
+    dense: dict[int, torch.Tensor] = {}
+    flat_w = topk_weights.reshape(-1) if topk_weights is not None else None
+    for b in range(blocks):
+        e = int(expert_ids[b])
+        if e < 0:
+            continue
+        routes = sorted_token_ids[b * block_m:(b + 1) * block_m].long()
+        routes = routes[routes < num_valid]
+        if routes.numel() == 0:
+            continue
+        if e not in dense:
+            dense[e] = tiles_to_dense(w_packed[e], torch.float32)
+        y = a[routes // top_k] @ dense[e].T
+        if flat_w is not None:
+            y = y * flat_w[routes][:, None]
+        out[routes] = y.to(out.dtype)
+    return out
+
+
+def with_config(config: LutBGemmConfig, **changes: object) -> LutBGemmConfig:
+    """A copy of ``config`` with fields replaced (for tuning scripts)."""
+    return replace(config, **changes)  # type: ignore[arg-type]
+
+
+def random_tiles(
+    shape: tuple[int, ...],
+    *,
+    k: int,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+    scale_jitter: int = 1,
+) -> torch.Tensor:
+    """Random valid LUT-B v1 tiles ``uint8 [*shape, 6672]`` made directly as bytes (tests, benchmarks).
+
+    Planes are random bits (codes uniform over 0..7), each tile's LUT is 8 sorted standard
+    normals in bfloat16, and each (row, group) scale is ``2**-round(log2(sqrt(k)))`` times
+    ``2**U{-scale_jitter..scale_jitter}``, so a matrix with ``k`` columns has weights of about
+    ``1/sqrt(k)`` and keeps standard-normal activations at unit scale. Fast on any device:
+    no quantizer, no per-field packing.
+    """
+    device = torch.device(device)
+    n_tiles = 1
+    for s in shape:
+        n_tiles *= s
+    tiles = torch.empty((n_tiles, TILE_BYTES), dtype=torch.uint8, device=device)
+    tiles[:, 528:] = torch.randint(0, 256, (n_tiles, TILE_BYTES - 528), dtype=torch.uint8, device=device, generator=generator)
+    base = 127 - round(0.5 * float(torch.tensor(float(k)).log2()))
+    tiles[:, 16:528] = torch.randint(base - scale_jitter, base + scale_jitter + 1, (n_tiles, 512), dtype=torch.uint8,
+                                     device=device, generator=generator)
+    lut = torch.randn((n_tiles, 8), device=device, generator=generator).sort(dim=-1).values.to(torch.bfloat16)
+    tiles[:, :16] = lut.view(torch.uint8)
+    return tiles.reshape(*shape, TILE_BYTES)

@@ -1,0 +1,36 @@
+"""Test data shared by the Triton kernel tests (CPU interpreter and GPU): layers, routing, poison."""
+
+from __future__ import annotations
+
+import torch
+
+from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights
+from lutb_kernels.lut_b_gemm import random_tiles
+
+
+def make_layer(
+    config: CheckpointConfig, expert_ids: list[int], device: torch.device | str = "cpu", seed: int = 0
+) -> LayerWeights:
+    """Random valid packed weights for the experts ``expert_ids`` of ``config``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    e = len(expert_ids)
+    h, i = config.hidden_size, config.intermediate_size
+    w13 = random_tiles(config.w13_tiles_shape(e), k=h, device=device, generator=gen)
+    w2 = random_tiles(config.w2_tiles_shape(e), k=i, device=device, generator=gen)
+    return LayerWeights(w13, w2, torch.tensor(expert_ids, dtype=torch.int32))
+
+
+def make_batch(tokens: int, top_k: int, num_experts: int, hidden: int, dtype: torch.dtype,
+               device: torch.device | str = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x [T, H] standard normal, topk_ids [T, k] distinct per token, topk_weights [T, k] softmax)``."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    scores = torch.rand(tokens, num_experts, generator=gen)
+    ids = scores.topk(top_k, dim=1).indices.to(torch.int32)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=1)
+    return x.to(device), ids.to(device), weights.to(device)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))

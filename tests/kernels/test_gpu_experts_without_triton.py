@@ -1,0 +1,42 @@
+"""The GPU backends' modules import, and refuse politely, where triton is not installed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+SCRIPT = r"""
+import sys
+sys.modules["triton"] = None  # as if not installed: `import triton` raises ImportError
+import torch
+import lutb_kernels, lutb_kernels.mxfp8_triton, lutb_kernels.lut_b_gemm, lutb_kernels.grouped_gemm
+from lutb_kernels.checkpoint import CheckpointConfig
+from lutb_kernels.experts.emulated import LutBEmulationTritonExperts
+from lutb_kernels.experts.packed import LutBPackedExperts
+from lutb_kernels.experts.sm107 import LutBSm107Experts
+cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=2)
+for cls in (LutBPackedExperts, LutBEmulationTritonExperts, LutBSm107Experts):
+    ok, reason = cls.supports(cfg, torch.device("cuda"))
+    assert not ok and reason.startswith("triton is not installed"), (cls, reason)
+assert not lutb_kernels.mxfp8_triton.triton_available()
+print("ok")
+"""
+
+
+def test_backends_without_triton() -> None:
+    res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"
+
+
+def test_sm107_support_reasons() -> None:
+    import torch
+
+    from lutb_kernels.checkpoint import CheckpointConfig
+    from lutb_kernels.experts.sm107 import LutBSm107Experts, native_op_registered
+
+    cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=2)
+    ok, reason = LutBSm107Experts.supports(cfg, torch.device("cpu"))
+    assert not ok and reason
+    if native_op_registered().ok is False:
+        assert "not registered" in native_op_registered().reason

@@ -1,0 +1,112 @@
+"""GPU experts backends vs ReferenceExperts, run on the CPU interpreter at tiny sizes (spec section 6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lutb_gpu_testdata import make_batch, make_layer, rel_l2
+
+from lutb_kernels.checkpoint import CheckpointConfig
+from lutb_kernels.errors import NonFiniteInputError
+from lutb_kernels.experts.emulated import LutBEmulationTritonExperts
+from lutb_kernels.experts.packed import LutBPackedExperts
+from lutb_kernels.experts.reference import ReferenceExperts
+from lutb_kernels.experts.sm107 import NATIVE_OP_SCHEMA, LutBSm107Experts
+from lutb_kernels.lut_b_gemm import lut_b_moe_gemm_reference
+
+TOL = {torch.float32: 2e-3, torch.float16: 1e-2}
+BACKENDS = {"packed": LutBPackedExperts, "emulated": LutBEmulationTritonExperts}
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # triton interpreter
+
+
+
+def _check(backend: str, activation: str, dtype: str, tokens: int, top_k: int, held: list[int], *,
+           on_input: bool = False, mode: str = "combined", experts: int = 4) -> None:
+    cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=experts, activation=activation, dtype=dtype)
+    layer = make_layer(cfg, held, seed=tokens)
+    x, ids, w = make_batch(tokens, top_k, experts, 128, cfg.torch_dtype, seed=tokens + 1)
+    got = BACKENDS[backend](cfg, layer, "cpu").forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
+    want = ReferenceExperts(cfg, layer, "cpu").forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert not got.isnan().any()
+    if want.numel():
+        assert rel_l2(got, want) <= TOL[cfg.torch_dtype]
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "swigluoai", "silu_no_mul", "gelu_no_mul", "relu2_no_mul"])
+def test_packed_every_activation(activation: str) -> None:
+    _check("packed", activation, "float32", 9, 2, [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("backend", ["packed", "emulated"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_expert_subset_and_odd_batch(backend: str, dtype: str) -> None:
+    _check(backend, "silu", dtype, 33, 2, [1, 3])
+
+
+@pytest.mark.parametrize("backend", ["packed", "emulated"])
+def test_weights_on_input(backend: str) -> None:
+    _check(backend, "gelu", "float32", 7, 1, [0, 2, 3], on_input=True)
+
+
+@pytest.mark.parametrize("backend", ["packed", "emulated"])
+def test_route_major(backend: str) -> None:
+    _check(backend, "swigluoai", "float32", 5, 2, [0, 3], mode="route_major")
+
+
+@pytest.mark.parametrize("backend", ["packed", "emulated"])
+def test_single_token_and_empty_batch(backend: str) -> None:
+    _check(backend, "relu2_no_mul", "float16", 1, 2, [0, 1, 2, 3])
+    _check(backend, "silu", "float32", 0, 2, [0, 1])
+
+
+@pytest.mark.parametrize("backend", ["packed", "emulated"])
+def test_nonfinite_and_bad_input_refused(backend: str) -> None:
+    cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=2, dtype="float32")
+    ex = BACKENDS[backend](cfg, make_layer(cfg, [0, 1]), "cpu")
+    x, ids, w = make_batch(3, 1, 2, 128, torch.float32)
+    x[1, 7] = float("nan")
+    with pytest.raises(NonFiniteInputError):
+        ex.forward(x, ids, w)
+    x[1, 7] = 0.0
+    with pytest.raises(ValueError):
+        ex.forward(x, ids + 5, w)  # expert ids out of range
+    with pytest.raises(ValueError):
+        ex.forward(x[:, :64], ids, w)
+    assert ex.weight_bytes > 0
+
+
+def test_supports_refuses_cpu() -> None:
+    cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=2)
+    for cls in (LutBPackedExperts, LutBEmulationTritonExperts, LutBSm107Experts):
+        ok, reason = cls.supports(cfg, torch.device("cpu"))
+        assert not ok and "CUDA" in reason
+
+
+@pytest.fixture
+def stand_in_native_op():
+    """Registers torch.ops.lutb.lut_b_moe_gemm for the CPU, forwarding to the torch reference."""
+    lib = torch.library.Library("lutb", "FRAGMENT")
+    lib.define(NATIVE_OP_SCHEMA)
+    calls = []
+
+    def impl(a, a_scales, w, out, topk_weights, sorted_token_ids, expert_ids, ntpp, top_k):  # noqa: ANN001
+        calls.append(top_k)
+        lut_b_moe_gemm_reference(a, a_scales, w, out, topk_weights, sorted_token_ids, expert_ids, ntpp, top_k, block_m=128)
+
+    lib.impl("lut_b_moe_gemm", impl, "CPU")
+    yield calls
+    lib._destroy()
+
+
+def test_native_flow_on_a_stand_in_op(stand_in_native_op) -> None:  # noqa: ANN001
+    cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=4, activation="silu", dtype="float32")
+    layer = make_layer(cfg, [0, 2, 3])
+    x, ids, w = make_batch(6, 2, 4, 128, torch.float32)
+    got = LutBSm107Experts(cfg, layer, "cpu").forward(x, ids, w)
+    want = ReferenceExperts(cfg, layer, "cpu").forward(x, ids, w)
+    assert rel_l2(got, want) <= 2e-3
+    assert stand_in_native_op == [2, 1]  # GEMM1 with top_k, GEMM2 with 1
+    ok, reason = LutBSm107Experts.supports(cfg, torch.device("cpu"))
+    assert not ok

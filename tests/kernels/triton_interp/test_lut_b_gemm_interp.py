@@ -1,0 +1,136 @@
+"""lut_b_moe_gemm and the dense grouped GEMM vs their torch references (CPU interpreter, pure-Triton decoder)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lutb_gpu_testdata import rel_l2
+
+from lutb_kernels import mxfp8_triton as mt
+from lutb_kernels.grouped_gemm import (
+    GroupedGemmConfig,
+    grouped_gemm,
+    grouped_gemm_reference,
+    moe_combine,
+    moe_combine_reference,
+)
+from lutb_kernels.lut_b_gemm import LutBGemmConfig, lut_b_moe_gemm, lut_b_moe_gemm_reference, random_tiles
+from lutb_kernels.routing import moe_align_block_size
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # triton interpreter
+
+
+
+def _routing(tokens: int, top_k: int, experts: int, held: list[int] | None, block: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32) if tokens else torch.zeros(0, top_k, dtype=torch.int32)
+    emap = None
+    if held is not None:
+        emap = torch.full((experts,), -1, dtype=torch.int32)
+        emap[torch.tensor(held)] = torch.arange(len(held), dtype=torch.int32)
+    return ids, emap, moe_align_block_size(ids, block, experts, emap)
+
+
+CASES = [
+    # tokens, top_k, experts, held, out dtype, weights, split_k, swap, order, block
+    (5, 2, 3, None, torch.float32, True, 1, False, "natural", 16),
+    (5, 2, 3, None, torch.float16, False, 2, True, "decoder", 16),
+    (17, 1, 4, [1, 3], torch.float32, True, 1, True, "decoder", 32),
+    (1, 2, 4, [0, 2], torch.float16, True, 2, False, "natural", 16),
+    (0, 2, 3, None, torch.float32, True, 1, False, "natural", 16),
+]
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,held,dtype,weighted,split_k,swap,order,block", CASES)
+def test_lut_b_moe_gemm(tokens, top_k, experts, held, dtype, weighted, split_k, swap, order, block) -> None:  # noqa: ANN001
+    n, k = 128, 256
+    e_local = len(held) if held is not None else experts
+    gen = torch.Generator().manual_seed(tokens * 7 + top_k)
+    w = random_tiles((e_local, n // 128, k // 128), k=k, generator=gen)
+    x = torch.randn(tokens, k, generator=gen).to(dtype)
+    q, s = mt.mxfp8_quantize(x, k_order=order)
+    ids, emap, (sorted_ids, expert_ids, ntpp) = _routing(tokens, top_k, experts, held, block, seed=tokens)
+    tw = torch.rand(tokens, top_k, generator=gen) if weighted else None
+    out = torch.full((tokens * top_k, n), float("nan"), dtype=dtype)
+    ref = out.clone()
+    cfg = LutBGemmConfig(block_m=16, block_n=64, split_k=split_k, swap_ab=swap, decoder="triton", num_stages=1,
+                         groups_per_step=1 if swap else 4)
+    lut_b_moe_gemm(q, s, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=block, a_k_order=order, config=cfg)
+    lut_b_moe_gemm_reference(q, s, w, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=block, a_k_order=order)
+    routed = torch.ones(tokens * top_k, dtype=torch.bool) if emap is None else (emap[ids.long()] >= 0).reshape(-1)
+    assert not out[routed].isnan().any(), "a routed row was not written"
+    assert out[~routed].isnan().all(), "a row of an expert not held was touched"
+    if routed.any():
+        assert rel_l2(out[routed], ref[routed]) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_lut_b_moe_gemm_refuses_bad_arguments() -> None:
+    w = random_tiles((2, 1, 1), k=128)
+    q, s = mt.mxfp8_quantize(torch.randn(3, 128))
+    ids = torch.zeros(3, 1, dtype=torch.int32)
+    st, ei, nt = moe_align_block_size(ids, 16, 2)
+    out = torch.empty(3, 128)
+    with pytest.raises(ValueError, match="block_m"):
+        lut_b_moe_gemm(q, s, w, out, None, st, ei, nt, 1, block_m=32)  # routing aligned to 16
+    with pytest.raises(ValueError, match="out"):
+        lut_b_moe_gemm(q, s, w, torch.empty(2, 128), None, st, ei, nt, 1, block_m=16)
+    with pytest.raises(ValueError, match="a_mxfp8"):
+        lut_b_moe_gemm(q.float(), s, w, out, None, st, ei, nt, 1, block_m=16)
+    with pytest.raises(ValueError, match="w_packed"):
+        lut_b_moe_gemm(q, s, w[..., :-1], out, None, st, ei, nt, 1, block_m=16)
+    with pytest.raises(ValueError, match="topk_weights"):
+        lut_b_moe_gemm(q, s, w, out, torch.rand(2), st, ei, nt, 1, block_m=16)
+
+
+@pytest.mark.parametrize("dtype,split_k,held", [(torch.float32, 1, None), (torch.float16, 2, [0, 2])])
+def test_grouped_gemm_and_combine(dtype: torch.dtype, split_k: int, held: list[int] | None) -> None:
+    tokens, top_k, experts, n, k = 9, 2, 3, 96, 128
+    e_local = len(held) if held is not None else experts
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(e_local, n, k, generator=gen) / 11).to(dtype)
+    a = torch.randn(tokens, k, generator=gen).to(dtype)
+    ids, emap, (sorted_ids, expert_ids, ntpp) = _routing(tokens, top_k, experts, held, 16, seed=4)
+    tw = torch.rand(tokens, top_k, generator=gen)
+    out = torch.full((tokens * top_k, n), float("nan"), dtype=dtype)
+    ref = out.clone()
+    cfg = GroupedGemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_k, num_stages=1)
+    grouped_gemm(a, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, config=cfg)
+    grouped_gemm_reference(a, w, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16)
+    routed = torch.ones(tokens * top_k, dtype=torch.bool) if emap is None else (emap[ids.long()] >= 0).reshape(-1)
+    assert not out[routed].isnan().any() and out[~routed].isnan().all()
+    assert rel_l2(out[routed], ref[routed]) < (1e-5 if dtype == torch.float32 else 2e-3)
+    combined = moe_combine(out, routed, top_k)
+    assert torch.equal(combined, moe_combine_reference(out, routed, top_k))
+
+
+def test_triton_decoder_exact() -> None:
+    """One-hot activations read single weights back: the pure-Triton decode must be exact."""
+    from lutb_kernels.tiles import tiles_to_dense
+
+    w = random_tiles((1, 1, 1), k=128)
+    q, s = mt.mxfp8_quantize(torch.eye(128)[:32].contiguous(), k_order="decoder")
+    ids = torch.zeros(32, 1, dtype=torch.int32)
+    sorted_ids, expert_ids, ntpp = moe_align_block_size(ids, 32, 1)
+    out = torch.full((32, 128), float("nan"))
+    cfg = LutBGemmConfig(block_m=16, block_n=64, decoder="triton", num_stages=1)
+    lut_b_moe_gemm(q, s, w, out, None, sorted_ids, expert_ids, ntpp, 1, block_m=32, a_k_order="decoder", config=cfg)
+    assert torch.equal(out, tiles_to_dense(w[0]).T[:32])
+
+
+@pytest.mark.parametrize("order", ["natural", "decoder"])
+def test_lut_b_moe_gemm_dequantized_a(order: str) -> None:
+    """``a_scales=None``: A holds MXFP8 values already dequantized (float32 here, bf16 on the GPU)."""
+    tokens, top_k, experts, n, k = 7, 2, 3, 128, 256
+    gen = torch.Generator().manual_seed(11)
+    w = random_tiles((experts, 1, 2), k=k, generator=gen)
+    x = torch.randn(tokens, k, generator=gen)
+    a = mt.mxfp8_qdq(x, k_order=order, out_dtype=torch.float32)
+    assert torch.equal(a, mt.mxfp8_qdq_reference(x, k_order=order, out_dtype=torch.float32))
+    q, s = mt.mxfp8_quantize(x, k_order=order)
+    ids, _, (sorted_ids, expert_ids, ntpp) = _routing(tokens, top_k, experts, None, 16, seed=2)
+    out = torch.full((tokens * top_k, n), float("nan"))
+    ref = out.clone()
+    cfg = LutBGemmConfig(block_m=16, block_n=64, decoder="triton", num_stages=1)
+    lut_b_moe_gemm(a, None, w, out, None, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order, config=cfg)
+    lut_b_moe_gemm_reference(q, s, w, ref, None, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order)
+    assert rel_l2(out, ref) < 1e-5

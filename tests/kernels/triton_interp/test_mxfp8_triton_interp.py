@@ -1,0 +1,133 @@
+"""Triton MXFP8 quantization vs lutb_kernels.mxfp8, bit for bit (CPU interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lutb_kernels import mxfp8_triton as mt
+from lutb_kernels.activations import ACTIVATIONS, is_gated
+from lutb_kernels.errors import NonFiniteInputError
+from lutb_kernels.mxfp8 import mxfp8_qdq, mxfp8_quantize
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # triton interpreter
+
+
+
+def _edge_rows(dtype: torch.dtype, rows: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
+    # magnitudes spanning the dtype's range, one per row
+    lo, hi = (-140, 120) if dtype == torch.float32 else (-24, 14)
+    exps = torch.randint(lo, hi, (rows, 1), generator=gen).double()
+    x = x * torch.exp2(exps)
+    if rows >= 1 and k >= 64:
+        x[0, :32] = 0.0  # a zero block
+        x[0, 32:64] = -0.0
+    if rows >= 2 and k >= 128:
+        x[1, :32] = torch.linspace(-1, 1, 32, dtype=torch.float64)
+        x[1, 0] = 448.0  # amax exactly 448: scale 127 (rceil), 119 (floor)
+        x[1, 32:64] = 448.0 * 2.0 ** -3
+        x[1, 33] = 448.0 * 2.0 ** -3 * (1 + 2.0 ** -7)  # just above a power-of-two multiple of 448
+        x[1, 64:96] = torch.arange(32, dtype=torch.float64) * 2.0 ** -6  # e4m3 ties
+        x[1, 64] = 480.0  # floor mode saturates at +-448
+        x[1, 96:128] = torch.tensor([1.0 + j / 16 for j in range(32)], dtype=torch.float64)  # halfway cases
+    if rows >= 3 and dtype == torch.float32 and k >= 96:
+        tiny = 2.0 ** -149
+        x[2, :32] = tiny * torch.arange(32, dtype=torch.float64)  # float32 subnormals, d underflows
+        x[2, 32:64] = 2.0 ** -120 * torch.linspace(-1, 1, 32, dtype=torch.float64)  # d subnormal
+        x[2, 64:96] = 1.75 * 2.0 ** -119 * (1 + torch.arange(32, dtype=torch.float64) * 2.0 ** -23)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+@pytest.mark.parametrize("rows", [0, 1, 4, 7])
+def test_quantize_bit_exact(dtype: torch.dtype, mode: str, rows: int) -> None:
+    x = _edge_rows(dtype, rows, 160, seed=rows)
+    q, s = mt.mxfp8_quantize(x, mode)
+    q_ref, s_ref = mxfp8_quantize(x, mode)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.uint8
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(mt.mxfp8_qdq(x, mode), mxfp8_qdq(x, mode))
+
+
+def test_quantize_every_e4m3_value_roundtrips() -> None:
+    # all 126 positive finite codes and their negatives, block amax 448 -> scale 127 (x1)
+    codes = torch.arange(0, 127, dtype=torch.uint8)
+    vals = codes.view(torch.float8_e4m3fn).float()
+    x = torch.cat([vals, -vals, torch.full((2,), 448.0)]).reshape(-1, 32)
+    q, s = mt.mxfp8_quantize(x)
+    q_ref, s_ref = mxfp8_quantize(x)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+def test_decoder_order_and_row_weight() -> None:
+    x = torch.randn(5, 128, dtype=torch.float16)
+    w = torch.rand(5)
+    q, s = mt.mxfp8_quantize(x, k_order="decoder", row_weight=w)
+    q_ref, s_ref = mt.mxfp8_quantize_reference(x, k_order="decoder", row_weight=w)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    order = mt.decoder_column_order(128)
+    assert sorted(order.tolist()) == list(range(128)) and order[:9].tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_refused(bad: float) -> None:
+    x = torch.randn(3, 64)
+    x[2, 40] = bad
+    with pytest.raises(NonFiniteInputError):
+        mt.mxfp8_quantize(x)
+    with pytest.raises(NonFiniteInputError):
+        mt.mxfp8_qdq(x)
+    flag = torch.zeros(1, dtype=torch.int32)
+    mt.mxfp8_quantize(x, nonfinite=flag)  # collects instead of raising
+    assert int(flag) == 1
+    flag.zero_()
+    mt.mxfp8_quantize(x[:2], nonfinite=flag)
+    assert int(flag) == 0
+
+
+def test_bad_arguments_refused() -> None:
+    with pytest.raises(ValueError):
+        mt.mxfp8_quantize(torch.randn(2, 48))
+    with pytest.raises(ValueError):
+        mt.mxfp8_quantize(torch.randn(2, 64).to(torch.int32))
+    with pytest.raises(ValueError):
+        mt.mxfp8_quantize(torch.randn(2, 64), "nearest")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        mt.mxfp8_quantize(torch.randn(2, 64), k_order="sorted")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_act_quantize_matches_reference(activation: str) -> None:
+    rows, inter = 6, 64
+    h = (torch.randn(rows, 2 * inter if is_gated(activation) else inter) * 3).to(torch.float16)
+    mask = torch.tensor([1, 1, 0, 1, 0, 1], dtype=torch.bool)
+    q = torch.full((rows, inter), 0x7F, dtype=torch.uint8)  # poison: NaN codes
+    qq, s = mt.act_mxfp8_quantize(h, activation, row_mask=mask, k_order="decoder")
+    q_ref, s_ref = mt.act_mxfp8_quantize_reference(h, activation, row_mask=mask, k_order="decoder")
+    q8, r8 = qq.view(torch.uint8)[mask], q_ref.view(torch.uint8)[mask]
+    # float32 exp/erf may differ by an ulp, which can flip a rounding of g to float16
+    assert (q8 != r8).float().mean() < 0.02
+    assert (s[mask].int() - s_ref[mask].int()).abs().max() <= 1
+    del q
+    d = mt.act_mxfp8_qdq(h, activation, row_mask=mask)
+    d_ref = mt.act_mxfp8_qdq_reference(h, activation, row_mask=mask)
+    err = (d[mask].float() - d_ref[mask].float()).norm() / d_ref[mask].float().norm().clamp_min(1e-30)
+    assert err < 1e-2
+    plain = mt.act_rounded(h, activation)
+    assert torch.allclose(plain.float(), mt.act_rounded_reference(h, activation).float(), rtol=2e-3, atol=1e-4)
+
+
+def test_act_masked_rows_untouched_and_unflagged() -> None:
+    h = torch.randn(4, 128, dtype=torch.float32)
+    h[1] = float("nan")  # a row nobody routed: garbage must not raise
+    mask = torch.tensor([True, False, True, True])
+    flag = torch.zeros(1, dtype=torch.int32)
+    out = mt.act_mxfp8_qdq(h, "silu", row_mask=mask, nonfinite=flag)
+    assert int(flag) == 0
+    assert torch.equal(out[mask], mt.act_mxfp8_qdq_reference(h, "silu", row_mask=mask)[mask])
+    with pytest.raises(NonFiniteInputError):
+        mt.act_mxfp8_qdq(h, "silu")
