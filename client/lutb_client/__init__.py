@@ -16,6 +16,7 @@ from lutb_client.client import (
     ForwardStream,
 )
 from lutb_client.errors import ExpertServiceError
+from lutb_client.sharded import AsyncShardedExpertClient, ShardedExpertClient
 
 __version__ = "0.1.0"
 
@@ -23,8 +24,10 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "AsyncExpertClient",
     "AsyncForwardStream",
+    "AsyncShardedExpertClient",
     "ExpertClient",
     "ExpertServiceError",
     "ForwardResult",
     "ForwardStream",
+    "ShardedExpertClient",
 ]

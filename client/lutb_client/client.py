@@ -6,6 +6,12 @@ within the deadline), and raise only :class:`~lutb_client.errors.ExpertServiceEr
 A streaming session (:meth:`ExpertClient.stream`, :meth:`AsyncExpertClient.stream`)
 keeps many requests in flight on one ``ForwardStream`` call; it does not retry
 (a broken stream fails the requests still pending with the stream's status).
+
+``wire="mxfp8"`` sends hidden states MXFP8-quantized (float8_e4m3fn elements plus one
+E8M0 scale byte per 32, about half the bytes of bfloat16), quantized with the server's
+scale mode after rounding to its model dtype (both from ``ModelInfo``, fetched once).
+The result then equals sending the hidden states themselves, except with
+``apply_router_weight_on_input``. Outputs always come back in the model dtype.
 """
 
 from __future__ import annotations
@@ -26,13 +32,15 @@ import torch
 
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
-from lutb_client.codec import CodecError, decode_tensor, encode_tensor
+from lutb_client.codec import PROTO_TO_TORCH, CodecError, decode_tensor, encode_tensor
 from lutb_client.errors import ExpertServiceError, status_code
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 _OUTPUT_MODES = {"combined": pb.COMBINED, "route_major": pb.ROUTE_MAJOR}
+WIRES = ("native", "mxfp8")
+"""How hidden states travel: ``native`` (as given) or ``mxfp8`` (quantized by the client)."""
 T = TypeVar("T")
 
 
@@ -53,8 +61,12 @@ def build_request(
     apply_router_weight_on_input: bool = False,
     output_mode: str = "combined",
     request_id: int = 0,
+    hidden_scales: torch.Tensor | None = None,
 ) -> pb.ForwardRequest:
-    """Encode one forward request (tensors on any device; ``output_mode`` "combined" or "route_major")."""
+    """Encode one forward request (tensors on any device; ``output_mode`` "combined" or "route_major").
+
+    ``hidden_scales``: uint8 ``[T, H/32]`` E8M0 scales when ``hidden_states`` is float8_e4m3fn (MXFP8 input).
+    """
     if output_mode not in _OUTPUT_MODES:
         raise ExpertServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"output_mode: {output_mode!r} is not combined or route_major")
     request = pb.ForwardRequest(
@@ -65,6 +77,8 @@ def build_request(
         encode_tensor(hidden_states, out=request.hidden_states)
         encode_tensor(topk_ids, out=request.topk_ids)
         encode_tensor(topk_weights, out=request.topk_weights)
+        if hidden_scales is not None:
+            encode_tensor(hidden_scales, out=request.hidden_scales)
     except CodecError as exc:
         raise ExpertServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), request_id) from None
     return request
@@ -89,6 +103,39 @@ def _channel_options(max_message_bytes: int, extra: Sequence[tuple[str, Any]]) -
     ]
 
 
+class _HiddenWire:
+    """Encodes hidden states for the wire: as given (``native``) or MXFP8-quantized (``mxfp8``)."""
+
+    def __init__(self, wire: str) -> None:
+        if wire not in WIRES:
+            raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")
+        self.wire = wire
+        self.dtype: torch.dtype | None = None
+        self.scale_mode = ""
+
+    @property
+    def ready(self) -> bool:
+        """Nothing left to learn from the server."""
+        return self.wire == "native" or self.dtype is not None
+
+    def learn(self, info: pb.ModelInfo) -> None:
+        """Take the model dtype and MXFP8 scale mode from the server's ``ModelInfo``."""
+        self.dtype = PROTO_TO_TORCH.get(info.dtype, torch.bfloat16)
+        self.scale_mode = info.mxfp8_scale_mode or "rceil"
+
+    def encode(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(hidden_states to send, hidden_scales or None)``."""
+        if self.wire == "native":
+            return hidden_states, None
+        from lutb_kernels.mxfp8 import mxfp8_quantize
+
+        assert self.dtype is not None, "learn() the model info first"
+        try:
+            return mxfp8_quantize(hidden_states.to(self.dtype), self.scale_mode)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise ExpertServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"hidden_states: {exc}") from None
+
+
 class _Backoff:
     """Exponential backoff with full jitter: attempt ``n`` sleeps up to ``base * 2**n`` (capped)."""
 
@@ -110,6 +157,8 @@ class ExpertClient:
         credentials: TLS channel credentials; plaintext if None.
         max_message_bytes: largest message sent or received.
         channel_options: extra gRPC channel options.
+        wire: ``"native"`` sends hidden states as given; ``"mxfp8"`` quantizes them to MXFP8
+            first (half the request bytes; see the module docstring).
     """
 
     def __init__(
@@ -123,6 +172,7 @@ class ExpertClient:
         credentials: grpc.ChannelCredentials | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         channel_options: Sequence[tuple[str, Any]] = (),
+        wire: str = "native",
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -133,6 +183,7 @@ class ExpertClient:
         )
         self._stub = pb_grpc.ExpertServiceStub(self._channel)
         self._ids = itertools.count(1)
+        self._wire = _HiddenWire(wire)
 
     def close(self) -> None:
         self._channel.close()
@@ -162,7 +213,14 @@ class ExpertClient:
 
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         """The server's ``ModelInfo`` (sizes, layers and experts held, dtype, backend, content hash)."""
-        return self._call(lambda t: self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, wait_for_ready=True), timeout)
+        info = self._call(lambda t: self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, wait_for_ready=True), timeout)
+        self._wire.learn(info)
+        return info
+
+    def _hidden(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self._wire.ready:
+            self.model_info()
+        return self._wire.encode(hidden_states)
 
     def forward_detailed(
         self,
@@ -176,9 +234,10 @@ class ExpertClient:
         timeout: float | None = None,
     ) -> ForwardResult:
         """:meth:`forward`, also returning the server's timing."""
+        hidden_states, scales = self._hidden(hidden_states)
         request = build_request(
             layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
-            output_mode=output_mode, request_id=next(self._ids),
+            output_mode=output_mode, request_id=next(self._ids), hidden_scales=scales,
         )
         response = self._call(lambda t: self._stub.Forward(request, timeout=t), timeout)
         return parse_response(response)
@@ -215,7 +274,7 @@ class ExpertClient:
 
     def stream(self, *, timeout: float | None = None, max_in_flight: int = 64) -> ForwardStream:
         """Open a :class:`ForwardStream` session (``timeout`` bounds the whole stream; None: no deadline)."""
-        return ForwardStream(self._stub, timeout=timeout, max_in_flight=max_in_flight, ids=self._ids)
+        return ForwardStream(self._stub, timeout=timeout, max_in_flight=max_in_flight, ids=self._ids, hidden=self._hidden)
 
 
 _CLOSE = object()
@@ -231,7 +290,8 @@ class ForwardStream:
     """
 
     def __init__(self, stub: pb_grpc.ExpertServiceStub, *, timeout: float | None, max_in_flight: int,
-                 ids: Iterator[int]) -> None:
+                 ids: Iterator[int], hidden: Callable[[torch.Tensor], Any] | None = None) -> None:
+        self._hidden = hidden  # the client's hidden-state wire encoding (async for AsyncForwardStream)
         self._requests: queue.Queue[Any] = queue.Queue()
         self._pending: deque[tuple[int, Future[Any], bool]] = deque()
         self._lock = threading.Lock()
@@ -289,9 +349,10 @@ class ForwardStream:
     ) -> Future[Any]:
         """Send one request; blocks while ``max_in_flight`` requests are outstanding."""
         request_id = next(self._ids)
+        hidden_states, scales = self._hidden(hidden_states) if self._hidden is not None else (hidden_states, None)
         request = build_request(
             layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
-            output_mode=output_mode, request_id=request_id,
+            output_mode=output_mode, request_id=request_id, hidden_scales=scales,
         )
         future: Future[Any] = Future()
         self._slots.acquire()
@@ -344,6 +405,7 @@ class AsyncExpertClient:
         credentials: grpc.ChannelCredentials | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         channel_options: Sequence[tuple[str, Any]] = (),
+        wire: str = "native",
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -354,6 +416,7 @@ class AsyncExpertClient:
         )
         self._stub = pb_grpc.ExpertServiceStub(self._channel)
         self._ids = itertools.count(1)
+        self._wire = _HiddenWire(wire)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -383,7 +446,14 @@ class AsyncExpertClient:
 
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         """The server's ``ModelInfo``."""
-        return await self._call(lambda t: self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, wait_for_ready=True), timeout)
+        info = await self._call(lambda t: self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, wait_for_ready=True), timeout)
+        self._wire.learn(info)
+        return info
+
+    async def _hidden(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self._wire.ready:
+            await self.model_info()
+        return self._wire.encode(hidden_states)
 
     async def forward_detailed(
         self,
@@ -397,9 +467,10 @@ class AsyncExpertClient:
         timeout: float | None = None,
     ) -> ForwardResult:
         """:meth:`forward`, also returning the server's timing."""
+        hidden_states, scales = await self._hidden(hidden_states)
         request = build_request(
             layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
-            output_mode=output_mode, request_id=next(self._ids),
+            output_mode=output_mode, request_id=next(self._ids), hidden_scales=scales,
         )
         response = await self._call(lambda t: self._stub.Forward(request, timeout=t), timeout)
         return parse_response(response)
@@ -424,7 +495,7 @@ class AsyncExpertClient:
 
     def stream(self, *, timeout: float | None = None, max_in_flight: int = 64) -> AsyncForwardStream:
         """Open an :class:`AsyncForwardStream` (``async with client.stream() as s: await s.forward(...)``)."""
-        return AsyncForwardStream(self._stub, timeout=timeout, max_in_flight=max_in_flight, ids=self._ids)
+        return AsyncForwardStream(self._stub, timeout=timeout, max_in_flight=max_in_flight, ids=self._ids, hidden=self._hidden)
 
 
 class AsyncForwardStream:
@@ -436,7 +507,8 @@ class AsyncForwardStream:
     """
 
     def __init__(self, stub: pb_grpc.ExpertServiceStub, *, timeout: float | None, max_in_flight: int,
-                 ids: Iterator[int]) -> None:
+                 ids: Iterator[int], hidden: Callable[[torch.Tensor], Any] | None = None) -> None:
+        self._hidden = hidden  # the client's hidden-state wire encoding (async for AsyncForwardStream)
         self._call = stub.ForwardStream(timeout=timeout)
         self._pending: deque[tuple[int, asyncio.Future[Any], bool]] = deque()
         self._slots = asyncio.Semaphore(max_in_flight)
@@ -491,9 +563,10 @@ class AsyncForwardStream:
     ) -> asyncio.Future[Any]:
         """Send one request (waits while ``max_in_flight`` are outstanding); returns the future of its output."""
         request_id = next(self._ids)
+        hidden_states, scales = await self._hidden(hidden_states) if self._hidden is not None else (hidden_states, None)
         request = build_request(
             layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
-            output_mode=output_mode, request_id=request_id,
+            output_mode=output_mode, request_id=request_id, hidden_scales=scales,
         )
         await self._slots.acquire()
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -543,6 +616,7 @@ __all__ = [
     "ExpertClient",
     "ForwardResult",
     "ForwardStream",
+    "WIRES",
     "build_request",
     "parse_response",
 ]

@@ -39,6 +39,7 @@ from lutb_server.metrics import ServerMetrics
 from lutb_server.scheduler import BatchScheduler
 from lutb_server.servicer import ExpertServicer
 from lutb_server.settings import ServerSettings
+from lutb_server.worker import ComputeWorker
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class ExpertServer:
 
     def __init__(self, settings: ServerSettings, *, engine_loader: Callable[[], ExpertEngine] | None = None) -> None:
         self.settings = settings
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(expert_metrics=settings.expert_metrics)
         self.gate = Gate()
         self.health = health.aio.HealthServicer()
         self.servicer = ExpertServicer(metrics=self.metrics, accepting=lambda: self.gate.open)
@@ -173,11 +174,14 @@ class ExpertServer:
                  f", metrics on http://{_address(s.host, self.metrics_port)}/metrics" if self.metrics_port else ", metrics off")
         try:
             engine = await asyncio.to_thread(loader)
+            worker = ComputeWorker(engine, cuda_graph_max_tokens=s.cuda_graph_max_tokens, cuda_graph_top_k=s.cuda_graph_top_k)
             scheduler = BatchScheduler(
                 engine, max_batch_tokens=s.max_batch_tokens, max_wait_us=s.max_wait_us,
                 max_queue_requests=s.max_queue_requests, metrics=self.metrics, backend_name=engine.backend.name,
+                worker=worker,
             )
             await scheduler.start()
+            await asyncio.wrap_future(worker.call(worker.capture_graphs))  # logs the time; before SERVING
         except BaseException:
             await self.stop(0)
             raise

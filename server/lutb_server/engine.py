@@ -105,10 +105,57 @@ class ExpertEngine:
         """Global ids of the experts held in ``layer``, ascending."""
         return self._layers[layer].expert_ids.tolist()
 
+    def layer_experts(self, layer: int) -> LayerExperts:
+        """The backend object running ``layer`` (the compute worker calls it directly)."""
+        return self._layers[layer]
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights the backend holds on its device, all layers."""
         return sum(experts.weight_bytes for experts in self._layers.values())
+
+    def dequantize_hidden(self, hidden_states: torch.Tensor, hidden_scales: torch.Tensor) -> torch.Tensor:
+        """MXFP8 input on the wire: ``float32(e) * 2**(s - 127)`` rounded to the model dtype (spec section 3).
+
+        Args:
+            hidden_states: float8_e4m3fn ``[T, H]``.
+            hidden_scales: uint8 ``[T, H/32]`` E8M0 bytes (255, E8M0's NaN, is refused).
+
+        Returns:
+            ``[T, H]`` in the model dtype, ready for :meth:`prepare` (which quantizes it again:
+            MXFP8 QDQ of dequantized MXFP8 values gives them back, so nothing is lost twice).
+
+        Raises:
+            InvalidArgument: the message names the field.
+        """
+        from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize
+
+        q, scales, hidden = hidden_states, hidden_scales, self.config.hidden_size
+        if q.dtype != torch.float8_e4m3fn:
+            raise InvalidArgument(f"hidden_states: dtype {q.dtype} not allowed with hidden_scales; MXFP8 input is float8_e4m3fn [T, {hidden}]")
+        if q.dim() != 2 or q.shape[1] != hidden:
+            raise InvalidArgument(f"hidden_states: shape {list(q.shape)} does not match [T, {hidden}] (hidden size {hidden})")
+        tokens = int(q.shape[0])
+        if tokens > self.max_tokens_per_request:
+            raise InvalidArgument(f"hidden_states: {tokens} tokens exceed max_tokens_per_request = {self.max_tokens_per_request}")
+        if scales.dtype != torch.uint8:
+            raise InvalidArgument(f"hidden_scales: dtype {scales.dtype} not allowed; expected uint8 (E8M0)")
+        if scales.dim() != 2 or scales.shape[0] != tokens or scales.shape[1] != hidden // BLOCK:
+            raise InvalidArgument(
+                f"hidden_scales: shape {list(scales.shape)} does not match [T, H/{BLOCK}] = [{tokens}, {hidden // BLOCK}] (hidden_states {list(q.shape)})"
+            )
+        if scales.numel():
+            bad = (scales == 255).nonzero()
+            if bad.numel():
+                row, block = (int(v) for v in bad[0])
+                raise InvalidArgument(f"hidden_scales: {bad.shape[0]} scale byte(s) are 255 (E8M0 NaN), first at row {row}, block {block}")
+        x = mxfp8_dequantize(q, scales, self.model_dtype)
+        if q.numel() and not bool(torch.isfinite(x).all()):
+            count = int((~torch.isfinite(x)).sum())
+            raise InvalidArgument(
+                f"hidden_states: {count} MXFP8 value(s) are NaN or overflow {self.model_dtype} when dequantized (hidden_scales too large?)"
+            )
+        return x
 
     def prepare(
         self,

@@ -19,6 +19,7 @@ lutb_backend_info                        info      backend, device, compute_capa
 lutb_weight_bytes                        gauge                                           weight bytes held on the device
 lutb_gpu_memory_allocated_bytes          gauge     device                                torch.cuda.memory_allocated (GPU only)
 lutb_gpu_memory_reserved_bytes           gauge     device                                torch.cuda.memory_reserved (GPU only)
+lutb_expert_tokens_total                 counter   layer, expert                         tokens per held expert (only with expert_metrics)
 ======================================== ========= ===================================== ===========================================
 
 Label sets are bounded: methods are the registered ones, codes the gRPC codes,
@@ -34,6 +35,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from lutb_server.expert_load import ExpertLoad
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 16))
@@ -61,7 +64,7 @@ class _GpuMemoryCollector(Collector):
 class ServerMetrics:
     """The server's metrics, registered on :attr:`registry` (a fresh one unless given)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, expert_metrics: bool = False) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         self.grpc_requests = Counter("lutb_grpc_requests", "Finished gRPC calls", ["service", "method", "code"], registry=r)
@@ -94,6 +97,9 @@ class ServerMetrics:
         self.queue_depth = Gauge("lutb_queue_depth", "Requests waiting in the scheduler", registry=r)
         self.backend_info = Info("lutb_backend", "What runs the experts", registry=r)
         self.weight_bytes = Gauge("lutb_weight_bytes", "Weight bytes the backend holds on its device", registry=r)
+        self.expert_load: ExpertLoad | None = ExpertLoad() if expert_metrics else None
+        if self.expert_load is not None:
+            r.register(self.expert_load)
         self._http: Any = None
         self._http_thread: threading.Thread | None = None
         self.port: int | None = None

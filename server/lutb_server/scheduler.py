@@ -6,7 +6,8 @@ request's arrival) for more, then pools every waiting request with the same
 :attr:`~lutb_server.engine.PreparedRequest.pool_key` (layer, top-k, weighting,
 output mode), oldest first, up to ``max_batch_tokens`` (a larger request runs
 alone), concatenates them along the token axis into one ``engine.forward`` call on
-a single worker thread, and splits the output back. While that call runs, new
+the compute worker's thread (:class:`~lutb_server.worker.ComputeWorker`: staging buffers,
+device copies, CUDA graphs), and splits the output back. While that call runs, new
 requests queue up and form the next batch (continuous batching).
 
 Isolation: every request was validated before it was queued; should a pooled call
@@ -22,7 +23,6 @@ import asyncio
 import logging
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +32,7 @@ from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
 from lutb_server.errors import DeadlineExpired, QueueFull, Unavailable
 from lutb_server.metrics import ServerMetrics
+from lutb_server.worker import ComputeWorker
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class BatchScheduler:
         max_queue_requests: most requests waiting (not yet in a batch).
         metrics: where to record queue wait, compute, batch sizes; none if None.
         backend_name: the ``backend`` label of those metrics.
+        worker: runs the batches; default ``ComputeWorker(engine)`` (started and closed with the scheduler).
     """
 
     def __init__(
@@ -85,8 +87,10 @@ class BatchScheduler:
         max_queue_requests: int = 1024,
         metrics: ServerMetrics | None = None,
         backend_name: str = "",
+        worker: ComputeWorker | None = None,
     ) -> None:
         self._engine = engine
+        self.worker = worker if worker is not None else ComputeWorker(engine)
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_us / 1e6
         self.max_queue_requests = max_queue_requests
@@ -94,7 +98,6 @@ class BatchScheduler:
         self._backend = backend_name
         self._pending: deque[_Item] = deque()
         self._wake = asyncio.Event()
-        self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -104,7 +107,7 @@ class BatchScheduler:
         """Start the dispatcher on the running loop and the compute thread."""
         if self._task is not None:
             return
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lutb-compute")
+        self.worker.start()
         self._task = asyncio.create_task(self._dispatch_forever(), name="lutb-scheduler")
 
     async def close(self) -> None:
@@ -122,9 +125,7 @@ class BatchScheduler:
             if not item.future.done():
                 item.future.set_exception(Unavailable("server is shutting down; request not computed"))
         self._set_depth()
-        if self._executor is not None:
-            await asyncio.to_thread(self._executor.shutdown, True)
-            self._executor = None
+        await asyncio.to_thread(self.worker.close)
 
     @property
     def queue_depth(self) -> int:
@@ -232,12 +233,11 @@ class BatchScheduler:
         return batch
 
     async def _execute(self, batch: list[_Item]) -> None:
-        loop = asyncio.get_running_loop()
         started = time.monotonic()
         tokens = sum(item.request.tokens for item in batch)
         layer = str(batch[0].request.layer)
         try:
-            outputs, compute_s = await loop.run_in_executor(self._executor, _compute, self._engine, [i.request for i in batch])
+            outputs, compute_s = await asyncio.wrap_future(self.worker.submit([i.request for i in batch]))
         except Exception as exc:
             if len(batch) == 1:
                 _fail(batch[0], exc)
@@ -247,7 +247,7 @@ class BatchScheduler:
                 if item.future.done():
                     continue
                 try:
-                    (output,), compute_s = await loop.run_in_executor(self._executor, _compute, self._engine, [item.request])
+                    (output,), compute_s = await asyncio.wrap_future(self.worker.submit([item.request]))
                 except Exception as single_exc:
                     _fail(item, single_exc)
                 else:
@@ -272,24 +272,6 @@ class BatchScheduler:
     def _set_depth(self) -> None:
         if self._metrics is not None:
             self._metrics.queue_depth.set(len(self._pending))
-
-
-def _compute(engine: ForwardEngine, requests: list[PreparedRequest]) -> tuple[list[torch.Tensor], float]:
-    """Worker thread: one experts call over ``requests`` (pooled), outputs split back; returns them and the seconds taken."""
-    start = time.perf_counter()
-    first = requests[0]
-    if len(requests) == 1:
-        x, ids, w = first.x, first.topk_ids, first.topk_weights
-    else:
-        x = torch.cat([r.x for r in requests])
-        ids = torch.cat([r.topk_ids for r in requests])
-        w = torch.cat([r.topk_weights for r in requests])
-    out = engine.forward(
-        first.layer, x, ids, w,
-        apply_router_weight_on_input=first.apply_router_weight_on_input, output_mode=first.output_mode,
-    )
-    outputs = list(torch.split(out, [r.tokens for r in requests])) if len(requests) > 1 else [out]
-    return outputs, time.perf_counter() - start
 
 
 def _fail(item: _Item, exc: BaseException) -> None:

@@ -163,14 +163,20 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     async def _forward(self, request: pb.ForwardRequest, deadline: float | None, received: float) -> pb.ForwardResponse:
         if self._engine is None or self._scheduler is None:
             raise Unavailable("server is still loading its checkpoint")
-        if request.HasField("hidden_scales"):
-            raise InvalidArgument("hidden_scales: MXFP8-quantized hidden_states are not supported yet; send them in the model dtype")
         if request.output_mode not in _OUTPUT_MODES:
             raise InvalidArgument(f"output_mode: unknown value {request.output_mode}")
         for name in ("hidden_states", "topk_ids", "topk_weights"):
             if not request.HasField(name):
                 raise InvalidArgument(f"{name}: missing")
-        x = decode_tensor(request.hidden_states, name="hidden_states", dtypes=FLOAT_DTYPES)
+        if request.HasField("hidden_scales"):  # MXFP8 on the wire: dequantized to the model dtype here
+            x = self._engine.dequantize_hidden(
+                decode_tensor(request.hidden_states, name="hidden_states (with hidden_scales)", dtypes=(torch.float8_e4m3fn,)),
+                decode_tensor(request.hidden_scales, name="hidden_scales", dtypes=(torch.uint8,)),
+            )
+        elif request.hidden_states.dtype == pb.FLOAT8_E4M3FN:
+            raise InvalidArgument("hidden_states: FLOAT8_E4M3FN (MXFP8) needs hidden_scales, UINT8 [T, H/32]")
+        else:
+            x = decode_tensor(request.hidden_states, name="hidden_states", dtypes=FLOAT_DTYPES)
         ids = decode_tensor(request.topk_ids, name="topk_ids", dtypes=ID_DTYPES)
         weights = decode_tensor(request.topk_weights, name="topk_weights", dtypes=(torch.float32,))
         prepared = self._engine.prepare(
@@ -178,6 +184,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             apply_router_weight_on_input=request.apply_router_weight_on_input,
             output_mode=_OUTPUT_MODES[request.output_mode],
         )
+        if self._metrics is not None and self._metrics.expert_load is not None:
+            self._metrics.expert_load.record(self._engine, prepared)
         result = await self._scheduler.submit(prepared, deadline=deadline)
         response = pb.ForwardResponse(request_id=request.request_id, status=pb.Status(code=0))
         encode_tensor(result.output, out=response.output)

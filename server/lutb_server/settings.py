@@ -64,6 +64,15 @@ class ServerSettings(BaseSettings):
     validate_checkpoint: bool = Field(
         True, description="check every weight tile of the checkpoint at startup (spec section 1 rules)"
     )
+    cuda_graph_max_tokens: int = Field(
+        512, ge=0, description="largest batch (tokens) run through CUDA graphs, captured per power-of-two bucket; 0 disables graphs"
+    )
+    cuda_graph_top_k: int = Field(
+        8, ge=0, description="top-k whose CUDA graphs are captured at startup (others on first use); 0: all on first use"
+    )
+    expert_metrics: bool = Field(
+        False, description="export lutb_expert_tokens_total{layer,expert}: tokens per held expert (E x layers series; for `lutb load`)"
+    )
     config: Path | None = Field(None, description="YAML file of settings (keys are these names with underscores)")
 
     @field_validator("device")

@@ -120,4 +120,74 @@ class ServerThread:
         self.stop()
 
 
-__all__ = ["ServerThread", "free_port", "make_tiny_checkpoint", "random_tiles"]
+
+class ServeProcess:
+    """``lutb serve`` in a subprocess on loopback (for tests and benchmarks that need real processes).
+
+    ``args`` are ``lutb serve`` flags; ``--host 127.0.0.1 --port 0 --metrics-port 0`` are added
+    unless given. The gRPC port is read from the server's ``listening on`` line. Start several
+    at once, then :meth:`wait_ready` each, so that they load in parallel.
+    """
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        import os
+        import subprocess
+        import sys
+
+        flags = list(args)
+        for flag, value in (("--host", "127.0.0.1"), ("--port", "0"), ("--metrics-port", "0")):
+            if flag not in flags:
+                flags += [flag, value]
+        code = "import sys; from lutb_server.cli import main; sys.exit(main(sys.argv[1:]))"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, "serve", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.lines: list[str] = []
+        self.port: int | None = None
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="lutb-serve-output", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if self.port is None and "listening on" in line:
+                self.port = int(line.rsplit(":", 1)[1])
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout: float = 90.0) -> ServeProcess:
+        """Wait for the ``listening on`` line (the server is SERVING); RuntimeError with its output if it never comes."""
+        self._ready.wait(timeout)
+        if self.port is None:
+            self.kill()
+            raise RuntimeError("lutb serve did not start:\n" + "".join(self.lines))
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (drain), wait, SIGKILL if it does not exit; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except Exception:
+                self.kill()
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+__all__ = ["ServeProcess", "ServerThread", "free_port", "make_tiny_checkpoint", "random_tiles"]

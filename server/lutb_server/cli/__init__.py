@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES = (
     "lutb_server.cli.checkpoint_cmds",  # synth, quantize, inspect
     "lutb_server.cli.health_cmd",  # health
     "lutb_server.cli.shard_cmd",  # shard
+    "lutb_server.cli.load_cmd",  # load
 )
 
 

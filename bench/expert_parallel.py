@@ -1,0 +1,249 @@
+"""Expert-parallel serving: one server holding every expert against 2 and 4 shard servers.
+
+For each shard count N (``--shards``, default 1 2 4) the checkpoint's experts are split
+with ``lutb shard``'s contiguous placement (N = 1: the whole checkpoint), N ``lutb serve``
+processes are started on this machine (devices from ``--device``, round-robin when several
+are given), and :class:`lutb_client.AsyncShardedExpertClient` drives them at each
+concurrency level (``--concurrency``, default 1 2 4 8 16 32 64) for ``--duration`` seconds
+after a warm-up: the same client code path for every N, the same total experts, the same
+routed batches (``--tokens`` tokens per request, top-``--topk`` of uniform random logits).
+
+Reported per (N, concurrency): requests, latency p50/p99/mean (ms), requests/s, tokens/s,
+errors; the JSON also holds the client's per-shard stats.
+
+Usage::
+
+    python bench/expert_parallel.py --out bench/results/ep-h200 --backend auto --device cuda:0 \\
+        --checkpoint /models/ds-v3-lutb-layer3 --duration 10
+    python bench/expert_parallel.py --out /tmp/ep --backend reference --device cpu \\
+        --experts 8 --hidden 128 --intermediate 128 --concurrency 1 4 --duration 1 --server-threads 1   # CPU smoke test
+
+Without ``--checkpoint`` a synthetic checkpoint of random valid tiles (no quantizer, so
+it is made in seconds) of the given shape is written under the work directory.
+Writes ``OUT/expert_parallel.md`` and ``OUT/expert_parallel.json``; prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lutb_client import AsyncShardedExpertClient, ExpertServiceError
+from lutb_client.routing import softmax_topk
+from lutb_kernels.checkpoint import Checkpoint
+from lutb_kernels.sharding import contiguous_placement, write_shards
+from lutb_server.testing import ServeProcess, make_tiny_checkpoint
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="directory for expert_parallel.md and expert_parallel.json")
+    p.add_argument("--checkpoint", type=Path, help="LUT-B checkpoint to serve (default: a synthetic one of the shape below)")
+    p.add_argument("--layers", type=int, default=1, help="synthetic: MoE layers (default 1)")
+    p.add_argument("--experts", type=int, default=64, help="synthetic: experts per layer (default 64)")
+    p.add_argument("--hidden", type=int, default=2048, help="synthetic: hidden size H (default 2048)")
+    p.add_argument("--intermediate", type=int, default=1024, help="synthetic: intermediate size I (default 1024)")
+    p.add_argument("--activation", default="silu", help="synthetic: activation (default silu)")
+    p.add_argument("--dtype", default="bfloat16", help="synthetic: model dtype (default bfloat16)")
+    p.add_argument("--backend", default="auto", help="lutb serve --backend (default auto)")
+    p.add_argument("--device", nargs="+", default=["auto"], help="lutb serve --device; several are given to shards round-robin")
+    p.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4], help="shard counts to compare (default 1 2 4)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="requests in flight")
+    p.add_argument("--tokens", type=int, default=32, help="tokens per request (default 32)")
+    p.add_argument("--topk", type=int, default=8, help="routes per token (default 8, at most the expert count)")
+    p.add_argument("--layer", type=int, help="layer to run (default: the first)")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds measured per (shards, concurrency) (default 5)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up before each measurement (default 1)")
+    p.add_argument("--timeout", type=float, default=60.0, help="deadline of one forward in seconds (default 60)")
+    p.add_argument("--server-threads", type=int, help="OMP_NUM_THREADS of each server process (default: inherited); "
+                   "on a small CPU machine use 1, or the processes' spinning threads starve each other")
+    p.add_argument("--serve-arg", action="append", default=[], help="extra `lutb serve` flag (repeatable), e.g. --serve-arg=--max-wait-us=200")
+    p.add_argument("--work-dir", type=Path, help="where checkpoints and shards go (default: a temporary directory, removed after)")
+    p.add_argument("--machine", default="", help="free text describing the machine, recorded in the report")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+async def _drive(targets: list[str], layer: int, batches: list[tuple[torch.Tensor, ...]], concurrency: int,
+                 warmup: float, duration: float, timeout: float) -> dict[str, Any]:
+    async with AsyncShardedExpertClient(targets, timeout=timeout) as client:
+        latencies: list[float] = []
+        errors: dict[str, int] = {}
+        measuring = False
+        stop_at = 0.0
+
+        async def worker(index: int) -> None:
+            i = index
+            while time.monotonic() < stop_at:
+                x, ids, w = batches[i % len(batches)]
+                i += 1
+                start = time.perf_counter()
+                try:
+                    await client.forward(layer, x, ids, w)
+                except ExpertServiceError as exc:
+                    if measuring:
+                        errors[exc.code.name] = errors.get(exc.code.name, 0) + 1
+                    continue
+                if measuring:
+                    latencies.append(time.perf_counter() - start)
+
+        stop_at = time.monotonic() + warmup
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        client.reset_stats()
+        measuring = True
+        began = time.perf_counter()
+        stop_at = time.monotonic() + duration
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        elapsed = time.perf_counter() - began
+        stats = client.stats()
+    tokens = int(batches[0][0].shape[0])
+    return {
+        "concurrency": concurrency,
+        "requests": len(latencies),
+        "errors": errors,
+        "seconds": elapsed,
+        "latency_p50_ms": _percentile(latencies, 50) * 1e3,
+        "latency_p99_ms": _percentile(latencies, 99) * 1e3,
+        "latency_mean_ms": (sum(latencies) / len(latencies) * 1e3) if latencies else float("nan"),
+        "requests_per_s": len(latencies) / elapsed,
+        "tokens_per_s": len(latencies) * tokens / elapsed,
+        "shard_requests_per_call": sum(s.requests for s in stats.shards) / max(stats.calls, 1),
+        "shards": [
+            {"target": s.target, "requests": s.requests, "tokens": s.tokens, "p50_ms": s.latency_p50_ms, "p99_ms": s.latency_p99_ms}
+            for s in stats.shards
+        ],
+    }
+
+
+def _shard_dirs(checkpoint: Checkpoint, shards: int, work: Path) -> list[Path]:
+    if shards == 1:
+        return [checkpoint.path]
+    out = work / f"shards-{shards}"
+    if (out / "shards.json").exists():
+        return [out / f"shard-{s}" for s in range(shards)]
+    plan = {layer: contiguous_placement(checkpoint.expert_ids(layer).tolist(), shards) for layer in checkpoint.layers}
+    return write_shards(checkpoint, out, plan, overwrite=True)
+
+
+def _git_commit() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True).stdout.strip()
+        return commit + (" (working tree has uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = ["# Expert-parallel serving benchmark", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items()]
+    lines += ["", "| shards | concurrency | requests | p50 ms | p99 ms | mean ms | req/s | tokens/s | shard calls/forward | errors |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        errors = ", ".join(f"{n} {c}" for c, n in sorted(r["errors"].items())) or "0"
+        lines.append(f"| {r['shards']} | {r['concurrency']} | {r['requests']} | {r['latency_p50_ms']:.2f} | {r['latency_p99_ms']:.2f} | "
+                     f"{r['latency_mean_ms']:.2f} | {r['requests_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['shard_requests_per_call']:.2f} | {errors} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    temp = None
+    work = args.work_dir
+    if work is None:
+        temp = tempfile.mkdtemp(prefix="lutb-ep-bench-")
+        work = Path(temp)
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        if args.checkpoint is not None:
+            checkpoint = Checkpoint(args.checkpoint)
+        else:
+            path = work / f"synthetic-l{args.layers}-e{args.experts}-h{args.hidden}-i{args.intermediate}-{args.activation}-{args.dtype}"
+            if not any(path.glob("*.safetensors")):
+                print(f"writing a synthetic checkpoint (random tiles) to {path}", file=sys.stderr)
+                make_tiny_checkpoint(path, layers=tuple(range(args.layers)), num_experts=args.experts, hidden=args.hidden,
+                                     intermediate=args.intermediate, activation=args.activation, dtype=args.dtype, seed=args.seed)
+            checkpoint = Checkpoint(path)
+        config = checkpoint.config
+        layer = args.layer if args.layer is not None else checkpoint.layers[0]
+        topk = min(args.topk, config.num_experts)
+        gen = torch.Generator().manual_seed(args.seed)
+        batches = []
+        for _ in range(8):
+            weights, ids = softmax_topk(torch.randn(args.tokens, config.num_experts, generator=gen), topk)
+            x = torch.randn(args.tokens, config.hidden_size, generator=gen).to(config.torch_dtype)
+            batches.append((x, ids, weights))
+        rows: list[dict[str, Any]] = []
+        for shards in args.shards:
+            dirs = _shard_dirs(checkpoint, shards, work)
+            procs = [
+                ServeProcess("--checkpoint", str(d), "--backend", args.backend, "--device", args.device[i % len(args.device)],
+                             "--no-validate-checkpoint", *args.serve_arg,
+                             env={"OMP_NUM_THREADS": str(args.server_threads)} if args.server_threads else None)
+                for i, d in enumerate(dirs)
+            ]
+            try:
+                for proc in procs:
+                    proc.wait_ready(600)
+                targets = [p.address for p in procs]
+                for concurrency in args.concurrency:
+                    row = asyncio.run(_drive(targets, layer, batches, concurrency, args.warmup, args.duration, args.timeout))
+                    row["shards"] = shards
+                    rows.append(row)
+                    print(f"shards {shards} concurrency {concurrency}: p50 {row['latency_p50_ms']:.2f} ms  "
+                          f"p99 {row['latency_p99_ms']:.2f} ms  {row['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+            finally:
+                for proc in procs:
+                    proc.stop()
+    finally:
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or platform.machine()
+    meta = {
+        "date": dt.date.today().isoformat(),
+        "machine": args.machine or platform.node(),
+        "device": f"{device_name} (lutb serve --device {' '.join(args.device)}, --backend {args.backend})",
+        "torch": torch.__version__,
+        "git commit": _git_commit(),
+        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "checkpoint": f"{checkpoint.path} (H={config.hidden_size}, I={config.intermediate_size}, E={config.num_experts}, "
+                      f"{config.activation}, {config.dtype})" if args.checkpoint else
+                      f"synthetic random tiles (H={config.hidden_size}, I={config.intermediate_size}, E={config.num_experts}, "
+                      f"{config.activation}, {config.dtype})",
+        "server threads": args.server_threads or "inherited",
+        "workload": f"layer {layer}, {args.tokens} tokens/request, top-{topk}, {args.duration:g} s per row after {args.warmup:g} s warm-up, "
+                    "AsyncShardedExpertClient (unary Forward per shard)",
+    }
+    (args.out / "expert_parallel.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    (args.out / "expert_parallel.md").write_text(_markdown(meta, rows))
+    print(f"wrote {args.out / 'expert_parallel.md'} and {args.out / 'expert_parallel.json'}")
+    print(f"{'shards':>6} {'conc':>5} {'p50 ms':>9} {'p99 ms':>9} {'tokens/s':>10}")
+    for r in rows:
+        print(f"{r['shards']:>6} {r['concurrency']:>5} {r['latency_p50_ms']:>9.2f} {r['latency_p99_ms']:>9.2f} {r['tokens_per_s']:>10.0f}")
+    return 0 if not any(r["errors"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

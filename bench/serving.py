@@ -1,0 +1,722 @@
+#!/usr/bin/env python
+"""Serving benchmark: end-to-end latency and throughput of one expert server over loopback gRPC.
+
+For each model shape (one MoE layer of random LUT-B tiles, written once as a checkpoint),
+wire format (``bf16``: hidden states in the model dtype; ``mxfp8``: quantized by the client),
+tokens per request and concurrency, it measures, in one run and on one machine:
+
+- **server**: ``lutb serve`` in its own process; closed-loop load (each of ``C`` concurrent
+  callers sends its next unary ``Forward`` as soon as the last one returns) from separate
+  load-generator processes (up to ``--load-procs``), so client Python never shares the
+  server's GIL: p50/p99 latency, tokens/s, the batch sizes the server formed
+  (``timing.batch_tokens``) and its compute time;
+- **in-process**: the same experts, loaded in this process with the same compute worker
+  (staging buffers, CUDA graphs), called on batches of the formed size made of the same
+  requests: what the GPU work costs without gRPC and asyncio;
+- **echo**: a bare grpc.aio echo service (generic handler, no proto) answering the same
+  request and response sizes at the same concurrency: the transport floor.
+
+Targets (shown, not asserted): concurrency 1 and 16 tokens: server p50 <= in-process + echo
+p50 + 150 us; concurrency 64: server tokens/s >= 80% of in-process tokens/s at the formed
+batch size; tokens/s grows with concurrency until the GPU is busy (the table says where).
+
+    python bench/serving.py --out /tmp/serving                         # the device run (packed, cuda)
+    python bench/serving.py --smoke --out /tmp/smoke                   # tiny CPU run, reference backend, < 60 s
+    python bench/serving.py --out /tmp/s --shapes qwen3-30b-a3b --concurrency 1,64 --tokens 16 --profile
+
+Writes ``serving.json`` (every number), ``serving.md`` (tables) and, with ``--profile``, the
+server's top functions (py-spy when installed, else cProfile of its event-loop and compute
+threads) under ``--out``; prints the short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SHAPES: dict[str, dict[str, int]] = {
+    "qwen3-30b-a3b": {"experts": 128, "hidden": 2048, "intermediate": 768, "top_k": 8},
+    "deepseek-v3": {"experts": 256, "hidden": 7168, "intermediate": 2048, "top_k": 8},
+    "smoke": {"experts": 8, "hidden": 128, "intermediate": 128, "top_k": 2},
+}
+FORWARD_METHOD = "/lutb.v1.ExpertService/Forward"
+ECHO_METHOD = "/bench.Echo/Echo"
+TARGET_SLACK_US = 150.0
+TARGET_THROUGHPUT = 0.8
+DISTINCT_REQUESTS = 8  # distinct request payloads per cell (cycled)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+
+def make_checkpoint(root: Path, shape_name: str, *, dtype: str, scale_mode: str, device: str) -> Path:
+    """One layer (layer 0) of random valid tiles, generated on ``device`` (no quantizer); cached under ``root``."""
+    import torch
+
+    from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights, write_checkpoint
+    from lutb_kernels.lut_b_gemm import random_tiles
+
+    shape = SHAPES[shape_name]
+    path = root / f"{shape_name}-{dtype}-{scale_mode}"
+    if any(path.glob("*.safetensors")):
+        return path
+    config = CheckpointConfig(shape["hidden"], shape["intermediate"], shape["experts"], "silu", dtype, scale_mode)
+    gen = torch.Generator(device=device).manual_seed(0)
+    e = shape["experts"]
+    start = time.perf_counter()
+    w13 = random_tiles(config.w13_tiles_shape(e), k=shape["hidden"], device=device, generator=gen).cpu()
+    w2 = random_tiles(config.w2_tiles_shape(e), k=shape["intermediate"], device=device, generator=gen).cpu()
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the server process needs the memory, not this one
+    tmp = root / f".tmp-{path.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_checkpoint(tmp, config, {0: LayerWeights(w13, w2, torch.arange(e, dtype=torch.int32))})
+    os.rename(tmp, path)
+    print(f"[bench] wrote checkpoint {path} ({(w13.numel() + w2.numel()) / 2**20:.0f} MiB) in {time.perf_counter() - start:.1f}s",
+          flush=True)
+    return path
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+@dataclass
+class CellRequests:
+    """The distinct requests of one (shape, wire, tokens) cell: tensors for in-process, bytes for the wire."""
+
+    tokens: int
+    top_k: int
+    wire: str
+    payloads: list[bytes]
+    tensors: list[tuple[Any, Any, Any]]  # (x model dtype, ids int32, weights f32) as the client would send before encoding
+    mx: list[tuple[Any, Any] | None]  # (q, scales) for the mxfp8 wire
+
+
+def make_requests(shape: dict[str, int], tokens: int, wire: str, *, dtype: Any, scale_mode: str, seed: int) -> CellRequests:
+    import torch
+
+    from lutb_client.client import build_request
+    from lutb_kernels.mxfp8 import mxfp8_quantize
+
+    gen = torch.Generator().manual_seed(seed)
+    payloads, tensors, mx = [], [], []
+    for i in range(DISTINCT_REQUESTS):
+        x = torch.randn(tokens, shape["hidden"], generator=gen).to(dtype)
+        ids = torch.rand(tokens, shape["experts"], generator=gen).topk(shape["top_k"], dim=1).indices.to(torch.int32)
+        w = torch.softmax(torch.randn(tokens, shape["top_k"], generator=gen), dim=1)
+        if wire == "mxfp8":
+            q, s = mxfp8_quantize(x, scale_mode)  # type: ignore[arg-type]
+            request = build_request(0, q, ids, w, request_id=i + 1, hidden_scales=s)
+            mx.append((q, s))
+        else:
+            request = build_request(0, x, ids, w, request_id=i + 1)
+            mx.append(None)
+        payloads.append(request.SerializeToString())
+        tensors.append((x, ids, w))
+    return CellRequests(tokens, shape["top_k"], wire, payloads, tensors, mx)
+
+
+# ----------------------------------------------------------------------------- load generator (separate processes)
+
+
+async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
+    import grpc
+
+    from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+
+    options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
+    async with grpc.aio.insecure_channel(spec["target"], options=options) as channel:
+        await asyncio.wait_for(channel.channel_ready(), 60)
+        method = ECHO_METHOD if spec["kind"] == "echo" else FORWARD_METHOD
+        call = channel.unary_unary(method)  # bytes in, bytes out: no (de)serialization cost on this side
+        payloads: list[bytes] = spec["payloads"]
+        latencies: list[float] = []
+        batch_tokens: list[int] = []
+        compute_us: list[int] = []
+        sizes = {"request": len(payloads[0]), "response": 0}
+        errors: list[str] = []
+        done_tokens = 0
+        t_start = time.perf_counter() + spec["warmup_s"]
+        t_end = t_start + spec["duration_s"]
+
+        async def caller(index: int) -> None:
+            nonlocal done_tokens
+            i = index
+            while True:
+                now = time.perf_counter()
+                if now >= t_end:
+                    return
+                payload = payloads[i % len(payloads)]
+                i += 1
+                t0 = time.perf_counter()
+                try:
+                    raw = await call(payload, timeout=60)
+                except grpc.RpcError as err:
+                    errors.append(f"{err.code().name}: {err.details()}")
+                    if len(errors) > 20:
+                        return
+                    continue
+                t1 = time.perf_counter()
+                if t0 >= t_start and t1 <= t_end:
+                    latencies.append(t1 - t0)
+                    done_tokens += spec["tokens"]
+                    if spec["kind"] == "expert":
+                        response = pb.ForwardResponse.FromString(raw)
+                        if response.status.code:
+                            errors.append(response.status.message)
+                        batch_tokens.append(int(response.timing.batch_tokens))
+                        compute_us.append(int(response.timing.compute_us))
+                sizes["response"] = len(raw)
+
+        await asyncio.gather(*(caller(spec["first_index"] + j) for j in range(spec["concurrency"])))
+    return {"latencies": latencies, "tokens": done_tokens, "window_s": spec["duration_s"], "batch_tokens": batch_tokens,
+            "compute_us": compute_us, "sizes": sizes, "errors": errors[:5]}
+
+
+def _load_worker(conn: Any) -> None:
+    while True:
+        spec = conn.recv()
+        if spec is None:
+            return
+        try:
+            conn.send(asyncio.run(_run_load(spec)))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            conn.send({"fatal": f"{type(exc).__name__}: {exc}"})
+
+
+class LoadPool:
+    """Long-lived load-generator processes (spawned once; each runs its share of the callers)."""
+
+    def __init__(self, procs: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.workers = []
+        for _ in range(procs):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_load_worker, args=(child,), daemon=True)
+            proc.start()
+            self.workers.append((proc, parent))
+
+    def run(self, kind: str, target: str, payloads: list[bytes], tokens: int, concurrency: int,
+            warmup_s: float, duration_s: float) -> dict[str, Any]:
+        procs = min(len(self.workers), concurrency)
+        shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
+        first = 0
+        for (_, conn), share in zip(self.workers, shares):
+            conn.send({"kind": kind, "target": target, "payloads": payloads, "tokens": tokens, "concurrency": share,
+                       "first_index": first, "warmup_s": warmup_s, "duration_s": duration_s})
+            first += share
+        parts = [conn.recv() for (_, conn), _ in zip(self.workers, shares)]
+        fatal = [p["fatal"] for p in parts if "fatal" in p]
+        if fatal:
+            raise RuntimeError(f"load generator failed: {fatal[0]}")
+        latencies = [v for p in parts for v in p["latencies"]]
+        batch = [v for p in parts for v in p["batch_tokens"]]
+        compute = [v for p in parts for v in p["compute_us"]]
+        return {
+            "requests": len(latencies),
+            "p50_us": _pct(latencies, 0.5) * 1e6,
+            "p99_us": _pct(latencies, 0.99) * 1e6,
+            "tokens_per_s": sum(p["tokens"] for p in parts) / duration_s,
+            "requests_per_s": len(latencies) / duration_s,
+            "batch_tokens_p50": _pct([float(b) for b in batch], 0.5) if batch else None,
+            "batch_tokens_mean": statistics.fmean(batch) if batch else None,
+            "server_compute_us_p50": _pct([float(c) for c in compute], 0.5) if compute else None,
+            "request_bytes": parts[0]["sizes"]["request"],
+            "response_bytes": max(p["sizes"]["response"] for p in parts),
+            "errors": [e for p in parts for e in p["errors"]][:5],
+            "load_procs": procs,
+        }
+
+    def close(self) -> None:
+        for proc, conn in self.workers:
+            with contextlib.suppress(Exception):
+                conn.send(None)
+        for proc, _ in self.workers:
+            proc.join(10)
+            if proc.is_alive():
+                proc.terminate()
+
+
+# ----------------------------------------------------------------------------- children: server and echo
+
+
+def _child_serve(config: dict[str, Any]) -> None:
+    """Run ``lutb serve`` with these settings until SIGTERM (optionally under cProfile)."""
+    import logging
+
+    from lutb_server.app import serve
+    from lutb_server.settings import ServerSettings
+
+    logging.basicConfig(level=logging.INFO, format="[server] %(asctime)s %(name)s %(message)s")
+    profile_path = config.pop("_cprofile", None)
+    settings = ServerSettings(**config)
+    if profile_path is None:
+        asyncio.run(serve(settings))
+        return
+    import cProfile
+    import pstats
+
+    main_prof, worker_prof = cProfile.Profile(), cProfile.Profile()
+    holder: dict[str, Any] = {}
+
+    def ready(server: Any) -> None:
+        main_prof.enable()  # Python >= 3.12: cProfile uses sys.monitoring and sees every thread
+        try:
+            server.scheduler.worker.call(worker_prof.enable).result(30)  # older Pythons: one profiler per thread
+            holder["worker"] = True
+        except Exception:  # noqa: BLE001 - "another profiler is active": the main one covers the worker
+            pass
+
+    asyncio.run(serve(settings, on_ready=ready))
+    main_prof.disable()
+    with open(profile_path, "w") as fh:
+        profiles = [("event-loop thread" + ("" if holder else " (all threads on Python >= 3.12)"), main_prof)]
+        if holder:
+            profiles.append(("compute worker thread", worker_prof))
+        for title, prof in profiles:
+            fh.write(f"== cProfile: server {title}, top 40 by own time ==\n")
+            stats = pstats.Stats(prof, stream=fh)
+            stats.sort_stats("tottime").print_stats(40)
+
+
+def _child_echo(port: int) -> None:
+    import grpc
+
+    cache: dict[int, bytes] = {}
+
+    async def echo(request: bytes, context: Any) -> bytes:
+        size = int.from_bytes(request[:8], "little")
+        response = cache.get(size)
+        if response is None:
+            response = cache.setdefault(size, bytes(size))
+        return response
+
+    class Handler(grpc.GenericRpcHandler):
+        def service(self, details: Any) -> Any:
+            if details.method == ECHO_METHOD:
+                return grpc.unary_unary_rpc_method_handler(echo)
+            return None
+
+    async def main() -> None:
+        options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
+        server = grpc.aio.server(options=options)
+        server.add_generic_rpc_handlers((Handler(),))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+def echo_payloads(request_bytes: int, response_bytes: int) -> list[bytes]:
+    return [response_bytes.to_bytes(8, "little") + bytes(max(0, request_bytes - 8))]
+
+
+def _spawn_child(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    log = open(log_path, "ab")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", *args], stdout=log, stderr=subprocess.STDOUT,
+                            env=os.environ.copy())
+
+
+def _stop_child(proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout: float) -> Any:
+    from lutb_client import ExpertClient
+
+    deadline = time.monotonic() + timeout
+    with ExpertClient(address, timeout=5, retries=0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {proc.returncode} before serving (see its log)")
+            try:
+                return client.model_info(timeout=2)
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.2)
+    raise TimeoutError(f"the server at {address} did not serve within {timeout:.0f}s")
+
+
+def _wait_port(port: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on port {port}")
+
+
+# ----------------------------------------------------------------------------- profiling
+
+
+class Profiler:
+    """py-spy attached to the server process when installed; otherwise the server runs under cProfile."""
+
+    def __init__(self, out: Path, tag: str) -> None:
+        self.out, self.tag = out, tag
+        self.py_spy = shutil.which("py-spy")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.raw = out / f"profile-{tag}.pyspy.txt"
+        self.cprofile = out / f"profile-{tag}.cprofile.txt"
+
+    def attach(self, pid: int) -> None:
+        if self.py_spy:
+            self.proc = subprocess.Popen([self.py_spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
+                                          "--threads", "--output", str(self.raw)],
+                                         stdout=subprocess.DEVNULL, stderr=open(self.out / f"profile-{self.tag}.pyspy.log", "wb"))
+
+    def detach(self) -> str | None:
+        if self.proc is None:
+            return str(self.cprofile) if self.cprofile.exists() else None
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        if not self.raw.exists():
+            return None
+        counts: dict[str, int] = {}
+        inclusive: dict[str, int] = {}
+        total = 0
+        for line in self.raw.read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            if not stack or not n.isdigit():
+                continue
+            frames = stack.split(";")
+            total += int(n)
+            counts[frames[-1]] = counts.get(frames[-1], 0) + int(n)
+            for f in set(frames):
+                inclusive[f] = inclusive.get(f, 0) + int(n)
+        top = self.out / f"profile-{self.tag}.top.txt"
+        with open(top, "w") as fh:
+            fh.write(f"py-spy, server process, {total} samples\n\n== top 40 by own samples ==\n")
+            for f, n in sorted(counts.items(), key=lambda kv: -kv[1])[:40]:
+                fh.write(f"{100 * n / max(total, 1):6.2f}%  {f}\n")
+            fh.write("\n== top 40 inclusive ==\n")
+            for f, n in sorted(inclusive.items(), key=lambda kv: -kv[1])[:40]:
+                fh.write(f"{100 * n / max(total, 1):6.2f}%  {f}\n")
+        return str(top)
+
+
+# ----------------------------------------------------------------------------- in-process baseline
+
+
+def inprocess_times(ckpt: Path, args: argparse.Namespace, cells: list[tuple[CellRequests, int]]) -> dict[tuple[str, int, int], dict[str, float]]:
+    """For each (requests, formed batch tokens): seconds per ``ComputeWorker.run`` on that many tokens of those requests."""
+    import torch
+
+    from lutb_kernels.checkpoint import Checkpoint
+    from lutb_server.backends import choose_backend, resolve_device
+    from lutb_server.engine import ExpertEngine
+    from lutb_server.worker import ComputeWorker
+
+    checkpoint = Checkpoint(ckpt)
+    device = resolve_device(args.device)
+    engine = ExpertEngine(checkpoint, choose_backend(args.backend, checkpoint.config, device), validate_tiles=False,
+                          max_tokens_per_request=1 << 20)
+    worker = ComputeWorker(engine, cuda_graph_max_tokens=args.cuda_graph_max_tokens, cuda_graph_top_k=SHAPES[args.shape_name]["top_k"])
+    worker.capture_graphs()
+    results: dict[tuple[str, int, int], dict[str, float]] = {}
+    for reqs, formed in cells:
+        key = (reqs.wire, reqs.tokens, formed)
+        if key in results:
+            continue
+        count = max(1, round(formed / reqs.tokens))
+        prepared = []
+        for i in range(count):
+            x, ids, w = reqs.tensors[i % len(reqs.tensors)]
+            if reqs.wire == "mxfp8":
+                q, s = reqs.mx[i % len(reqs.mx)]  # type: ignore[misc]
+                x = engine.dequantize_hidden(q, s)
+            prepared.append(engine.prepare(0, x, ids, w))
+        for _ in range(3):
+            worker.run(prepared)
+        times = []
+        deadline = time.perf_counter() + args.inproc_s
+        while time.perf_counter() < deadline or len(times) < 5:
+            times.append(worker.run(prepared)[1])
+            if len(times) >= 2000:
+                break
+        per_call = statistics.median(times)
+        results[key] = {"batch_tokens": count * reqs.tokens, "us": per_call * 1e6,
+                        "tokens_per_s": count * reqs.tokens / per_call, "calls": len(times)}
+    del worker, engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return results
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Row:
+    shape: str
+    wire: str
+    concurrency: int
+    tokens: int
+    server: dict[str, Any]
+    echo: dict[str, Any] = field(default_factory=dict)
+    inproc: dict[str, Any] = field(default_factory=dict)
+    targets: dict[str, Any] = field(default_factory=dict)
+
+
+def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_target: str, out: Path) -> tuple[list[Row], dict[str, Any]]:
+    import torch
+
+    shape = SHAPES[shape_name]
+    args.shape_name = shape_name
+    gen_device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    ckpt = make_checkpoint(Path(args.work_dir), shape_name, dtype=args.dtype, scale_mode="rceil", device=gen_device)
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    config: dict[str, Any] = {
+        "checkpoint": str(ckpt), "backend": args.backend, "device": args.device, "host": "127.0.0.1", "port": port,
+        "metrics_port": 0, "validate_checkpoint": False, "max_wait_us": args.max_wait_us,
+        "max_batch_tokens": args.max_batch_tokens, "max_tokens_per_request": max(args.tokens),
+        "cuda_graph_max_tokens": args.cuda_graph_max_tokens, "cuda_graph_top_k": shape["top_k"], "shutdown_grace_s": 5,
+        "max_queue_requests": 4096,
+    }
+    profiler = Profiler(out, shape_name) if args.profile else None
+    if profiler is not None and not profiler.py_spy:
+        config["_cprofile"] = str(profiler.cprofile)
+    started = time.perf_counter()
+    server = _spawn_child(["serve", json.dumps(config)], out / f"server-{shape_name}.log")
+    rows: list[Row] = []
+    info: dict[str, Any] = {}
+    requests: dict[tuple[str, int], CellRequests] = {}
+    try:
+        model = _wait_serving(address, server, args.start_timeout_s)
+        info = {"backend": model.backend, "backend_reason": model.backend_reason, "device": model.device,
+                "startup_s": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt)}
+        print(f"[bench] {shape_name}: server up in {info['startup_s']}s, backend {model.backend} on {model.device}", flush=True)
+        if profiler is not None:
+            profiler.attach(server.pid)
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+        for wire in args.wires:
+            for tokens in args.tokens:
+                reqs = requests[(wire, tokens)] = make_requests(shape, tokens, wire, dtype=dtype, scale_mode="rceil",
+                                                                 seed=tokens)
+                for concurrency in args.concurrency:
+                    result = pool.run("expert", address, reqs.payloads, tokens, concurrency, args.warmup_s, args.duration_s)
+                    echo = pool.run("echo", echo_target, echo_payloads(result["request_bytes"], result["response_bytes"]),
+                                    tokens, concurrency, args.warmup_s / 2, args.duration_s)
+                    rows.append(Row(shape_name, wire, concurrency, tokens, result, echo))
+                    print(f"[bench] {shape_name} {wire} C={concurrency} T={tokens}: p50 {result['p50_us']:.0f} us, "
+                          f"{result['tokens_per_s']:.0f} tok/s, batch {result['batch_tokens_p50']}, echo p50 {echo['p50_us']:.0f} us"
+                          + (f", errors {result['errors']}" if result["errors"] else ""), flush=True)
+    finally:
+        if profiler is not None:
+            info["profile"] = profiler.detach() if server.poll() is None else None
+        _stop_child(server)
+        if profiler is not None and not profiler.py_spy:
+            info["profile"] = str(profiler.cprofile) if profiler.cprofile.exists() else None
+    cells = []
+    for row in rows:
+        formed = row.server["batch_tokens_p50"] or row.tokens
+        cells.append((requests[(row.wire, row.tokens)], int(formed)))
+    times = inprocess_times(ckpt, args, cells)
+    for row, (reqs, formed) in zip(rows, cells):
+        row.inproc = times[(reqs.wire, reqs.tokens, formed)]
+        _targets(row)
+    info["saturation"] = _saturation(rows)
+    return rows, info
+
+
+def _targets(row: Row) -> None:
+    s, e, i = row.server, row.echo, row.inproc
+    if row.concurrency == 1 and row.tokens == 16:
+        bound = i["us"] + e["p50_us"] + TARGET_SLACK_US
+        row.targets["latency"] = {"bound_us": bound, "ok": bool(s["p50_us"] <= bound)}
+    if row.concurrency == 64:
+        want = TARGET_THROUGHPUT * i["tokens_per_s"]
+        row.targets["throughput"] = {"min_tokens_per_s": want, "ok": bool(s["tokens_per_s"] >= want)}
+
+
+def _saturation(rows: list[Row]) -> dict[str, str]:
+    """Per (wire, tokens): the concurrency beyond which tokens/s grows by less than 10%."""
+    out = {}
+    for key in sorted({(r.wire, r.tokens) for r in rows}):
+        series = sorted((r.concurrency, r.server["tokens_per_s"]) for r in rows if (r.wire, r.tokens) == key)
+        where = f"still growing at C={series[-1][0]}"
+        for (c0, t0), (_c1, t1) in zip(series, series[1:]):
+            if t1 < 1.1 * t0:
+                where = f"flat from C={c0} ({t0:.0f} tok/s)"
+                break
+        out[f"{key[0]} T={key[1]}"] = where
+    return out
+
+
+def _fmt(v: Any, digits: int = 0) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def short_table(rows: list[Row]) -> str:
+    head = "| shape | wire | C | T | p50 us | p99 us | tok/s | batch | in-proc us | in-proc tok/s | echo p50 us | target |"
+    lines = [head, "|" + "|".join("---" for _ in range(12)) + "|"]
+    for r in rows:
+        target = []
+        if "latency" in r.targets:
+            t = r.targets["latency"]
+            target.append(f"p50<={t['bound_us']:.0f}us {'OK' if t['ok'] else 'MISS'}")
+        if "throughput" in r.targets:
+            t = r.targets["throughput"]
+            target.append(f"tok/s>={t['min_tokens_per_s']:.0f} {'OK' if t['ok'] else 'MISS'}")
+        lines.append(f"| {r.shape} | {r.wire} | {r.concurrency} | {r.tokens} | {_fmt(r.server['p50_us'])} | {_fmt(r.server['p99_us'])} "
+                     f"| {_fmt(r.server['tokens_per_s'])} | {_fmt(r.server['batch_tokens_p50'])} | {_fmt(r.inproc.get('us'))} "
+                     f"| {_fmt(r.inproc.get('tokens_per_s'))} | {_fmt(r.echo.get('p50_us'))} | {'; '.join(target)} |")
+    return "\n".join(lines)
+
+
+def write_report(out: Path, args: argparse.Namespace, infos: dict[str, Any], rows: list[Row], began: float) -> str:
+    """Write serving.json and serving.md (after every shape, so a run cut short keeps what it measured); returns the short table."""
+    import torch
+
+    env = {"python": sys.version.split()[0], "torch": torch.__version__,
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "cpus": os.cpu_count()}
+    settings = {k: v for k, v in vars(args).items() if k not in ("child", "out")}
+    settings["work_dir"] = str(settings["work_dir"])
+    report = {"settings": settings, "environment": env, "servers": infos, "rows": [asdict(r) for r in rows],
+              "seconds": round(time.perf_counter() - began, 1)}
+    (out / "serving.json").write_text(json.dumps(report, indent=2, default=str))
+    table = short_table(rows)
+    md = [f"# Serving benchmark ({time.strftime('%Y-%m-%d %H:%M')})", "",
+          f"Environment: {json.dumps(env)}", "",
+          f"Settings: {json.dumps(settings, default=str)}", ""]
+    for name, info in infos.items():
+        md += [f"## {name}", "", f"```\n{json.dumps(info, indent=2)}\n```", ""]
+    md += ["## Results", "", "p50/p99: end-to-end latency of one Forward as the load generator sees it; batch: median "
+           "`timing.batch_tokens`; in-proc: the same experts and compute worker in-process on a batch of that size; "
+           f"echo: bare gRPC of the same payload sizes. Targets: C=1, T=16: p50 <= in-proc + echo + {TARGET_SLACK_US:.0f} us; "
+           f"C=64: tok/s >= {TARGET_THROUGHPUT:.0%} of in-proc tok/s.", "", table, ""]
+    (out / "serving.md").write_text("\n".join(md))
+    return table
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="directory for serving.json, serving.md, logs and profiles")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run: smoke shape, reference backend, few requests (< 60 s)")
+    p.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3", help=f"comma list of {', '.join(SHAPES)}")
+    p.add_argument("--backend", default="packed", help="server backend (packed on the GPU; reference for CPU runs)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--concurrency", default="1,8,64")
+    p.add_argument("--tokens", default="1,16,128", help="tokens per request")
+    p.add_argument("--wires", default="bf16,mxfp8", help="bf16 (model dtype) and/or mxfp8")
+    p.add_argument("--duration-s", type=float, default=2.0, help="measured seconds per cell")
+    p.add_argument("--warmup-s", type=float, default=0.5, help="unmeasured seconds before each cell")
+    p.add_argument("--inproc-s", type=float, default=0.5, help="seconds of in-process calls per formed batch size")
+    p.add_argument("--max-wait-us", type=int, default=0,
+                   help="server pooling wait (0: never wait; closed-loop callers pool while a batch runs anyway)")
+    p.add_argument("--max-batch-tokens", type=int, default=8192)
+    p.add_argument("--cuda-graph-max-tokens", type=int, default=512)
+    p.add_argument("--load-procs", type=int, default=4, help="most load-generator processes")
+    p.add_argument("--start-timeout-s", type=float, default=420.0)
+    p.add_argument("--work-dir", default=None, help="where checkpoints are made once (default: OUT/checkpoints)")
+    p.add_argument("--profile", action="store_true", help="profile the server under load (py-spy if installed, else cProfile)")
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        defaults = {"shapes": "smoke", "backend": "reference", "device": "cpu", "concurrency": "1,4", "tokens": "1,8",
+                    "duration_s": 0.3, "warmup_s": 0.1, "inproc_s": 0.1, "load_procs": 2, "cuda_graph_max_tokens": 0}
+        given = set(argv if argv is not None else sys.argv[1:])
+        for name, value in defaults.items():
+            if "--" + name.replace("_", "-") not in given:
+                setattr(args, name, value)
+    args.shapes = [s for s in str(args.shapes).split(",") if s]
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        p.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    args.tokens = [int(t) for t in str(args.tokens).split(",")]
+    args.wires = [w for w in str(args.wires).split(",") if w]
+    if any(w not in ("bf16", "mxfp8") for w in args.wires):
+        p.error("--wires takes bf16 and/or mxfp8")
+    if args.work_dir is None:
+        args.work_dir = str(args.out / "checkpoints")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["--child"]:
+        kind = raw[1]
+        if kind == "serve":
+            _child_serve(json.loads(raw[2]))
+        elif kind == "echo":
+            _child_echo(int(raw[2]))
+        return 0
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops us: still stop the children
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    echo_port = _free_port()
+    echo = _spawn_child(["echo", str(echo_port)], out / "echo.log")
+    pool = LoadPool(max(1, min(args.load_procs, max(args.concurrency))))
+    all_rows: list[Row] = []
+    infos: dict[str, Any] = {}
+    try:
+        _wait_port(echo_port)
+        for shape_name in args.shapes:
+            rows, info = run_shape(shape_name, args, pool, f"127.0.0.1:{echo_port}", out)
+            all_rows += rows
+            infos[shape_name] = info
+            write_report(out, args, infos, all_rows, began)
+    finally:
+        pool.close()
+        _stop_child(echo)
+    table = write_report(out, args, infos, all_rows, began)
+    print(f"\n[bench] wrote {out / 'serving.json'} and {out / 'serving.md'} in {time.perf_counter() - began:.1f}s")
+    for name, info in infos.items():
+        print(f"[bench] {name}: tokens/s vs concurrency: {info.get('saturation')}; profile: {info.get('profile')}")
+    print()
+    print(table, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

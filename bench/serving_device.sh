@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Issue 5 (serving fast) on the device: the GPU tests, then bench/serving.py; the short table prints last.
+#
+#   bash bench/serving_device.sh            # tests + bench (both shapes; may pass 10 min: run the two stages as two calls)
+#   bash bench/serving_device.sh tests      # only the GPU tests
+#   bash bench/serving_device.sh bench --shapes qwen3-30b-a3b --profile     # only the bench; extra args go to it
+#
+# Assumes the project is importable from the source tree and the extra wheels are in /tmp/site.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/lutb-serving}
+STAGE=${1:-all}
+shift || true
+export PYTHONPATH="kernels:client:server:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
+tests_status=0
+bench_status=0
+if [[ $STAGE == all || $STAGE == tests ]]; then
+  echo "== GPU tests (CUDA graphs, GPU serving) =="
+  timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rxXfE \
+    tests/kernels/test_cuda_graphs.py tests/server/test_gpu_serving.py > "$OUT/gpu-tests.txt" 2>&1
+  tests_status=$?
+  tail -n 40 "$OUT/gpu-tests.txt"
+  echo "== GPU tests exit status: $tests_status (full log: $OUT/gpu-tests.txt) =="
+fi
+if [[ $STAGE == all || $STAGE == bench ]]; then
+  echo "== bench/serving.py (server logs: $OUT/bench/server-*.log) =="
+  timeout 540 "$PY" bench/serving.py --out "$OUT/bench" --duration-s 1.5 --warmup-s 0.3 --inproc-s 0.3 "$@"
+  bench_status=$?
+  echo "(bench exit status $bench_status; tests exit status $tests_status)"
+  if [[ -f $OUT/bench/serving.md ]]; then
+    echo
+    grep -A 200 '^| shape' "$OUT/bench/serving.md"
+  fi
+fi
+exit $(( tests_status != 0 ? tests_status : bench_status ))

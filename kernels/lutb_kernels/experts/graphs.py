@@ -1,0 +1,344 @@
+"""CUDA graphs for decode-sized batches: pad a routed batch to a token bucket and replay.
+
+A decode step sends a few tokens; launching the experts' ~10 kernels one by one costs
+more CPU time than the GPU spends on them. :class:`CudaGraphExperts` wraps any
+capture-safe backend (``LayerExperts.capture_safe``; its ``forward_unchecked`` does no
+host sync) and keeps, per *variant* ``(bucket, top_k, apply_router_weight_on_input,
+output_mode)``, static input/output buffers and one captured graph of
+``forward_unchecked`` on them. A batch of ``T`` tokens runs the graph of the smallest
+bucket ``B >= T`` (buckets: powers of two up to ``max_tokens``, and ``max_tokens``
+itself): rows ``T..B-1`` are *padding* (hidden state 0, router weight 0, every route to
+:attr:`CudaGraphExperts.pad_expert`) and the output is sliced to ``T`` rows. Above the
+largest bucket the wrapped backend runs eagerly.
+
+Padding never changes a real row: a capture-safe backend computes each token from its
+own row and routes only. The pad expert is a global id this layer does *not* hold when
+there is one (its routes get no GEMM rows at all, so padding is free), else the first
+held expert (its pad rows compute zeros: ``x = 0`` gives ``h = 0`` and ``act(0) = 0`` for
+every activation, and the weight is 0).
+
+Which graphs exist: :meth:`CudaGraphExperts.capture` captures one variant for every
+bucket at start-up (the server captures ``combined`` output, weights on the output, its
+configured top-k); any other variant is captured the first time a batch needs it (one
+capture per bucket, a few milliseconds), up to ``max_variants`` variants per layer,
+beyond which such batches run eagerly.
+
+On a CPU device (or with ``use_graphs=False``) the same buffers and padding run without
+capturing: each "replay" calls ``forward_unchecked`` on the static buffers. The CPU tests
+use that to check the padding logic.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from lutb_kernels.checkpoint import CheckpointConfig
+from lutb_kernels.errors import NonFiniteInputError
+from lutb_kernels.experts.base import LayerExperts, Support
+from lutb_kernels.reference import OutputMode, check_forward_args
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 512
+"""Largest token bucket captured by default (``--cuda-graph-max-tokens``)."""
+DEFAULT_MAX_VARIANTS = 8
+"""Most (top_k, weighting, output mode) variants one layer captures graphs for."""
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """Token buckets up to ``max_tokens``: 1, 2, 4, ... (powers of two), plus ``max_tokens`` itself; () for 0."""
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    buckets = []
+    b = 1
+    while b <= max_tokens:
+        buckets.append(b)
+        b *= 2
+    if max_tokens and buckets[-1] != max_tokens:
+        buckets.append(max_tokens)
+    return tuple(buckets)
+
+
+def bucket_for(tokens: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding ``tokens`` tokens; None for 0 tokens or more than the largest bucket."""
+    if tokens <= 0:
+        return None
+    for b in buckets:
+        if b >= tokens:
+            return b
+    return None
+
+
+def is_capture_safe(experts: LayerExperts) -> bool:
+    """Does ``experts`` declare a CUDA-graph-capturable ``forward_unchecked``?"""
+    return bool(getattr(type(experts), "capture_safe", False)) and callable(getattr(experts, "forward_unchecked", None))
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """One captured graph: batch bucket and the forward's static arguments."""
+
+    bucket: int
+    top_k: int
+    apply_router_weight_on_input: bool
+    output_mode: str
+
+    @property
+    def variant(self) -> tuple[int, bool, str]:
+        return (self.top_k, self.apply_router_weight_on_input, self.output_mode)
+
+
+class _Entry:
+    """Static buffers (and, on CUDA, the graph) of one :class:`GraphKey`."""
+
+    def __init__(self, key: GraphKey, hidden: int, dtype: torch.dtype, device: torch.device, pad_expert: int) -> None:
+        b, k = key.bucket, key.top_k
+        self.key = key
+        self.pad_expert = pad_expert
+        self.x = torch.zeros((b, hidden), dtype=dtype, device=device)
+        self.ids = torch.full((b, k), pad_expert, dtype=torch.int32, device=device)
+        self.w = torch.zeros((b, k), dtype=torch.float32, device=device)
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self.out: torch.Tensor | None = None
+        self.graph: Any = None  # torch.cuda.CUDAGraph once captured
+        self.prepared = False
+        self.real_rows = 0  # rows [0, real_rows) may hold a previous batch's data; the rest hold padding
+        self.replays = 0
+
+    def reset_padding(self, tokens: int) -> None:
+        """Make rows ``tokens..`` padding again (only those a previous, larger batch wrote)."""
+        if self.real_rows > tokens:
+            self.x[tokens:self.real_rows].zero_()
+            self.ids[tokens:self.real_rows].fill_(self.pad_expert)
+            self.w[tokens:self.real_rows].zero_()
+        self.real_rows = tokens
+
+
+class CudaGraphExperts(LayerExperts):
+    """A capture-safe ``LayerExperts`` run through per-bucket CUDA graphs (see the module docstring).
+
+    Args:
+        inner: the backend to wrap; ``is_capture_safe(inner)`` must hold.
+        max_tokens: largest bucket (0: no buckets, everything eager).
+        use_graphs: capture and replay CUDA graphs; default: ``inner`` is on a CUDA device.
+            False keeps the buffers and padding but calls ``forward_unchecked`` each time.
+        pool: a ``torch.cuda.graph_pool_handle()`` shared by the graphs (several wrappers may
+            share one: graphs are replayed one at a time on one stream); a new one if None.
+        max_variants: most distinct (top_k, weighting, output mode) variants captured.
+
+    ``forward_unchecked`` returns a view of a static output buffer: read (copy) it before
+    the next call on this wrapper. ``forward`` validates and returns a copy.
+    """
+
+    capture_safe: ClassVar[bool] = False  # it replays graphs; it is not itself capturable
+
+    def __init__(
+        self,
+        inner: LayerExperts,
+        *,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        use_graphs: bool | None = None,
+        pool: Any = None,
+        max_variants: int = DEFAULT_MAX_VARIANTS,
+    ) -> None:
+        if not is_capture_safe(inner):
+            raise ValueError(f"{type(inner).__name__} is not capture-safe (capture_safe is False or it has no forward_unchecked)")
+        # No LayerExperts.__init__: the wrapper shares the inner backend's state.
+        self.inner = inner
+        self.config: CheckpointConfig = inner.config
+        self.device = inner.device
+        self.expert_ids = inner.expert_ids
+        self.num_local_experts = inner.num_local_experts
+        self.name = inner.name  # type: ignore[misc]
+        self.buckets = token_buckets(max_tokens)
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else bool(use_graphs)
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the experts are on {self.device}")
+        self._pool = pool if pool is not None or not self.use_graphs else torch.cuda.graph_pool_handle()
+        self.max_variants = max_variants
+        self.pad_expert = self._choose_pad_expert()
+        self._entries: dict[GraphKey, _Entry] = {}
+        self._variants: set[tuple[int, bool, str]] = set()
+        self.capture_seconds = 0.0
+
+    def _choose_pad_expert(self) -> int:
+        held = set(self.expert_ids.tolist())
+        for e in range(self.config.num_experts):
+            if e not in held:
+                return e
+        return int(self.expert_ids[0])
+
+    # -- LayerExperts ------------------------------------------------------------------------
+
+    @classmethod
+    def supports(cls, config: CheckpointConfig, device: torch.device) -> Support:
+        return Support(False, "CudaGraphExperts wraps a loaded backend; it is not a backend of its own")
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.inner.weight_bytes
+
+    @property
+    def graphs(self) -> dict[GraphKey, bool]:
+        """Every variant with buffers, and whether its graph is captured."""
+        return {key: entry.graph is not None for key, entry in self._entries.items()}
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: OutputMode = "combined",
+    ) -> torch.Tensor:
+        """Validate (host syncs), run :meth:`forward_unchecked`, refuse NaN/Inf; returns a new tensor."""
+        check_forward_args(x, topk_ids, topk_weights, num_experts=self.config.num_experts,
+                           apply_router_weight_on_input=apply_router_weight_on_input, output_mode=output_mode)
+        flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        out = self.forward_unchecked(x, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
+                                     output_mode=output_mode, nonfinite=flag)
+        if x.shape[0] and bool(flag.item()):
+            raise NonFiniteInputError("MXFP8 quantization refuses NaN or infinite input (hidden states or activation output)")
+        return out.clone()
+
+    # -- graphs ------------------------------------------------------------------------------
+
+    def key_for(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str) -> GraphKey | None:
+        """The graph a batch runs in, or None when it runs eagerly (0 tokens, above the largest bucket, too many variants)."""
+        bucket = bucket_for(tokens, self.buckets)
+        if bucket is None:
+            return None
+        variant = (int(top_k), bool(apply_router_weight_on_input), str(output_mode))
+        if variant not in self._variants and len(self._variants) >= self.max_variants:
+            return None
+        return GraphKey(bucket, *variant)
+
+    def _entry(self, key: GraphKey) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = _Entry(key, self.config.hidden_size, self.config.torch_dtype, self.device, self.pad_expert)
+            self._entries[key] = entry
+            self._variants.add(key.variant)
+        if not entry.prepared:
+            self._prepare(entry)
+            entry.prepared = True
+        return entry
+
+    def _run_inner(self, entry: _Entry) -> torch.Tensor:
+        key = entry.key
+        return self.inner.forward_unchecked(  # type: ignore[attr-defined]
+            entry.x, entry.ids, entry.w, apply_router_weight_on_input=key.apply_router_weight_on_input,
+            output_mode=key.output_mode, nonfinite=entry.flag,
+        )
+
+    def _prepare(self, entry: _Entry) -> None:
+        """Capture ``entry``'s graph (CUDA); without graphs there is nothing to prepare."""
+        if not self.use_graphs:
+            return
+        start = time.perf_counter()
+        entry.reset_padding(0)
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):  # warm-up: compile the kernels outside the capture
+            for _ in range(2):
+                self._run_inner(entry)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            entry.flag.zero_()
+            out = self._run_inner(entry)
+        torch.cuda.synchronize(self.device)
+        entry.out, entry.graph = out, graph
+        seconds = time.perf_counter() - start
+        self.capture_seconds += seconds
+        log.debug("captured %s graph %s in %.1f ms", self.name, entry.key, seconds * 1e3)
+
+    def capture(
+        self,
+        top_k: int,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: OutputMode = "combined",
+        buckets: tuple[int, ...] | None = None,
+    ) -> int:
+        """Capture (or, without graphs, prepare) the graphs of one variant for every bucket; returns how many."""
+        done = 0
+        for bucket in self.buckets if buckets is None else buckets:
+            key = self.key_for(bucket, top_k, apply_router_weight_on_input, output_mode)
+            if key is None:
+                break
+            if key not in self._entries:
+                self._entry(key)
+                done += 1
+        return done
+
+    def static_inputs(
+        self, tokens: int, top_k: int, *, apply_router_weight_on_input: bool = False, output_mode: str = "combined"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where to write a batch's inputs to skip a copy: ``(x [T, H], topk_ids int32 [T, k], topk_weights float32 [T, k])``
+        views of the static buffers of the graph that batch runs in, or None when it runs eagerly.
+
+        Pass the views to :meth:`forward_unchecked` after filling them. Captures the graph if needed.
+        """
+        key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode)
+        if key is None:
+            return None
+        entry = self._entry(key)
+        return entry.x[:tokens], entry.ids[:tokens], entry.w[:tokens]
+
+    def forward_unchecked(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        apply_router_weight_on_input: bool = False,
+        output_mode: OutputMode = "combined",
+        nonfinite: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Replay the bucket's graph on the batch (or run eagerly); the caller vouches for the arguments.
+
+        Returns ``[T, H]`` (combined) or ``[T, k, H]`` (route-major) in the model dtype: a view of
+        the static output when a graph ran, valid until the next call. ``nonfinite``: as for the
+        wrapped backend (set to 1 when an MXFP8 quantization met NaN/Inf).
+        """
+        tokens, top_k = topk_ids.shape
+        key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode)
+        if key is None:
+            return self.inner.forward_unchecked(  # type: ignore[attr-defined]
+                x, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
+                output_mode=output_mode, nonfinite=nonfinite,
+            )
+        entry = self._entry(key)
+        for src, dst in ((x, entry.x), (topk_ids, entry.ids), (topk_weights, entry.w)):
+            if src.data_ptr() != dst.data_ptr():  # not already written there through static_inputs()
+                dst[:tokens].copy_(src, non_blocking=True)
+        entry.reset_padding(tokens)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            entry.flag.zero_()
+            entry.out = self._run_inner(entry)
+        entry.replays += 1
+        if nonfinite is not None:
+            nonfinite.bitwise_or_(entry.flag)
+        assert entry.out is not None
+        return entry.out[:tokens]
+
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_MAX_VARIANTS",
+    "CudaGraphExperts",
+    "GraphKey",
+    "bucket_for",
+    "is_capture_safe",
+    "token_buckets",
+]

@@ -1,0 +1,313 @@
+"""The compute worker: one thread that owns the experts' device, fed pooled batches by the scheduler.
+
+The asyncio loop never touches the device: the scheduler hands a batch (a list of
+validated :class:`~lutb_server.engine.PreparedRequest`) to :meth:`ComputeWorker.submit`
+and awaits the returned ``concurrent.futures.Future``. On the worker thread, per batch:
+
+1. the requests' tensors are concatenated straight into reusable host staging buffers
+   (page-locked on a CUDA device; grown on demand, never shrunk, so after the first few
+   batches nothing is allocated per request or per batch on the way in);
+2. one non-blocking host-to-device copy per tensor (x, topk_ids, topk_weights) on the
+   worker's own CUDA stream, into the static input buffers of the CUDA graph the batch will
+   replay (:class:`~lutb_kernels.experts.graphs.CudaGraphExperts`) or into reusable device
+   buffers when it runs eagerly;
+3. the experts: ``forward_unchecked`` (no host sync; the engine validated the request on
+   the CPU already) with a device-side NaN/Inf flag, or ``forward`` for backends without it;
+4. one device-to-host copy of the whole batch's output into a pinned buffer (plus the
+   4-byte flag), one stream synchronisation, then one host copy into the batch's result
+   tensor, split into per-request views.
+
+On a CPU device the same steps run without pinning, streams or copies to a device.
+
+CUDA graphs: with ``cuda_graph_max_tokens > 0`` on a CUDA device, every layer whose
+backend is capture-safe is wrapped in ``CudaGraphExperts``; :meth:`ComputeWorker.capture_graphs`
+captures the ``combined`` / weights-on-output / ``cuda_graph_top_k`` variant for every
+bucket at start-up (the server calls it before it reports SERVING); other variants are
+captured on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from lutb_kernels.errors import NonFiniteInputError
+from lutb_kernels.experts.base import LayerExperts
+from lutb_kernels.experts.graphs import DEFAULT_MAX_TOKENS, CudaGraphExperts, is_capture_safe
+from lutb_kernels.reference import OutputMode
+from lutb_server.engine import PreparedRequest
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+BatchOutput = tuple[list[torch.Tensor], float]
+"""Per-request outputs (CPU, model dtype) and the seconds the batch took on the worker."""
+
+
+class ForwardEngine(Protocol):
+    """The least a worker needs of an engine: one blocking experts call on CPU tensors."""
+
+    def forward(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+        apply_router_weight_on_input: bool = False, output_mode: OutputMode = "combined",
+    ) -> torch.Tensor: ...
+
+
+class _Buffers:
+    """Named reusable flat byte buffers on one device (pinned when asked), viewed as any shape and dtype."""
+
+    def __init__(self, device: torch.device, *, pin: bool) -> None:
+        self.device = device
+        self.pin = pin
+        self._bufs: dict[str, torch.Tensor] = {}
+        self.grown = 0
+
+    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < nbytes:
+            size = max(nbytes, 2 * buf.numel() if buf is not None else 0, 4096)
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+            self._bufs[name] = buf
+            self.grown += 1
+            log.debug("staging buffer %s on %s grown to %d bytes", name, self.device, size)
+        return buf[:nbytes].view(dtype).view(tuple(shape))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._bufs.values())
+
+
+class ComputeWorker:
+    """The thread that runs experts calls (see the module docstring).
+
+    Args:
+        engine: an :class:`~lutb_server.engine.ExpertEngine` (or any object with a blocking
+            ``forward``; then batches just go through it, without staging or graphs).
+        cuda_graph_max_tokens: largest CUDA-graph token bucket; 0 disables graphs.
+        cuda_graph_top_k: the top-k whose graphs :meth:`capture_graphs` captures at start-up
+            (0: capture nothing up front; every variant on first use).
+        name: the thread's name.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        cuda_graph_max_tokens: int = DEFAULT_MAX_TOKENS,
+        cuda_graph_top_k: int = 8,
+        name: str = "lutb-compute",
+    ) -> None:
+        self.engine = engine
+        self.name = name
+        self.cuda_graph_top_k = cuda_graph_top_k
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._experts: dict[int, LayerExperts] | None = None
+        self.device = torch.device(getattr(engine, "device", "cpu"))
+        self.cuda = self.device.type == "cuda"
+        self._stream: Any = None
+        self._host = _Buffers(torch.device("cpu"), pin=self.cuda)
+        self._dev = _Buffers(self.device, pin=False)
+        self.batches = 0
+        if hasattr(engine, "layer_experts") and hasattr(engine, "layer_ids"):
+            self._experts = {layer: engine.layer_experts(layer) for layer in engine.layer_ids}
+            if self.cuda:
+                self._stream = torch.cuda.Stream(self.device)
+                if cuda_graph_max_tokens > 0:
+                    pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time on one stream
+                    for layer, experts in self._experts.items():
+                        if is_capture_safe(experts):
+                            self._experts[layer] = CudaGraphExperts(experts, max_tokens=cuda_graph_max_tokens, pool=pool)
+                        else:
+                            log.info("layer %d: backend %s is not capture-safe; no CUDA graphs", layer, experts.name)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> ComputeWorker:
+        """Start the thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the queued jobs, then stop the thread."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
+                future.set_exception(exc)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run ``fn(*args)`` on the worker thread; returns its future."""
+        if self._thread is None:
+            raise RuntimeError("the compute worker is not started")
+        future: Future[T] = Future()
+        self._jobs.put((fn, args, future))
+        return future
+
+    def submit(self, requests: list[PreparedRequest]) -> Future[BatchOutput]:
+        """Queue one pooled batch (same pool key); the future gives :meth:`run`'s result."""
+        return self.call(self.run, requests)
+
+    # -- graphs ------------------------------------------------------------------------------
+
+    @property
+    def graph_layers(self) -> list[int]:
+        """Layers whose experts run through CUDA graphs."""
+        return [layer for layer, e in (self._experts or {}).items() if isinstance(e, CudaGraphExperts)]
+
+    def capture_graphs(self) -> float:
+        """Capture the start-up graphs of every graph layer (see the class docstring); returns the seconds taken.
+
+        Call it on the worker thread (``worker.call(worker.capture_graphs)``) before serving.
+        """
+        layers = self.graph_layers
+        if not layers or self.cuda_graph_top_k <= 0:
+            return 0.0
+        start = time.perf_counter()
+        count = 0
+        with torch.cuda.stream(self._stream):
+            for layer in layers:
+                experts = self._experts[layer]  # type: ignore[index]
+                assert isinstance(experts, CudaGraphExperts)
+                count += experts.capture(self.cuda_graph_top_k)
+        seconds = time.perf_counter() - start
+        buckets = self._experts[layers[0]].buckets  # type: ignore[index,union-attr]
+        log.info("captured %d CUDA graph(s) in %.2fs: %d layer(s) x buckets %s, top-k %d, combined output",
+                 count, seconds, len(layers), list(buckets), self.cuda_graph_top_k)
+        return seconds
+
+    # -- one batch ---------------------------------------------------------------------------
+
+    def run(self, requests: list[PreparedRequest]) -> BatchOutput:
+        """One experts call over ``requests`` (same pool key), outputs split back per request.
+
+        Blocking; runs on the worker thread via :meth:`submit`, or on any single thread
+        that owns the worker (tests, ``bench/serving.py``'s in-process baseline).
+        """
+        start = time.perf_counter()
+        if self._experts is None:
+            outputs = _generic_forward(self.engine, requests)
+        elif self.cuda:
+            outputs = self._run_cuda(requests)
+        else:
+            outputs = self._run_cpu(requests)
+        self.batches += 1
+        return outputs, time.perf_counter() - start
+
+    def _gather(self, requests: list[PreparedRequest], buffers: _Buffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        first = requests[0]
+        tokens = sum(r.tokens for r in requests)
+        k = int(first.topk_ids.shape[1])
+        x = buffers.get("x", (tokens, first.x.shape[1]), first.x.dtype)
+        ids = buffers.get("ids", (tokens, k), torch.int32)
+        w = buffers.get("w", (tokens, k), torch.float32)
+        if len(requests) == 1:
+            x.copy_(first.x)
+            ids.copy_(first.topk_ids)
+            w.copy_(first.topk_weights)
+        else:
+            torch.cat([r.x for r in requests], out=x)
+            torch.cat([r.topk_ids for r in requests], out=ids)
+            torch.cat([r.topk_weights for r in requests], out=w)
+        return x, ids, w
+
+    def _run_cpu(self, requests: list[PreparedRequest]) -> list[torch.Tensor]:
+        first = requests[0]
+        experts = self._experts[first.layer]  # type: ignore[index]
+        if len(requests) == 1:  # nothing to pool: the request's own tensors
+            x, ids, w = first.x, first.topk_ids, first.topk_weights
+        else:
+            x, ids, w = self._gather(requests, self._host)
+        out = experts.forward(x, ids, w, apply_router_weight_on_input=first.apply_router_weight_on_input,
+                              output_mode=first.output_mode)
+        return _split(out, requests)
+
+    def _run_cuda(self, requests: list[PreparedRequest]) -> list[torch.Tensor]:
+        first = requests[0]
+        experts = self._experts[first.layer]  # type: ignore[index]
+        on_input, mode = first.apply_router_weight_on_input, first.output_mode
+        unchecked = callable(getattr(experts, "forward_unchecked", None))
+        with torch.cuda.stream(self._stream):
+            xh, idsh, wh = self._gather(requests, self._host)
+            tokens, k = idsh.shape
+            targets = None
+            if isinstance(experts, CudaGraphExperts):
+                targets = experts.static_inputs(tokens, k, apply_router_weight_on_input=on_input, output_mode=mode)
+            if targets is None:
+                targets = (self._dev.get("x", xh.shape, xh.dtype), self._dev.get("ids", idsh.shape, torch.int32),
+                           self._dev.get("w", wh.shape, torch.float32))
+            xd, idsd, wd = targets
+            xd.copy_(xh, non_blocking=True)
+            idsd.copy_(idsh, non_blocking=True)
+            wd.copy_(wh, non_blocking=True)
+            if unchecked:
+                flag = self._dev.get("flag", (1,), torch.int32)
+                flag.zero_()
+                out = experts.forward_unchecked(  # type: ignore[attr-defined]
+                    xd, idsd, wd, apply_router_weight_on_input=on_input, output_mode=mode, nonfinite=flag)
+            else:
+                out = experts.forward(xd, idsd, wd, apply_router_weight_on_input=on_input, output_mode=mode)
+            out_h = self._host.get("out", out.shape, out.dtype)
+            out_h.copy_(out, non_blocking=True)
+            if unchecked:
+                flag_h = self._host.get("flag", (1,), torch.int32)
+                flag_h.copy_(flag, non_blocking=True)
+            self._stream.synchronize()
+        if unchecked and tokens and int(flag_h[0]):
+            raise NonFiniteInputError("MXFP8 quantization met NaN or Inf (hidden states or activation output)")
+        result = torch.empty(out_h.shape, dtype=out_h.dtype)
+        result.copy_(out_h)  # the batch's own memory: the pinned buffer is reused by the next batch
+        return _split(result, requests)
+
+    @property
+    def staging_bytes(self) -> dict[str, int]:
+        """Bytes held by the host and device staging buffers."""
+        return {"host": self._host.nbytes, "device": self._dev.nbytes}
+
+
+def _split(out: torch.Tensor, requests: list[PreparedRequest]) -> list[torch.Tensor]:
+    return list(torch.split(out, [r.tokens for r in requests])) if len(requests) > 1 else [out]
+
+
+def _generic_forward(engine: ForwardEngine, requests: list[PreparedRequest]) -> list[torch.Tensor]:
+    """An engine without ``layer_experts``: concatenate, ``engine.forward``, split."""
+    first = requests[0]
+    if len(requests) == 1:
+        x, ids, w = first.x, first.topk_ids, first.topk_weights
+    else:
+        x = torch.cat([r.x for r in requests])
+        ids = torch.cat([r.topk_ids for r in requests])
+        w = torch.cat([r.topk_weights for r in requests])
+    out = engine.forward(first.layer, x, ids, w, apply_router_weight_on_input=first.apply_router_weight_on_input,
+                         output_mode=first.output_mode)
+    return _split(out, requests)
+
+
+__all__ = ["BatchOutput", "ComputeWorker", "ForwardEngine"]

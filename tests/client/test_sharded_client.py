@@ -1,0 +1,330 @@
+"""ShardedExpertClient against real `lutb serve` processes holding shards made by `lutb shard`.
+
+Cluster (started once for the module): a float32 synthetic checkpoint (2 layers, 8 experts,
+H = I = 128) split by `lutb shard --placement balanced --replicas 2` into 3 shards (the 2
+hottest experts of each layer on two shards), served by 4 processes: shard-0, shard-1,
+shard-2 and a second copy of shard-1. The single-server reference is an in-process server
+holding the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from lutb_client import AsyncShardedExpertClient, ExpertClient, ExpertServiceError, ShardedExpertClient
+from lutb_client.routing import softmax_topk
+from lutb_client.sharded import assign_routes, build_subrequests
+from lutb_kernels.checkpoint import Checkpoint
+from lutb_kernels.sharding import write_load_file, write_shards
+from lutb_kernels.synth import make_synthetic_checkpoint
+from lutb_server.cli import main as lutb
+from lutb_server.testing import ServeProcess, ServerThread
+
+E, H, K = 8, 128, 3
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # 4 processes share 2 cores
+HOT = (5, 2)  # per the load file below: the two hottest experts of each layer, replicated
+
+
+@dataclass
+class Cluster:
+    procs: list[ServeProcess]  # shard-0, shard-1, shard-2, shard-1 (copy)
+    plan: dict[int, list[list[int]]]
+    single: str
+
+    @property
+    def targets(self) -> list[str]:
+        return [p.address for p in self.procs]
+
+    def holders(self, layer: int, expert: int) -> list[int]:
+        """Process indices holding ``expert``."""
+        shard_of_proc = [0, 1, 2, 1]
+        return [i for i, s in enumerate(shard_of_proc) if expert in self.plan[layer][s]]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("sharded")
+    whole = make_synthetic_checkpoint(root / "whole", layers=2, experts=E, hidden=H, intermediate=H, dtype="float32", seed=11)
+    load = [10.0, 20.0, 300.0, 30.0, 40.0, 500.0, 50.0, 60.0]
+    write_load_file(root / "load.json", E, {0: load, 1: load})
+    assert lutb(["shard", str(whole), "--out", str(root / "shards"), "--shards", "3", "--placement", "balanced",
+                 "--load", str(root / "load.json"), "--replicas", "2"]) == 0
+    manifest = json.loads((root / "shards" / "shards.json").read_text())
+    plan = {int(k): v for k, v in manifest["layers"].items()}
+    dirs = [root / "shards" / f"shard-{s}" for s in (0, 1, 2, 1)]
+    procs = [ServeProcess("--checkpoint", str(d), "--backend", "reference", "--shutdown-grace-s", "2", env=ONE_THREAD) for d in dirs]
+    single = ServerThread(checkpoint=whole, backend="reference")
+    try:
+        single.start()
+        for p in procs:
+            p.wait_ready()
+        yield Cluster(procs, plan, single.address)
+    finally:
+        for p in procs:
+            p.kill()
+        single.stop()
+
+
+def _batch(tokens: int, k: int = K, seed: int = 0, experts: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=gen)
+    logits = torch.randn(tokens, E, generator=gen)
+    if experts is not None:  # route only to these experts
+        mask = torch.full((E,), float("-inf"))
+        mask[experts] = 0.0
+        logits = logits + mask
+    weights, ids = softmax_topk(logits, k)
+    return x, ids, weights
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _single(cluster: Cluster, *args: object, **kwargs: object) -> torch.Tensor:
+    with ExpertClient(cluster.single) as client:
+        return client.forward(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_placement_has_replicated_hot_experts(cluster: Cluster) -> None:
+    with ShardedExpertClient(cluster.targets) as client:
+        placement = client.placement()
+        assert client.missing_experts() == {0: [], 1: []}
+        assert client.dtype == torch.float32 and client.num_experts == E and client.hidden_size == H
+    for layer in (0, 1):
+        for e in range(E):
+            shards = [s for s in range(3) if e in cluster.plan[layer][s]]
+            assert len(shards) == (2 if e in HOT else 1)
+            assert placement[layer][e] == [cluster.targets[i] for i in cluster.holders(layer, e)]
+
+
+@pytest.mark.parametrize("layer, tokens, k", [(0, 64, 3), (1, 33, 8), (0, 1, 1), (1, 0, 2)])
+def test_combined_output_equals_the_single_server(cluster: Cluster, layer: int, tokens: int, k: int) -> None:
+    x, ids, w = _batch(tokens, k, seed=layer * 100 + tokens)
+    expected = _single(cluster, layer, x, ids, w)
+    with ShardedExpertClient(cluster.targets) as client:
+        got = client.forward(layer, x, ids, w)
+    assert got.dtype == torch.float32 and got.shape == (tokens, H)
+    if tokens:
+        assert _rel(got, expected) <= 1e-5
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_route_major_and_weights_on_input_equal_the_single_server(cluster: Cluster) -> None:
+    x, ids, w = _batch(48, 4, seed=5)
+    with ShardedExpertClient(cluster.targets) as client:
+        got = client.forward(1, x, ids, w, output_mode="route_major")
+        expected = _single(cluster, 1, x, ids, w, output_mode="route_major")
+        assert got.shape == (48, 4, H)
+        assert _rel(got, expected) <= 1e-5
+        x1, ids1, w1 = _batch(40, 1, seed=6)
+        got1 = client.forward(0, x1, ids1, w1, apply_router_weight_on_input=True)
+        expected1 = _single(cluster, 0, x1, ids1, w1, apply_router_weight_on_input=True)
+        assert _rel(got1, expected1) <= 1e-5
+
+
+def test_replicated_expert_is_computed_once(cluster: Cluster) -> None:
+    """Every route to a replicated expert: a double count would double the output."""
+    x, ids, w = _batch(32, 2, seed=8, experts=list(HOT))
+    expected = _single(cluster, 0, x, ids, w)
+    with ShardedExpertClient(cluster.targets) as client:
+        result = client.forward_detailed(0, x, ids, w)
+        stats = client.stats()
+    assert _rel(result.output, expected) <= 1e-5
+    assert sum(s.routes for s in stats.shards) == ids.numel()
+    if any(all(e in part for e in HOT) for part in cluster.plan[0]):  # one shard covers every token: it takes them all
+        assert len(result.shards) == 1
+
+
+def test_tokens_on_one_shard_touch_only_that_shard(cluster: Cluster) -> None:
+    shard = next(s for s in (0, 2) if len([e for e in cluster.plan[0][s] if e not in HOT]) >= 2)  # not the copied one
+    alone = [e for e in cluster.plan[0][shard] if e not in HOT]
+    x, ids, w = _batch(20, 2, seed=9, experts=alone)
+    target = cluster.targets[shard]
+    with ShardedExpertClient(cluster.targets) as client:
+        for _ in range(3):
+            result = client.forward_detailed(0, x, ids, w)
+            assert result.shards == (target,)
+        stats = client.stats().by_target()
+        assert stats[target].requests == 3
+        assert all(stats[t].requests == 0 for t in cluster.targets if t != target)
+        # a call one shard answers alone is that shard's answer, unchanged
+        with ExpertClient(target) as direct:
+            assert torch.equal(result.output, direct.forward(0, x, ids, w))
+
+
+def test_replicas_share_the_load(cluster: Cluster) -> None:
+    only1 = [e for e in cluster.plan[1][1] if e not in HOT]
+    x, ids, w = _batch(16, 2, seed=10, experts=only1)
+    with ShardedExpertClient(cluster.targets) as client:
+        with ThreadPoolExecutor(6) as pool:
+            list(pool.map(lambda _: client.forward(1, x, ids, w), range(24)))
+        stats = client.stats().by_target()
+    copies = [stats[cluster.targets[1]].requests, stats[cluster.targets[3]].requests]
+    assert sum(copies) == 24 and min(copies) >= 4, copies
+    assert stats[cluster.targets[0]].requests == stats[cluster.targets[2]].requests == 0
+    assert stats[cluster.targets[1]].latency_p99_ms > 0
+
+
+def test_async_client_equals_the_single_server(cluster: Cluster) -> None:
+    x, ids, w = _batch(40, 4, seed=12)
+    expected = _single(cluster, 0, x, ids, w)
+
+    async def go() -> list[torch.Tensor]:
+        async with AsyncShardedExpertClient(cluster.targets) as client:
+            outs = await asyncio.gather(*(client.forward(0, x, ids, w) for _ in range(4)))
+            assert client.stats().calls == 4
+            return list(outs)
+
+    for out in asyncio.run(go()):
+        assert _rel(out, expected) <= 1e-5
+
+
+def test_missing_expert_names_layer_and_experts(cluster: Cluster) -> None:
+    x, ids, w = _batch(8, 2, seed=13)
+    ids[:, 0] = cluster.plan[1][1][0]
+    ids[:, 1] = cluster.plan[1][2][-1]
+    absent = sorted({e for e in ids.flatten().tolist() if e not in cluster.plan[1][0]})
+    with ShardedExpertClient([cluster.targets[0]]) as client:
+        with pytest.raises(ExpertServiceError) as err:
+            client.forward(1, x, ids, w)
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        assert "layer 1" in err.value.message and str(absent) in err.value.message
+        with pytest.raises(ExpertServiceError, match="layer 7 is not held by any shard"):
+            client.forward(7, x, ids, w)
+        with pytest.raises(ExpertServiceError, match="topk_ids: expert id 8 outside"):
+            client.forward(0, x, torch.full_like(ids, E), w)
+        assert client.stats().shards[0].requests == 0  # refused before sending
+
+
+def test_shards_of_different_models_are_refused(cluster: Cluster, tmp_path: Path) -> None:
+    other = make_synthetic_checkpoint(tmp_path / "bf16", layers=1, experts=E, hidden=H, intermediate=H, dtype="bfloat16", seed=1)
+    with ServerThread(checkpoint=other, backend="reference") as server:
+        with pytest.raises(ExpertServiceError) as err:
+            ShardedExpertClient([cluster.targets[0], server.address])
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "dtype differs" in err.value.message and "FLOAT32" in err.value.message and "BFLOAT16" in err.value.message
+
+
+def test_bfloat16_shards_agree_with_the_single_server(tmp_path: Path) -> None:
+    whole = make_synthetic_checkpoint(tmp_path / "whole", layers=1, experts=E, hidden=H, intermediate=H, dtype="bfloat16", seed=2)
+    plan = {0: [[0, 1, 2, 3, 4], [3, 4, 5, 6, 7]]}  # 3 and 4 on both
+    dirs = write_shards(Checkpoint(whole), tmp_path / "shards", plan)
+    x, ids, w = _batch(96, 4, seed=3)
+    with ServerThread(checkpoint=whole) as single, ServerThread(checkpoint=dirs[0]) as a, ServerThread(checkpoint=dirs[1]) as b:
+        with ExpertClient(single.address) as client:
+            expected = client.forward(0, x.to(torch.bfloat16), ids, w)
+        with ShardedExpertClient([a.address, b.address]) as client:
+            got = client.forward(0, x.to(torch.bfloat16), ids, w)
+            stats = client.stats()
+    assert got.dtype == torch.bfloat16 and not bool(torch.isnan(got).any())
+    assert _rel(got, expected) <= 1e-2  # spec section 6
+    assert sum(s.routes for s in stats.shards) == ids.numel()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_route_assignment_covers_each_route_once(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    shards, tokens, k = 3, 50, 4
+    holders = torch.rand(E, shards, generator=gen) < 0.5
+    holders[torch.arange(E), torch.randint(0, shards, (E,), generator=gen)] = True  # every expert somewhere
+    if seed == 3:
+        holders[:, 2] = True  # a shard holding every expert: no padding id exists there
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen)
+    pending = torch.rand(tokens, k, generator=gen) < (0.6 if seed % 2 else 1.0)  # a retry round: some routes done
+    usable = torch.ones(shards, dtype=torch.bool)
+    assign = assign_routes(holders, ids, pending, usable, torch.tensor([2, 0, 1]))
+    assert bool(((assign >= 0) == pending).all())
+    assert bool(holders[ids[pending], assign[pending]].all())
+    nulls = [None if bool(holders[:, s].all()) else int((~holders[:, s]).nonzero()[0]) for s in range(shards)]
+    seen = torch.zeros(tokens, k, dtype=torch.int64)
+    for sub in build_subrequests(assign, ids, weights, nulls):
+        r = sub.rows.unsqueeze(1).expand_as(sub.cols)
+        seen[r[sub.valid], sub.cols[sub.valid]] += 1
+        assert torch.equal(sub.ids[sub.valid], ids[r[sub.valid], sub.cols[sub.valid]])
+        assert torch.equal(sub.weights[sub.valid], weights[r[sub.valid], sub.cols[sub.valid]])
+        held = holders[sub.ids[~sub.valid], sub.shard]
+        assert not bool(held.any()), "padding must point to an expert the shard does not hold"
+    assert torch.equal(seen, pending.long())
+
+
+def test_a_stalled_replica_is_bypassed_after_attempt_timeout(cluster: Cluster) -> None:
+    """SIGSTOP the copy of shard-1: requests to it time out after attempt_timeout and go to the other copy."""
+    only1 = [e for e in cluster.plan[1][1] if e not in HOT]
+    x, ids, w = _batch(16, 2, seed=14, experts=only1)
+    expected = _single(cluster, 1, x, ids, w)
+    stalled = cluster.procs[3]
+    with ShardedExpertClient(cluster.targets, timeout=20, attempt_timeout=0.5, down_s=30) as client:
+        client.forward(1, x, ids, w)  # connected to everything first
+        stalled.proc.send_signal(signal.SIGSTOP)
+        try:
+            outs = [client.forward_detailed(1, x, ids, w) for _ in range(4)]
+        finally:
+            stalled.proc.send_signal(signal.SIGCONT)
+        stats = client.stats().by_target()
+    assert all(_rel(r.output, expected) <= 1e-5 for r in outs)
+    assert all(r.shards == (cluster.targets[1],) for r in outs[1:])  # marked down: not tried again
+    assert stats[stalled.address].failures == 1 and stats[stalled.address].down
+    assert sum(r.retries for r in outs) == 1
+
+
+def test_the_calls_own_deadline_is_not_a_shard_failure(cluster: Cluster) -> None:
+    x, ids, w = _batch(256, 8, seed=15)
+    with ShardedExpertClient(cluster.targets) as client:
+        with pytest.raises(ExpertServiceError) as err:
+            client.forward(0, x, ids, w, timeout=0.001)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert not any(s.down for s in client.stats().shards)
+
+
+def test_killing_a_replica_during_a_run_loses_no_call(cluster: Cluster) -> None:
+    """Runs last: SIGKILL the second copy of shard-1 while 4 threads make calls; each still succeeds."""
+    batches = [_batch(24, K, seed=100 + i) for i in range(4)]
+    expected = [_single(cluster, i % 2, *b) for i, b in enumerate(batches)]
+    victim = cluster.procs[3]
+    results: list[float] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    with ShardedExpertClient(cluster.targets, timeout=20, down_s=5.0) as client:
+
+        def worker(index: int) -> None:
+            for n in range(30):
+                i = (index + n) % 4
+                try:
+                    out = client.forward(i % 2, *batches[i])
+                except BaseException as exc:  # noqa: BLE001 - recorded and asserted below
+                    with lock:
+                        errors.append(exc)
+                    return
+                with lock:
+                    results.append(_rel(out, expected[i]))
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(results) < 20 and time.monotonic() < deadline and not errors:
+            time.sleep(0.01)
+        assert client.stats().by_target()[victim.address].requests > 0  # it was serving before the kill
+        victim.proc.send_signal(signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        stats = client.stats()
+    assert not errors, errors
+    assert len(results) == 120
+    assert max(results) <= 1e-5
+    assert stats.by_target()[victim.address].down
+    print("failover stats:", stats)

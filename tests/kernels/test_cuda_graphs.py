@@ -1,0 +1,290 @@
+"""CudaGraphExperts: token buckets, padding, static buffers (CPU, graphs bypassed) and graph replay vs eager (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights
+from lutb_kernels.errors import NonFiniteInputError
+from lutb_kernels.experts.graphs import CudaGraphExperts, GraphKey, bucket_for, is_capture_safe, token_buckets
+from lutb_kernels.experts.reference import ReferenceExperts
+from lutb_kernels.tiles import TILE, pack_tiles
+
+# ----------------------------------------------------------------------------- CPU fakes
+
+H = I = 128
+
+
+class CaptureSafeReference(ReferenceExperts):
+    """The reference backend declared capture-safe (CPU stand-in for packed/emulated); records its calls.
+
+    The reference matmuls an expert's rows together, so a row's result can depend on how many
+    rows its expert got; with a pad expert that is not held (a shard) the padding gives the
+    experts exactly the same rows, so results must be bit-identical.
+    """
+
+    capture_safe = True
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[int, int, bool, str]] = []
+
+    def forward_unchecked(self, x, topk_ids, topk_weights, *, apply_router_weight_on_input=False,  # noqa: ANN001
+                          output_mode="combined", nonfinite=None):
+        self.calls.append((x.shape[0], topk_ids.shape[1], apply_router_weight_on_input, output_mode))
+        if nonfinite is not None and not bool(torch.isfinite(x).all()):
+            nonfinite.fill_(1)
+            x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        return self.forward(x, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
+                            output_mode=output_mode)
+
+
+class RowwiseReference(CaptureSafeReference):
+    """Computes each token alone: row-independent by construction (so a held pad expert cannot matter either)."""
+
+    def forward(self, x, topk_ids, topk_weights, *, apply_router_weight_on_input=False, output_mode="combined"):  # noqa: ANN001
+        rows = [super(RowwiseReference, self).forward(x[t:t + 1], topk_ids[t:t + 1], topk_weights[t:t + 1],
+                                                      apply_router_weight_on_input=apply_router_weight_on_input,
+                                                      output_mode=output_mode) for t in range(x.shape[0])]
+        shape = (0, topk_ids.shape[1], H) if output_mode == "route_major" else (0, H)
+        return torch.cat(rows) if rows else torch.empty(shape, dtype=x.dtype)
+
+
+def _layer(num_experts: int, held: list[int], seed: int = 0) -> tuple[CheckpointConfig, LayerWeights]:
+    cfg = CheckpointConfig(hidden_size=H, intermediate_size=I, num_experts=num_experts, dtype="bfloat16")
+    gen = torch.Generator().manual_seed(seed)
+
+    def tiles(shape):  # noqa: ANN001, ANN202
+        return pack_tiles(torch.randint(0, 8, (*shape, TILE, TILE), generator=gen, dtype=torch.uint8),
+                          torch.randint(118, 124, (*shape, TILE, 4), generator=gen, dtype=torch.uint8),
+                          torch.randn((*shape, 8), generator=gen).to(torch.bfloat16))
+
+    e = len(held)
+    return cfg, LayerWeights(tiles(cfg.w13_tiles_shape(e)), tiles(cfg.w2_tiles_shape(e)), torch.tensor(held, dtype=torch.int32))
+
+
+def _batch(tokens: int, k: int, num_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:k] for _ in range(tokens)]).to(torch.int32) \
+        if tokens else torch.zeros(0, k, dtype=torch.int32)
+    w = torch.softmax(torch.randn(tokens, k, generator=gen), dim=-1)
+    return x, ids, w
+
+
+@pytest.fixture(scope="module")
+def shard() -> CaptureSafeReference:
+    """8 global experts, 5 held: pad expert 0 is not held (held: 1, 2, 4, 5, 7)."""
+    cfg, layer = _layer(8, [1, 2, 4, 5, 7])
+    return CaptureSafeReference(cfg, layer, "cpu")
+
+
+@pytest.fixture(scope="module")
+def whole() -> RowwiseReference:
+    cfg, layer = _layer(4, [0, 1, 2, 3], seed=1)
+    return RowwiseReference(cfg, layer, "cpu")
+
+
+# ----------------------------------------------------------------------------- CPU tests
+
+
+@pytest.mark.parametrize(("max_tokens", "buckets"), [
+    (0, ()), (1, (1,)), (2, (1, 2)), (48, (1, 2, 4, 8, 16, 32, 48)), (512, tuple(2**i for i in range(10))),
+])
+def test_token_buckets(max_tokens: int, buckets: tuple[int, ...]) -> None:
+    assert token_buckets(max_tokens) == buckets
+
+
+@pytest.mark.parametrize(("tokens", "bucket"), [(0, None), (1, 1), (3, 4), (4, 4), (5, 8), (33, 48), (48, 48), (49, None)])
+def test_bucket_for(tokens: int, bucket: int | None) -> None:
+    assert bucket_for(tokens, token_buckets(48)) == bucket
+
+
+def test_refuses_unsafe_backends_and_graphs_on_cpu(shard: CaptureSafeReference) -> None:
+    cfg, layer = _layer(8, [0, 1])
+    plain = ReferenceExperts(cfg, layer, "cpu")
+    assert not is_capture_safe(plain) and is_capture_safe(shard)
+    with pytest.raises(ValueError, match="capture-safe"):
+        CudaGraphExperts(plain)
+    with pytest.raises(ValueError, match="CUDA"):
+        CudaGraphExperts(shard, use_graphs=True)
+
+
+def test_pad_expert_prefers_one_not_held(shard: CaptureSafeReference, whole: RowwiseReference) -> None:
+    assert CudaGraphExperts(shard, use_graphs=False).pad_expert == 0  # not held: padding costs no GEMM rows
+    assert CudaGraphExperts(whole, use_graphs=False).pad_expert == 0  # all held: a held one, weight 0
+    assert CudaGraphExperts(whole, use_graphs=False).name == "reference"
+
+
+@pytest.mark.parametrize("fixture", ["shard", "whole"])
+@pytest.mark.parametrize(("k", "mode", "on_input"), [(2, "combined", False), (3, "route_major", False), (1, "combined", True)])
+def test_padding_does_not_change_real_rows(request: pytest.FixtureRequest, fixture: str, k: int, mode: str, on_input: bool) -> None:
+    inner = request.getfixturevalue(fixture)
+    wrapper = CudaGraphExperts(inner, max_tokens=16, use_graphs=False)
+    num_experts = inner.config.num_experts
+    # Descending sizes inside one bucket too (16 then 9, 4 then 3): stale rows must become padding again.
+    for step, tokens in enumerate((1, 5, 16, 9, 4, 3, 2, 0, 17, 7)):
+        x, ids, w = _batch(tokens, k, num_experts, seed=100 * step + k)
+        want = inner.forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
+        inner.calls.clear()
+        got = wrapper.forward_unchecked(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
+        assert got.shape == want.shape
+        assert torch.equal(got, want), (fixture, tokens)
+        bucket = bucket_for(tokens, wrapper.buckets)
+        if bucket is None:  # 0 tokens and 17 > 16 run eagerly, unpadded
+            assert inner.calls == [(tokens, k, on_input, mode)]
+            continue
+        assert inner.calls == [(bucket, k, on_input, mode)]
+        entry = wrapper._entries[GraphKey(bucket, k, on_input, mode)]
+        assert bool((entry.x[tokens:] == 0).all()) and bool((entry.w[tokens:] == 0).all())
+        assert bool((entry.ids[tokens:] == wrapper.pad_expert).all())
+
+
+def test_static_inputs_path_and_returned_view(shard: CaptureSafeReference) -> None:
+    wrapper = CudaGraphExperts(shard, max_tokens=8, use_graphs=False)
+    x, ids, w = _batch(6, 2, 8, seed=7)
+    xs, idss, ws = wrapper.static_inputs(6, 2)
+    assert xs.shape == (6, H) and idss.dtype == torch.int32 and ws.dtype == torch.float32
+    xs.copy_(x), idss.copy_(ids), ws.copy_(w)
+    got = wrapper.forward_unchecked(xs, idss, ws)
+    assert torch.equal(got, shard.forward(x, ids, w))
+    assert wrapper.static_inputs(9, 2) is None  # above the largest bucket: eager
+    checked = wrapper.forward(x, ids, w)  # validated, and a copy that survives the next call
+    wrapper.forward_unchecked(*_batch(6, 2, 8, seed=8))
+    assert torch.equal(checked, shard.forward(x, ids, w))
+
+
+def test_variants_are_bounded(shard: CaptureSafeReference) -> None:
+    wrapper = CudaGraphExperts(shard, max_tokens=4, use_graphs=False, max_variants=2)
+    assert wrapper.capture(2) == 3  # buckets 1, 2, 4
+    assert wrapper.capture(2) == 0
+    assert set(wrapper.graphs) == {GraphKey(b, 2, False, "combined") for b in (1, 2, 4)}
+    x, ids, w = _batch(3, 3, 8, seed=9)
+    wrapper.forward_unchecked(x, ids, w, output_mode="route_major")  # second variant: captured on first use
+    assert GraphKey(4, 3, False, "route_major") in wrapper.graphs
+    assert wrapper.key_for(3, 1, True, "combined") is None  # a third variant runs eagerly
+    shard.calls.clear()
+    x, ids, w = _batch(3, 1, 8, seed=10)
+    got = wrapper.forward_unchecked(x, ids, w, apply_router_weight_on_input=True)
+    assert shard.calls == [(3, 1, True, "combined")]
+    assert torch.equal(got, shard.forward(x, ids, w, apply_router_weight_on_input=True))
+
+
+def test_nonfinite_flag_is_passed_on(shard: CaptureSafeReference) -> None:
+    wrapper = CudaGraphExperts(shard, max_tokens=4, use_graphs=False)
+    x, ids, w = _batch(3, 2, 8, seed=11)
+    flag = torch.zeros(1, dtype=torch.int32)
+    wrapper.forward_unchecked(x, ids, w, nonfinite=flag)
+    assert int(flag) == 0
+    x[1, 5] = float("nan")
+    wrapper.forward_unchecked(x, ids, w, nonfinite=flag)
+    assert int(flag) == 1
+    with pytest.raises(NonFiniteInputError):
+        wrapper.forward(x, ids, w)
+    flag.zero_()
+    wrapper.forward_unchecked(*_batch(3, 2, 8, seed=12), nonfinite=flag)  # the graph's own flag is reset each replay
+    assert int(flag) == 0
+
+
+# ----------------------------------------------------------------------------- GPU: replay vs eager
+
+
+def _gpu_backend(name: str):  # noqa: ANN202
+    from lutb_kernels.experts.emulated import LutBEmulationTritonExperts
+    from lutb_kernels.experts.packed import LutBPackedExperts
+
+    return {"packed": LutBPackedExperts, "emulated": LutBEmulationTritonExperts}[name]
+
+
+def _gpu_layer(h: int, i: int, num_experts: int, held: list[int], dtype: str, seed: int) -> tuple[CheckpointConfig, LayerWeights]:
+    from lutb_kernels.lut_b_gemm import random_tiles
+
+    cfg = CheckpointConfig(hidden_size=h, intermediate_size=i, num_experts=num_experts, activation="silu", dtype=dtype)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    e = len(held)
+    return cfg, LayerWeights(random_tiles(cfg.w13_tiles_shape(e), k=h, device="cuda", generator=gen),
+                             random_tiles(cfg.w2_tiles_shape(e), k=i, device="cuda", generator=gen),
+                             torch.tensor(held, dtype=torch.int32))
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _padded(x, ids, w, bucket: int, pad: int):  # noqa: ANN001, ANN202
+    t, k = ids.shape
+    xp = torch.zeros((bucket, x.shape[1]), dtype=x.dtype, device=x.device)
+    idp = torch.full((bucket, k), pad, dtype=torch.int32, device=x.device)
+    wp = torch.zeros((bucket, k), dtype=torch.float32, device=x.device)
+    xp[:t], idp[:t], wp[:t] = x, ids, w
+    return xp, idp, wp
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["packed", "emulated"])
+@pytest.mark.parametrize(("held", "k", "mode", "on_input"), [
+    (list(range(6)), 4, "combined", False),       # a shard: pad expert 6 is not held
+    (list(range(8)), 2, "combined", False),       # every expert held: pad rows go to expert 0 with weight 0
+    (list(range(8)), 3, "route_major", False),
+    ([1, 3, 5], 1, "combined", True),
+])
+def test_graph_replay_matches_eager(backend: str, held: list[int], k: int, mode: str, on_input: bool) -> None:
+    cls = _gpu_backend(backend)
+    assert getattr(cls, "capture_safe", False), f"{cls.__name__}.capture_safe must be True (its forward_unchecked is graph-capturable)"
+    cfg, layer = _gpu_layer(256, 384, 8, held, "bfloat16", seed=len(held) + k)
+    inner = cls(cfg, layer, "cuda")
+    wrapper = CudaGraphExperts(inner, max_tokens=64)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        wrapper.capture(k, apply_router_weight_on_input=on_input, output_mode=mode)
+    torch.cuda.synchronize()
+    assert all(wrapper.graphs.values()) and len(wrapper.graphs) == len(wrapper.buckets)
+    nondeterministic = []
+    for step, tokens in enumerate((1, 3, 8, 13, 64, 33, 2, 100)):
+        gen = torch.Generator().manual_seed(1000 + step)
+        x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16).cuda()
+        ids = torch.stack([torch.randperm(8, generator=gen)[:k] for _ in range(tokens)]).to(torch.int32).cuda()
+        w = torch.softmax(torch.randn(tokens, k, generator=gen), dim=-1).cuda()
+        bucket = bucket_for(tokens, wrapper.buckets)
+        with torch.cuda.stream(stream):
+            if bucket is not None:
+                wrapper._entries[GraphKey(bucket, k, on_input, mode)].out.fill_(float("nan"))  # poison the static output
+            flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+            got = wrapper.forward_unchecked(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode,
+                                            nonfinite=flag).clone()
+        torch.cuda.synchronize()
+        assert int(flag) == 0 and not got.isnan().any(), tokens
+        # The eager twin: the same padded batch (what the graph computes), sliced.
+        args = _padded(x, ids, w, bucket, wrapper.pad_expert) if bucket is not None else (x, ids, w)
+        runs = [inner.forward_unchecked(*args, apply_router_weight_on_input=on_input, output_mode=mode)[:tokens].clone()
+                for _ in range(3)]
+        unpadded = inner.forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
+        assert _rel_l2(got, unpadded) <= 1e-2, tokens
+        if all(torch.equal(runs[0], r) for r in runs[1:]):
+            assert torch.equal(got, runs[0]), (backend, tokens)
+        else:  # split-K float32 atomics: eager differs from eager in the last bit
+            nondeterministic.append(tokens)
+            assert _rel_l2(got, runs[0]) <= 1e-2
+    if nondeterministic:
+        pytest.xfail(f"{backend}: eager runs differ from each other at T={nondeterministic} (atomic split-K "
+                     "accumulation), so graph-vs-eager bit-exactness cannot hold there; within tolerance")
+
+
+@pytest.mark.gpu
+def test_graph_memory_is_shared_and_bounded() -> None:
+    cls = _gpu_backend("packed")
+    if not getattr(cls, "capture_safe", False):
+        pytest.fail("LutBPackedExperts.capture_safe must be True")
+    cfg, layer = _gpu_layer(512, 256, 16, list(range(16)), "bfloat16", seed=3)
+    inner = cls(cfg, layer, "cuda")
+    pool = torch.cuda.graph_pool_handle()
+    wrappers = [CudaGraphExperts(inner, max_tokens=512, pool=pool) for _ in range(2)]
+    before = torch.cuda.memory_reserved()
+    for wr in wrappers:
+        wr.capture(8)
+    grown = torch.cuda.memory_reserved() - before
+    # Two layers x 10 buckets share one pool: far less than 20 private pools of the largest batch's activations.
+    largest = 512 * 8 * (2 * 256 + 512) * 2 + 512 * 8 * 512 * 4
+    assert grown < 10 * largest, grown

@@ -1,0 +1,38 @@
+"""bench/serving.py --smoke runs end to end on the CPU: server, echo and load processes, in-process baseline, report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serving_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / d) for d in ("kernels", "client", "server")] + [env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "serving.py"), "--smoke", "--out", str(out), "--concurrency", "1,2",
+         "--tokens", "4", "--duration-s", "0.2", "--warmup-s", "0.05", "--profile"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "serving.json").read_text())
+    rows = report["rows"]
+    assert {(r["wire"], r["concurrency"], r["tokens"]) for r in rows} == {(w, c, 4) for w in ("bf16", "mxfp8") for c in (1, 2)}
+    for r in rows:
+        assert r["server"]["requests"] > 0 and not r["server"]["errors"], r
+        assert r["server"]["p50_us"] > 0 and r["server"]["tokens_per_s"] > 0
+        assert r["echo"]["requests"] > 0 and r["echo"]["request_bytes"] == r["server"]["request_bytes"]
+        assert r["inproc"]["us"] > 0 and r["inproc"]["batch_tokens"] >= 4
+    by_wire = {r["wire"]: r["server"]["request_bytes"] for r in rows}
+    assert by_wire["mxfp8"] < 0.7 * by_wire["bf16"]
+    assert report["servers"]["smoke"]["backend"] == "reference"
+    profile = Path(report["servers"]["smoke"]["profile"])
+    assert profile.exists() and "cProfile" in profile.read_text()
+    assert "| shape | wire | C | T |" in (out / "serving.md").read_text()
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| smoke |")  # the short table comes last

@@ -1,0 +1,119 @@
+"""The server on a GPU: compute worker (pinned staging, one stream), CUDA graphs captured before SERVING, MXFP8 wire.
+
+Run on the device (``bench/serving_device.sh``); every test here skips without CUDA.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lutb_client import ExpertClient
+from lutb_kernels.checkpoint import Checkpoint
+from lutb_kernels.experts.graphs import CudaGraphExperts, GraphKey
+from lutb_kernels.experts.reference import ReferenceExperts
+from lutb_server.testing import ServerThread, make_tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+H, E = 256, 16
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _batch(tokens: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(tokens, E, generator=gen).topk(k, dim=1).indices.to(torch.int32)
+    w = torch.softmax(torch.randn(tokens, k, generator=gen), dim=1)
+    return x, ids, w
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("gpu") / "ckpt", layers=(0,), num_experts=E, hidden=H, intermediate=256, seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> ReferenceExperts:
+    ckpt = Checkpoint(checkpoint)
+    return ReferenceExperts(ckpt.config, ckpt.layer(0), "cuda")
+
+
+@pytest.fixture(scope="module", params=["packed", "emulated"])
+def servers(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[tuple[ServerThread, ServerThread]]:
+    """The same backend with CUDA graphs (buckets up to 64, top-k 4 captured at start-up) and without."""
+    common = dict(checkpoint=checkpoint, backend=request.param, device="cuda", max_wait_us=0)
+    with ServerThread(cuda_graph_max_tokens=64, cuda_graph_top_k=4, **common) as graphs, \
+            ServerThread(cuda_graph_max_tokens=0, **common) as eager:
+        yield graphs, eager
+
+
+def test_graphs_captured_before_serving(servers: tuple[ServerThread, ServerThread]) -> None:
+    graphs, eager = servers
+    worker = graphs.server.scheduler.worker
+    assert worker.graph_layers == [0], "backend must declare capture_safe = True for CUDA graphs"
+    experts = worker._experts[0]
+    assert isinstance(experts, CudaGraphExperts)
+    assert experts.graphs == {GraphKey(b, 4, False, "combined"): True for b in (1, 2, 4, 8, 16, 32, 64)}
+    assert eager.server.scheduler.worker.graph_layers == []
+
+
+@pytest.mark.parametrize(("tokens", "k", "mode"), [(1, 4, "combined"), (5, 4, "combined"), (64, 4, "combined"),
+                                                   (100, 4, "combined"), (3, 2, "route_major"), (17, 1, "combined")])
+def test_outputs_match_reference_and_eager(servers: tuple[ServerThread, ServerThread], reference: ReferenceExperts,
+                                           tokens: int, k: int, mode: str) -> None:
+    graphs, eager = servers
+    x, ids, w = _batch(tokens, k, seed=tokens * 10 + k)
+    with ExpertClient(graphs.address) as g, ExpertClient(eager.address) as e:
+        out_g, out_e = g.forward(0, x, ids, w, output_mode=mode), e.forward(0, x, ids, w, output_mode=mode)
+    want = reference.forward(x.cuda(), ids.cuda(), w.cuda(), output_mode=mode).cpu()
+    assert out_g.shape == want.shape == out_e.shape and not out_g.isnan().any()
+    assert _rel_l2(out_g, want) <= 1e-2 and _rel_l2(out_e, want) <= 1e-2
+    experts = graphs.server.scheduler.worker._experts[0]
+    if tokens <= 64:
+        assert experts.graphs[experts.key_for(tokens, k, False, mode)]  # rarer variants are captured on first use
+
+
+def test_pinned_staging_and_pooling(servers: tuple[ServerThread, ServerThread], reference: ReferenceExperts) -> None:
+    graphs, _ = servers
+    batches = [_batch(4, 4, seed=100 + i) for i in range(32)]
+    results: list[tuple[int, torch.Tensor, int]] = []
+    lock = threading.Lock()
+
+    def call(i: int) -> None:
+        with ExpertClient(graphs.address) as client:
+            res = client.forward_detailed(0, *batches[i])
+        with lock:
+            results.append((i, res.output, int(res.timing.batch_tokens)))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 32
+    for i, out, _ in results:
+        x, ids, w = batches[i]
+        assert _rel_l2(out, reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2
+    worker = graphs.server.scheduler.worker
+    assert all(buf.is_pinned() for buf in worker._host._bufs.values())
+    assert worker._dev.device.type == "cuda"
+
+
+def test_mxfp8_wire_on_gpu(servers: tuple[ServerThread, ServerThread], reference: ReferenceExperts) -> None:
+    graphs, _ = servers
+    x, ids, w = _batch(16, 4, seed=3)
+    with ExpertClient(graphs.address, wire="mxfp8") as mx, ExpertClient(graphs.address) as native:
+        got, plain = mx.forward(0, x, ids, w), native.forward(0, x, ids, w)
+        got_dev = mx.forward(0, x.cuda(), ids.cuda(), w.cuda())  # quantized on the GPU by the client
+    assert torch.equal(got, got_dev) or _rel_l2(got, got_dev) <= 1e-2
+    # Equal inputs after the server's dequantization; bit-equal unless the kernels' split-K atomics reorder.
+    assert _rel_l2(got, plain) <= 1e-2
+    assert _rel_l2(got, reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2

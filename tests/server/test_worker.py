@@ -1,0 +1,106 @@
+"""ComputeWorker on the CPU: same results as the engine, staging buffers reused, thread and errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lutb_server.backends import choose_backend
+from lutb_server.engine import ExpertEngine, PreparedRequest
+from lutb_server.worker import ComputeWorker
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint: Path) -> ExpertEngine:
+    from lutb_kernels.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(tiny_checkpoint)
+    return ExpertEngine(ckpt, choose_backend("reference", ckpt.config, torch.device("cpu")), validate_tiles=False)
+
+
+def _requests(engine: ExpertEngine, sizes: list[int], *, k: int = 2, seed: int = 0, layer: int = 0,
+              mode: str = "combined", on_input: bool = False) -> list[PreparedRequest]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for t in sizes:
+        x = torch.randn(t, engine.config.hidden_size, generator=gen)
+        ids = torch.randint(0, engine.config.num_experts, (t, k), generator=gen, dtype=torch.int32)
+        w = torch.rand(t, k, generator=gen)
+        out.append(engine.prepare(layer, x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode))
+    return out
+
+
+def _engine_pooled(engine: ExpertEngine, requests: list[PreparedRequest]) -> list[torch.Tensor]:
+    """What the scheduler computed before the worker: concatenate, engine.forward, split."""
+    first = requests[0]
+    out = engine.forward(first.layer, torch.cat([r.x for r in requests]), torch.cat([r.topk_ids for r in requests]),
+                         torch.cat([r.topk_weights for r in requests]),
+                         apply_router_weight_on_input=first.apply_router_weight_on_input, output_mode=first.output_mode)
+    return list(torch.split(out, [r.tokens for r in requests]))
+
+
+@pytest.mark.parametrize(("sizes", "k", "mode", "on_input"), [
+    ([5], 2, "combined", False),
+    ([3, 1, 7], 2, "combined", False),
+    ([2, 4], 3, "route_major", False),
+    ([4, 1], 1, "combined", True),
+    ([0, 3], 2, "combined", False),
+])
+def test_results_unchanged(engine: ExpertEngine, sizes: list[int], k: int, mode: str, on_input: bool) -> None:
+    worker = ComputeWorker(engine)
+    requests = _requests(engine, sizes, k=k, mode=mode, on_input=on_input, seed=sum(sizes) + k)
+    outputs, seconds = worker.run(requests)
+    expected = _engine_pooled(engine, requests)
+    assert seconds > 0 and len(outputs) == len(requests)
+    for got, want, r in zip(outputs, expected, requests):
+        assert got.dtype == engine.model_dtype and got.device.type == "cpu"
+        assert got.shape == ((r.tokens, k, engine.config.hidden_size) if mode == "route_major" else (r.tokens, engine.config.hidden_size))
+        assert torch.equal(got, want)
+
+
+def test_staging_buffers_are_reused(engine: ExpertEngine) -> None:
+    worker = ComputeWorker(engine)
+    worker.run(_requests(engine, [8, 8], seed=1))
+    grown, nbytes = worker._host.grown, worker.staging_bytes["host"]
+    x_ptr = worker._host.get("x", (1, engine.config.hidden_size), engine.model_dtype).data_ptr()
+    for seed, sizes in enumerate(([3, 5], [1, 1, 1], [16])):
+        requests = _requests(engine, sizes, seed=seed + 2)
+        outputs, _ = worker.run(requests)
+        for got, want in zip(outputs, _engine_pooled(engine, requests)):
+            assert torch.equal(got, want)
+    assert worker._host.grown == grown and worker.staging_bytes["host"] == nbytes
+    assert worker._host.get("x", (1, engine.config.hidden_size), engine.model_dtype).data_ptr() == x_ptr
+    assert worker.staging_bytes["device"] == 0  # CPU: no device copies
+    assert worker.graph_layers == [] and worker.capture_graphs() == 0.0
+
+
+def test_outputs_do_not_alias_the_staging_buffers(engine: ExpertEngine) -> None:
+    worker = ComputeWorker(engine)
+    first, _ = worker.run(_requests(engine, [4, 4], seed=3))
+    kept = [o.clone() for o in first]
+    worker.run(_requests(engine, [4, 4], seed=4))
+    for a, b in zip(first, kept):
+        assert torch.equal(a, b)
+
+
+def test_thread_submit_call_and_errors(engine: ExpertEngine) -> None:
+    worker = ComputeWorker(engine).start()
+    try:
+        requests = _requests(engine, [2, 3], seed=5)
+        outputs, _ = worker.submit(requests).result(30)
+        for got, want in zip(outputs, _engine_pooled(engine, requests)):
+            assert torch.equal(got, want)
+        import threading
+
+        assert worker.call(lambda: threading.current_thread().name).result(10) == "lutb-compute"
+        bad = PreparedRequest(0, torch.zeros(2, 5), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1), False, "combined")
+        with pytest.raises(Exception):
+            worker.submit([bad]).result(30)
+        outputs, _ = worker.submit(requests[:1]).result(30)  # still alive after a failure
+        assert outputs[0].shape == (2, engine.config.hidden_size)
+    finally:
+        worker.close(10)
+    with pytest.raises(RuntimeError):
+        worker.submit(requests)
