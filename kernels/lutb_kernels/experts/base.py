@@ -12,6 +12,14 @@ from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights
 from lutb_kernels.reference import OutputMode
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index filled in (``"cuda"`` -> ``cuda:<current>``), so it compares equal to tensors' devices."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Support(NamedTuple):
     """Whether a backend can run here, and why (or why not)."""
 
@@ -50,7 +58,7 @@ class LayerExperts(ABC):
 
     def __init__(self, config: CheckpointConfig, weights: LayerWeights, device: torch.device | str) -> None:
         self.config = config
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.expert_ids = weights.expert_ids.to(torch.int32)
         self.num_local_experts = int(self.expert_ids.numel())
 
