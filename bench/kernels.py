@@ -385,6 +385,8 @@ def main() -> int:
     tokens = tuple(args.tokens) if args.tokens else (QUICK_TOKENS if args.quick else TOKENS)
     for name in args.shapes:
         bench_shape(name, tokens, results)
+        # Partial results after each shape, so a run cut short by a time limit keeps what it measured.
+        (args.out / "results.partial.json").write_text(json.dumps(results, indent=1, default=str))
     if args.tune:
         tune(results, args.quick)
     targets = evaluate_targets(results)
