@@ -97,7 +97,7 @@ def hbm_bandwidth() -> dict:
     copy_us, _ = time_graph(lambda: dst.copy_(src), replays=5, rounds=5)
     x = src.view(torch.float32)
     acc = torch.empty((), device="cuda")
-    read_us, _ = time_graph(lambda: torch.sum(x, out=acc), replays=5, rounds=5)
+    read_us, _ = time_graph(lambda: torch.sum(x, dim=0, out=acc), replays=5, rounds=5)
     del src, dst
     torch.cuda.empty_cache()
     return {
