@@ -64,6 +64,14 @@ class LutBGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     groups_per_step: int = 4
+    tile_loop: bool = False
+    """One K-loop iteration per tile (``groups_per_step`` must be 1): a thread loads its rows'
+    12 plane words with 16-byte loads and their 4 scale bytes in one word, then decodes the 4
+    groups in the MMA's register layout (offline sm90 SASS: ~5 instead of ~8 instructions per
+    weight at decode, ``docs/kernels.md``)."""
+    prefetch: bool = False
+    """``tile_loop``: load tile t+1 into registers while decoding tile t (Triton's own cp.async
+    pipelining with ``num_stages`` already does this; kept for the tuning sweep)."""
 
 
 def default_decoder(device: torch.device) -> Decoder:
@@ -73,30 +81,52 @@ def default_decoder(device: torch.device) -> Decoder:
     return "triton"
 
 
-def default_config(num_routes: int, n: int, k: int, num_experts: int, route_block: int, device: torch.device) -> LutBGemmConfig:
-    """A config keyed on the routing block (the batch) and the matrix shape.
+# The default launch table, keyed by the routing block (moe_align_block_size's block_m, chosen
+# from the average rows per expert): (block_m, block_n, num_warps, num_stages, waves). Split-K
+# doubles while the grid holds fewer than ``waves`` programs per SM and every split keeps at
+# least MIN_TILES_PER_SPLIT K tiles. Update from ``bench/kernels.py --tune`` (tune.json's
+# "table_suggestion"); TUNED overrides one (route_block, N, K) exactly (split_k included).
+DEFAULT_TABLE: dict[int, tuple[int, int, int, int, int]] = {
+    16: (16, 128, 4, 3, 4),
+    32: (32, 128, 4, 3, 4),
+    64: (64, 128, 4, 3, 2),
+    128: (128, 128, 8, 3, 1),
+    256: (128, 128, 8, 3, 1),
+}
+MIN_TILES_PER_SPLIT = 4
+TUNED: dict[tuple[int, int, int], dict] = {
+    # (route_block, n, k): {"block_n": 64, "split_k": 8, "num_warps": 4, "num_stages": 3}
+}
 
-    Every size uses swap-AB (decoded weights in registers as the MMA's M side, 128 output
-    columns per program) and decodes one 32-column group per K step: offline SASS counts for
-    sm90 (``docs/kernels.md``) give about 2 instructions per weight in the loop at block 16-64
-    and no spills at 128, against 5-15 with whole-tile steps. Small batches (decode) split K
-    until the grid holds about four waves of programs over the SMs.
+
+def default_config(num_routes: int, n: int, k: int, num_experts: int, route_block: int, device: torch.device) -> LutBGemmConfig:
+    """A config keyed on the routing block (the batch) and the matrix shape (``DEFAULT_TABLE``).
+
+    Every size uses swap-AB (decoded weights in registers as the MMA's M side) and the per-tile
+    K loop (``tile_loop``); small batches (decode) split K until the grid holds ``waves``
+    programs per SM. ``TUNED`` entries replace the table for one exact shape.
     """
     decoder = default_decoder(device)
     if interpreting():
         return LutBGemmConfig(block_m=min(route_block, 16), block_n=min(64, n), split_k=1, swap_ab=False,
                               decoder=decoder, num_warps=4, num_stages=1, groups_per_step=4)
     k_tiles = k // TILE
+    block_m, block_n, warps, stages, waves = DEFAULT_TABLE.get(route_block, DEFAULT_TABLE[128])
+    block_m = min(block_m, route_block)
+    tuned = TUNED.get((route_block, n, k))
+    if tuned is not None:
+        return LutBGemmConfig(block_m=tuned.get("block_m", block_m), block_n=tuned.get("block_n", block_n),
+                              split_k=tuned.get("split_k", 1), swap_ab=True, decoder=decoder,
+                              num_warps=tuned.get("num_warps", warps), num_stages=tuned.get("num_stages", stages),
+                              groups_per_step=1, tile_loop=tuned.get("tile_loop", True), prefetch=tuned.get("prefetch", False))
     active_blocks = min(num_experts, num_routes) + num_routes // route_block
-    block_m = route_block
-    warps = 4 if route_block <= 64 else 8
-    programs = active_blocks * (n // 128)
-    target = 4 * sm_count(device)
+    programs = active_blocks * (route_block // block_m) * (n // block_n)
+    target = waves * sm_count(device)
     split_k = 1
-    while programs * split_k < target and k_tiles // (split_k * 2) >= 4:
+    while programs * split_k < target and k_tiles // (split_k * 2) >= MIN_TILES_PER_SPLIT:
         split_k *= 2
-    return LutBGemmConfig(block_m=block_m, block_n=128, split_k=split_k, swap_ab=True, decoder=decoder,
-                          num_warps=warps, num_stages=3, groups_per_step=1)
+    return LutBGemmConfig(block_m=block_m, block_n=block_n, split_k=split_k, swap_ab=True, decoder=decoder,
+                          num_warps=warps, num_stages=stages, groups_per_step=1, tile_loop=True)
 
 
 def _check_args(
@@ -181,20 +211,21 @@ def lut_b_moe_gemm(
     num_valid = m * top_k
     if num_valid == 0 or n == 0 or expert_ids.numel() == 0:
         return out
-    from lutb_kernels._grouped_gemm_details.kernels import split_k_finalize_kernel
-    from lutb_kernels._lut_b_gemm_details.kernels import lut_b_moe_gemm_kernel
+    from lutb_kernels._lut_b_gemm_details.kernels import lut_b_moe_gemm_kernel, split_k_reduce_kernel
 
     device = a_mxfp8.device
     if config is None:
         config = default_config(num_valid, n, k, w_packed.shape[0], block_m, device)
     bm = min(config.block_m, block_m)
-    if block_m % bm or config.block_n not in (16, 32, 64, 128) or config.split_k < 1 or config.groups_per_step not in (1, 2, 4):
+    if (block_m % bm or config.block_n not in (16, 32, 64, 128) or config.split_k < 1 or config.groups_per_step not in (1, 2, 4)
+            or (config.tile_loop and config.groups_per_step != 1)):
         raise ValueError(f"bad config {config} for block_m={block_m}")
     k_tiles = k // TILE
     split_k = min(config.split_k, k_tiles)
     tiles_per_split = cdiv(k_tiles, split_k)
     split_k = cdiv(k_tiles, tiles_per_split)
-    ws = torch.zeros((num_valid, n), dtype=torch.float32, device=device) if split_k > 1 else out
+    # split-K: one float32 slice per split, written with plain stores (no zeroing, no atomics)
+    ws = torch.empty((split_k, num_valid, n), dtype=torch.float32, device=device) if split_k > 1 else out
     grid = (expert_ids.numel() * (block_m // bm), n // config.block_n, split_k)
     lut_b_moe_gemm_kernel[grid](
         a_mxfp8.view(torch.uint8) if a_scales is not None else a_mxfp8,
@@ -211,14 +242,18 @@ def lut_b_moe_gemm(
         SWAP_AB=config.swap_ab,
         DOT_BF16=not interpreting(),
         G=config.groups_per_step,
+        TILE_LOOP=config.tile_loop,
+        PREFETCH=config.prefetch,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split_k > 1:
-        fin_n = min(128, next_pow2(n))
-        split_k_finalize_kernel[(expert_ids.numel(), cdiv(n, fin_n))](
+        fin_r = min(block_m, 16)
+        fin_n = min(256, next_pow2(n))
+        split_k_reduce_kernel[(expert_ids.numel() * (block_m // fin_r), cdiv(n, fin_n))](
             ws, out, topk_weights if topk_weights is not None else ws,
             sorted_token_ids, expert_ids, num_tokens_post_padded, n, num_valid, out.stride(0),
-            ROUTE_BLOCK=block_m, BLOCK_N=fin_n, MUL_WEIGHT=topk_weights is not None, num_warps=4,
+            ROUTE_BLOCK=block_m, BLOCK_R=fin_r, BLOCK_N=fin_n, SPLIT_K=split_k,
+            MUL_WEIGHT=topk_weights is not None, num_warps=4,
         )
     return out
 

@@ -157,6 +157,58 @@ def decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N: tl.constexpr, G: tl.con
 
 
 @triton.jit
+def split4(x):
+    """The 4 columns of an ``[R, 4]`` tensor (held by one thread: free) as four ``[R]`` tensors."""
+    a, b = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))  # a: columns 0, 2; b: 1, 3
+    x0, x2 = tl.split(a)
+    x1, x3 = tl.split(b)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg, valid, k_lo, k_hi,
+                BLOCK_N: tl.constexpr, DECODER: tl.constexpr, A_DEQUANTIZED: tl.constexpr, SWAP_AB: tl.constexpr,
+                DOT_BF16: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The per-group K loop (``G`` 32-column groups per step; the first version, any G)."""
+    STEPS: tl.constexpr = 4 // G  # K steps per tile
+    rg = 4 * rows[:, None] + gg[None, :]  # [BN, G] (row, group) index of the step's first group
+    for step in range(k_lo * STEPS, k_hi * STEPS):
+        tile = tile0 + step // STEPS
+        g0 = (step % STEPS) * G
+        tw = tile * 1668
+        w0, w1, w2, w3 = load_lut_words(w_words_ptr, tw)
+        sc = tl.load(w_bytes_ptr + tile * 6672 + 16 + g0 + rg).to(tl.int32)
+        pw = w_words_ptr + tw + 132 + 3 * (rg + g0)
+        p0 = tl.load(pw).to(tl.uint32, bitcast=True)
+        p1 = tl.load(pw + 1).to(tl.uint32, bitcast=True)
+        p2 = tl.load(pw + 2).to(tl.uint32, bitcast=True)
+        if DECODER == 1:
+            w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
+        else:
+            w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
+
+        if A_DEQUANTIZED:  # MXFP8 values already dequantized (bf16 holds them exactly)
+            af = tl.load(a_base + step * (32 * G), mask=valid[:, None], other=0.0)
+        else:  # e4m3 -> float32, times the block's power of two
+            a8 = tl.load(a_base + step * (32 * G), mask=valid[:, None], other=0)
+            sa = tl.load(as_base + step * G, mask=valid[:, None], other=0).to(tl.int32)
+            af = a8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            af = tl.reshape(tl.reshape(af, (BLOCK_M, G, 32)) * pow2_e8m0_f32(sa)[:, :, None], (BLOCK_M, 32 * G))
+        if DOT_BF16:
+            a_op = af.to(tl.bfloat16)
+            w_op = w_op.to(tl.bfloat16)
+        else:
+            a_op = af
+            w_op = w_op.to(tl.float32)
+        if SWAP_AB:
+            acc = tl.dot(w_op, tl.trans(a_op), acc)
+        else:
+            acc = tl.dot(a_op, tl.trans(w_op), acc)
+
+    return acc
+
+
+@triton.jit
 def lut_b_moe_gemm_kernel(
     a_ptr,  # uint8 [M, K]: float8_e4m3fn bytes; or [M, K] float values (A_DEQUANTIZED)
     as_ptr,  # uint8 [M, K/32]: E8M0 (unused when A_DEQUANTIZED)
@@ -187,6 +239,8 @@ def lut_b_moe_gemm_kernel(
     SWAP_AB: tl.constexpr,
     DOT_BF16: tl.constexpr,
     G: tl.constexpr,  # 32-column groups per K step: 4 (a whole tile), 2 or 1 (fewer registers)
+    TILE_LOOP: tl.constexpr = False,  # one loop iteration per tile: all its words loaded up front (G == 1)
+    PREFETCH: tl.constexpr = False,  # TILE_LOOP: load tile t+1's words while decoding tile t
 ):
     SUBS: tl.constexpr = ROUTE_BLOCK // BLOCK_M
     pid0 = tl.program_id(0)
@@ -227,42 +281,83 @@ def lut_b_moe_gemm_kernel(
     else:
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
 
-    STEPS: tl.constexpr = 4 // G  # K steps per tile
     k_lo = pid_k * tiles_per_split
     k_hi = tl.minimum(k_lo + tiles_per_split, k_tiles)
-    rg = 4 * rows[:, None] + gg[None, :]  # [BN, G] (row, group) index of the step's first group
-    for step in range(k_lo * STEPS, k_hi * STEPS):
-        tile = tile0 + step // STEPS
-        g0 = (step % STEPS) * G
-        tw = tile * 1668
-        w0, w1, w2, w3 = load_lut_words(w_words_ptr, tw)
-        sc = tl.load(w_bytes_ptr + tile * 6672 + 16 + g0 + rg).to(tl.int32)
-        pw = w_words_ptr + tw + 132 + 3 * (rg + g0)
-        p0 = tl.load(pw).to(tl.uint32, bitcast=True)
-        p1 = tl.load(pw + 1).to(tl.uint32, bitcast=True)
-        p2 = tl.load(pw + 2).to(tl.uint32, bitcast=True)
-        if DECODER == 1:
-            w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
-        else:
-            w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
-
-        if A_DEQUANTIZED:  # MXFP8 values already dequantized (bf16 holds them exactly)
-            af = tl.load(a_base + step * (32 * G), mask=valid[:, None], other=0.0)
-        else:  # e4m3 -> float32, times the block's power of two
-            a8 = tl.load(a_base + step * (32 * G), mask=valid[:, None], other=0)
-            sa = tl.load(as_base + step * G, mask=valid[:, None], other=0).to(tl.int32)
-            af = a8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            af = tl.reshape(tl.reshape(af, (BLOCK_M, G, 32)) * pow2_e8m0_f32(sa)[:, :, None], (BLOCK_M, 32 * G))
-        if DOT_BF16:
-            a_op = af.to(tl.bfloat16)
-            w_op = w_op.to(tl.bfloat16)
-        else:
-            a_op = af
-            w_op = w_op.to(tl.float32)
-        if SWAP_AB:
-            acc = tl.dot(w_op, tl.trans(a_op), acc)
-        else:
-            acc = tl.dot(a_op, tl.trans(w_op), acc)
+    if TILE_LOOP:
+        # One iteration per tile. Each thread owns whole tile rows: 3 x 16-byte loads fetch the 12
+        # plane words of a row (4 groups x 3 planes, contiguous), one word its 4 scale bytes, so a
+        # program has 4x (8x with PREFETCH) the bytes in flight of the per-group loop; the 4
+        # groups are then decoded and fed to the MMA one at a time (the G == 1 register layout).
+        jj = tl.arange(0, 4)
+        pv_off = 132 + 12 * rows[:, None] + jj[None, :]  # [BN, 4] words 4v + j of the row's planes
+        sw_off = 4 + rows  # word holding the row's 4 scale bytes
+        if PREFETCH:
+            tw = (tile0 + k_lo) * 1668
+            lw0, lw1, lw2, lw3 = load_lut_words(w_words_ptr, tw)
+            v0 = tl.load(w_words_ptr + tw + pv_off)
+            v1 = tl.load(w_words_ptr + tw + pv_off + 4)
+            v2 = tl.load(w_words_ptr + tw + pv_off + 8)
+            swd = tl.load(w_words_ptr + tw + sw_off)
+        for t in range(k_lo, k_hi):
+            if PREFETCH:
+                w0, w1, w2, w3 = lw0, lw1, lw2, lw3
+                c0, c1, c2, cs = v0, v1, v2, swd
+                twn = (tile0 + tl.minimum(t + 1, k_hi - 1)) * 1668  # the last iteration reloads its own tile
+                lw0, lw1, lw2, lw3 = load_lut_words(w_words_ptr, twn)
+                v0 = tl.load(w_words_ptr + twn + pv_off)
+                v1 = tl.load(w_words_ptr + twn + pv_off + 4)
+                v2 = tl.load(w_words_ptr + twn + pv_off + 8)
+                swd = tl.load(w_words_ptr + twn + sw_off)
+            else:
+                tw = (tile0 + t) * 1668
+                w0, w1, w2, w3 = load_lut_words(w_words_ptr, tw)
+                c0 = tl.load(w_words_ptr + tw + pv_off)
+                c1 = tl.load(w_words_ptr + tw + pv_off + 4)
+                c2 = tl.load(w_words_ptr + tw + pv_off + 8)
+                cs = tl.load(w_words_ptr + tw + sw_off)
+            # plane word index 4v + j = 3g + b
+            q0, q1, q2, q3 = split4(c0)  # words 0-3: g0 b0,b1,b2; g1 b0
+            q4, q5, q6, q7 = split4(c1)  # words 4-7: g1 b1,b2; g2 b0,b1
+            q8, q9, q10, q11 = split4(c2)  # words 8-11: g2 b2; g3 b0,b1,b2
+            csu = cs.to(tl.uint32, bitcast=True)
+            for g in tl.static_range(4):
+                if g == 0:
+                    p0, p1, p2 = q0, q1, q2
+                elif g == 1:
+                    p0, p1, p2 = q3, q4, q5
+                elif g == 2:
+                    p0, p1, p2 = q6, q7, q8
+                else:
+                    p0, p1, p2 = q9, q10, q11
+                sc = ((csu >> (8 * g)) & 0xFF).to(tl.int32)
+                p0 = p0.to(tl.uint32, bitcast=True)[:, None]
+                p1 = p1.to(tl.uint32, bitcast=True)[:, None]
+                p2 = p2.to(tl.uint32, bitcast=True)[:, None]
+                sc = sc[:, None]
+                if DECODER == 1:
+                    w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
+                else:
+                    w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
+                step = t * 4 + g
+                if A_DEQUANTIZED:
+                    af = tl.load(a_base + step * 32, mask=valid[:, None], other=0.0)
+                else:
+                    a8 = tl.load(a_base + step * 32, mask=valid[:, None], other=0)
+                    sa = tl.load(as_base + step, mask=valid[:, None], other=0).to(tl.int32)
+                    af = a8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * pow2_e8m0_f32(sa)
+                if DOT_BF16:
+                    a_op = af.to(tl.bfloat16)
+                    w_op = w_op.to(tl.bfloat16)
+                else:
+                    a_op = af
+                    w_op = w_op.to(tl.float32)
+                if SWAP_AB:
+                    acc = tl.dot(w_op, tl.trans(a_op), acc)
+                else:
+                    acc = tl.dot(a_op, tl.trans(w_op), acc)
+    else:
+        acc = _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg, valid, k_lo, k_hi,
+                          BLOCK_N, DECODER, A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, BLOCK_M)
 
     cols = n0 + tl.arange(0, BLOCK_N)
     route64 = route.to(tl.int64)
@@ -285,4 +380,49 @@ def lut_b_moe_gemm_kernel(
             ws_off = (route64 * N)[None, :] + cols[:, None]
         else:
             ws_off = (route64 * N)[:, None] + cols[None, :]
-        tl.atomic_add(ws_ptr + ws_off, acc, mask=o_mask, sem="relaxed")
+        # deterministic split-K: each split stores its float32 partial into its own slice
+        # ws[pid_k] (no zeroing pass, no atomics); split_k_reduce_kernel sums the slices.
+        tl.store(ws_ptr + pid_k.to(tl.int64) * num_valid * N + ws_off, acc, mask=o_mask)
+
+
+@triton.jit
+def split_k_reduce_kernel(
+    ws_ptr,  # float32 [SPLIT_K, num_valid, N]
+    out_ptr,  # [num_valid, N]
+    topk_w_ptr,
+    sorted_ptr,
+    eid_ptr,
+    ntpp_ptr,
+    N,
+    num_valid,
+    stride_om,
+    ROUTE_BLOCK: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # rows per program (divides ROUTE_BLOCK)
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+):
+    """Rows of held routes only: ``out[route] = (sum_s ws[s, route] * w[route]).to(out dtype)``."""
+    SUBS: tl.constexpr = ROUTE_BLOCK // BLOCK_R
+    pid0 = tl.program_id(0)
+    blk = pid0 // SUBS
+    pid_n = tl.program_id(1)
+    ntpp = tl.load(ntpp_ptr)
+    if blk * ROUTE_BLOCK >= ntpp:
+        return
+    expert = tl.load(eid_ptr + blk)
+    if expert < 0:
+        return
+    route = tl.load(sorted_ptr + blk * ROUTE_BLOCK + (pid0 % SUBS) * BLOCK_R + tl.arange(0, BLOCK_R))
+    valid = route < num_valid
+    route64 = route.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = valid[:, None] & (cols < N)[None, :]
+    off = (route64 * N)[:, None] + cols[None, :]
+    acc = tl.load(ws_ptr + off, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + s * num_valid * N + off, mask=mask, other=0.0)
+    if MUL_WEIGHT:
+        wt = tl.load(topk_w_ptr + route, mask=valid, other=0.0)
+        acc = acc * wt[:, None]
+    tl.store(out_ptr + route64[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -134,3 +134,31 @@ def test_lut_b_moe_gemm_dequantized_a(order: str) -> None:
     lut_b_moe_gemm(a, None, w, out, None, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order, config=cfg)
     lut_b_moe_gemm_reference(q, s, w, ref, None, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order)
     assert rel_l2(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,held,dtype,split_k,prefetch,order,k", [
+    (5, 2, 3, None, torch.float32, 1, False, "decoder", 256),
+    (5, 2, 3, None, torch.float32, 3, True, "natural", 384),  # uneven split-K: 2 + 1 tiles
+    (17, 1, 4, [1, 3], torch.float16, 2, True, "decoder", 512),
+    (3, 2, 4, [0, 2], torch.float32, 2, False, "decoder", 256),
+])
+def test_lut_b_moe_gemm_tile_loop(tokens, top_k, experts, held, dtype, split_k, prefetch, order, k) -> None:  # noqa: ANN001
+    """The per-tile K loop (16-byte plane loads, 4 groups per iteration) and the store-based split-K."""
+    n = 128
+    e_local = len(held) if held is not None else experts
+    gen = torch.Generator().manual_seed(tokens * 11 + k)
+    w = random_tiles((e_local, n // 128, k // 128), k=k, generator=gen, scale_jitter=3)
+    x = torch.randn(tokens, k, generator=gen).to(dtype)
+    q, s = mt.mxfp8_quantize(x, k_order=order)
+    ids, emap, (sorted_ids, expert_ids, ntpp) = _routing(tokens, top_k, experts, held, 16, seed=tokens + 1)
+    tw = torch.rand(tokens, top_k, generator=gen)
+    out = torch.full((tokens * top_k, n), float("nan"), dtype=dtype)
+    ref = out.clone()
+    cfg = LutBGemmConfig(block_m=16, block_n=64, split_k=split_k, swap_ab=True, decoder="triton", num_stages=1,
+                         groups_per_step=1, tile_loop=True, prefetch=prefetch)
+    lut_b_moe_gemm(q, s, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order, config=cfg)
+    lut_b_moe_gemm_reference(q, s, w, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order)
+    routed = torch.ones(tokens * top_k, dtype=torch.bool) if emap is None else (emap[ids.long()] >= 0).reshape(-1)
+    assert not out[routed].isnan().any(), "a routed row was not written"
+    assert out[~routed].isnan().all(), "a row of an expert not held was touched"
+    assert rel_l2(out[routed], ref[routed]) < (1e-5 if dtype == torch.float32 else 2e-3)

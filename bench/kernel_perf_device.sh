@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# ONE device call (~7.5 min cold on an H200) for the packed-kernel performance work, from the repo root:
+#
+#   OUT=/some/dir bash bench/kernel_perf_device.sh
+#
+# Stages, each under its own timeout so one slow stage cannot eat the call (shared Triton cache):
+#   1. GPU kernel tests (test_lut_b_gemm.py, test_experts_gpu.py; -x)       <= 130 s
+#   2. breakdown: per-stage times of the packed forward, T 1/8/32          <= 70 s
+#   3. full bench: bench/kernels.py, all shapes, all T                      <= 140 s
+#   4. tune sweep: GEMM alone, decode + large T, mixtral/deepseek           <= 110 s (stops starting shapes at 75 s)
+#   5. SASS counts of the compiled packed kernels (from the Triton cache)  <= 20 s
+# Files under $OUT (8): gpu_tests.log breakdown.log breakdown.json bench.log results.json results.md tune.log tune.json
+# The short tables are printed LAST.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/kernel-perf-$(date +%Y%m%d-%H%M%S)}"
+mkdir -p "$OUT"
+WORK="$(mktemp -d)"
+export PYTHONPATH="kernels:client:server${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/lutb-triton-cache}"
+PY="${PYTHON:-python3}"
+T0=$(date +%s)
+stamp() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+
+stamp "versions"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader 2>&1 | head -2
+"$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())"
+
+stamp "1. GPU kernel tests"
+if "$PY" -c "import pytest" 2>/dev/null; then
+  timeout 130 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/kernels/test_experts_gpu.py tests/kernels/test_lut_b_gemm.py \
+    > "$OUT/gpu_tests.log" 2>&1; echo "rc=$?" >> "$OUT/gpu_tests.log"
+else
+  timeout 130 "$PY" bench/run_gpu_tests.py tests/kernels/test_experts_gpu.py tests/kernels/test_lut_b_gemm.py \
+    > "$OUT/gpu_tests.log" 2>&1; echo "rc=$?" >> "$OUT/gpu_tests.log"
+fi
+tail -4 "$OUT/gpu_tests.log"
+
+stamp "2. breakdown"
+timeout 70 "$PY" bench/kernels.py --breakdown --out "$WORK/bd" > "$OUT/breakdown.log" 2>&1; echo "rc=$?" >> "$OUT/breakdown.log"
+cp "$WORK/bd/breakdown.json" "$OUT/" 2>/dev/null
+
+stamp "3. full bench"
+timeout 140 "$PY" bench/kernels.py --out "$WORK/bench" > "$OUT/bench.log" 2>&1; echo "rc=$?" >> "$OUT/bench.log"
+cp "$WORK/bench/results.json" "$WORK/bench/results.md" "$OUT/" 2>/dev/null || cp "$WORK/bench/results.partial.json" "$OUT/results.json" 2>/dev/null
+
+stamp "4. tune sweep"
+timeout 110 "$PY" bench/kernels.py --tune-only --tune-budget 75 --out "$WORK/tune" > "$OUT/tune.log" 2>&1; echo "rc=$?" >> "$OUT/tune.log"
+cp "$WORK/tune/tune.json" "$OUT/" 2>/dev/null
+
+stamp "5. SASS counts (appended to bench.log)"
+{ echo "== SASS (bench/sass_summary.py)"; timeout 20 "$PY" bench/sass_summary.py --out "$WORK/sass" 2>&1 | tail -30; } >> "$OUT/bench.log"
+tail -31 "$OUT/bench.log" | head -30
+
+stamp "done; summary"
+echo
+echo "================ GPU tests";   grep -E "passed|failed|error|rc=" "$OUT/gpu_tests.log" | tail -4
+echo "================ breakdown";   sed -n '/^breakdown:/,$p' "$OUT/breakdown.log" | head -40; grep -E "Error|rc=" "$OUT/breakdown.log" | tail -3
+echo "================ tune";        sed -n '/^tune:/,$p' "$OUT/tune.log" | head -40; grep -E "^\[tune\] budget|Error|rc=" "$OUT/tune.log" | tail -4
+echo "================ bench (targets vs HBM READ bandwidth)"
+if grep -q "^wrote " "$OUT/bench.log"; then sed -n '/^wrote /,/^== SASS/p' "$OUT/bench.log" | grep -v "^== SASS"; else tail -25 "$OUT/bench.log"; fi
+stamp "end"
