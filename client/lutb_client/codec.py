@@ -27,6 +27,7 @@ TORCH_TO_PROTO: dict[torch.dtype, int] = {
     torch.float8_e4m3fn: pb.FLOAT8_E4M3FN,
 }
 PROTO_TO_TORCH: dict[int, torch.dtype] = {v: k for k, v in TORCH_TO_PROTO.items()}
+_ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in TORCH_TO_PROTO}
 
 
 class CodecError(ValueError):
@@ -69,12 +70,15 @@ def encode_tensor(tensor: torch.Tensor, out: pb.Tensor | None = None) -> pb.Tens
         out: a message to fill in place (e.g. ``response.output``); a new one if None.
     """
     proto_dtype = to_proto_dtype(tensor.dtype)
-    cpu = tensor.detach().to("cpu").contiguous()
+    cpu = tensor if tensor.device.type == "cpu" and not tensor.requires_grad else tensor.detach().to("cpu")
+    if not cpu.is_contiguous():
+        cpu = cpu.contiguous()
     msg = pb.Tensor() if out is None else out
     msg.dtype = proto_dtype
     del msg.shape[:]
     msg.shape.extend(cpu.shape)
-    msg.data = cpu.reshape(-1).view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
+    # One copy: the tensor's bytes straight into the message (few torch calls: this runs per request on the server).
+    msg.data = cpu.view(-1).view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
     return msg
 
 
@@ -97,28 +101,27 @@ def decode_tensor(
         CodecError: naming ``name``: unknown or refused dtype, wrong rank, negative
             dimension, or a data length that does not match shape and dtype.
     """
-    allowed = tuple(dtypes) if dtypes is not None else tuple(PROTO_TO_TORCH.values())
     dtype = PROTO_TO_TORCH.get(msg.dtype)
-    if dtype is None or dtype not in allowed:
+    if dtype is None or (dtypes is not None and dtype not in dtypes):
+        allowed = tuple(dtypes) if dtypes is not None else tuple(PROTO_TO_TORCH.values())
         wanted = ", ".join(dtype_name(d) for d in allowed)
         raise CodecError(f"{name}: dtype {dtype_name(msg.dtype)} not allowed; expected {wanted}")
-    shape = tuple(int(s) for s in msg.shape)
+    shape = tuple(msg.shape)
     if ndim is not None and len(shape) != ndim:
         raise CodecError(f"{name}: needs {ndim} dimensions, got shape {list(shape)}")
-    if any(s < 0 for s in shape):
-        raise CodecError(f"{name}: negative dimension in shape {list(shape)}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
     numel = 1
     for s in shape:
+        if s < 0:
+            raise CodecError(f"{name}: negative dimension in shape {list(shape)}")
         numel *= s
-    if len(msg.data) != numel * itemsize:
+    data = msg.data  # one Python bytes object per access: read it once
+    if len(data) != numel * _ITEMSIZE[dtype]:
         raise CodecError(
-            f"{name}: data holds {len(msg.data)} bytes, but shape {list(shape)} of {dtype_name(dtype)} needs {numel * itemsize}"
+            f"{name}: data holds {len(data)} bytes, but shape {list(shape)} of {dtype_name(dtype)} needs {numel * _ITEMSIZE[dtype]}"
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)
-    return raw.view(dtype).reshape(shape)
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
 
 
 __all__ = [

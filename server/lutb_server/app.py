@@ -222,13 +222,21 @@ class ExpertServer:
         await self._stopped.wait()
 
 
-async def serve(settings: ServerSettings, *, on_ready: Callable[[ExpertServer], None] | None = None) -> int:
-    """Run a server until SIGTERM or SIGINT, then drain within ``settings.shutdown_grace_s``; returns 0."""
+async def serve(
+    settings: ServerSettings,
+    *,
+    on_ready: Callable[[ExpertServer], None] | None = None,
+    engine_loader: Callable[[], ExpertEngine] | None = None,
+) -> int:
+    """Run a server until SIGTERM or SIGINT, then drain within ``settings.shutdown_grace_s``; returns 0.
+
+    ``engine_loader`` is passed to :class:`ExpertServer` (benchmarks serve fake backends with it).
+    """
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
-    server = ExpertServer(settings)
+    server = ExpertServer(settings, engine_loader=engine_loader)
     starting = asyncio.create_task(server.start())
     stop_wait = asyncio.create_task(stop_requested.wait())
     done, _ = await asyncio.wait({starting, stop_wait}, return_when=asyncio.FIRST_COMPLETED)

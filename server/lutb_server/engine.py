@@ -8,6 +8,7 @@ and runs experts calls (:meth:`ExpertEngine.forward`). Pooling is the scheduler'
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,20 @@ log = logging.getLogger(__name__)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ID_DTYPES = (torch.int32, torch.int64)
 OUTPUT_MODES: tuple[OutputMode, ...] = ("combined", "route_major")
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in ``t`` (a float tensor).
+
+    One ``aminmax`` pass (NaN propagates to both results, an Inf shows as the min or the
+    max): on the CPU it is 5-20x cheaper than ``isfinite(t).all()``, which materialises a
+    bool tensor (and for bfloat16 converts element by element): ~100 us for a 16 x 2048
+    bfloat16 request, paid on the event loop by every request.
+    """
+    if not t.numel():
+        return True
+    low, high = t.aminmax()
+    return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
 @dataclass(frozen=True)
@@ -144,13 +159,13 @@ class ExpertEngine:
             raise InvalidArgument(
                 f"hidden_scales: shape {list(scales.shape)} does not match [T, H/{BLOCK}] = [{tokens}, {hidden // BLOCK}] (hidden_states {list(q.shape)})"
             )
-        if scales.numel():
+        if scales.numel() and int(scales.max()) == 255:  # one cheap pass; locate the culprit only when there is one
             bad = (scales == 255).nonzero()
             if bad.numel():
                 row, block = (int(v) for v in bad[0])
                 raise InvalidArgument(f"hidden_scales: {bad.shape[0]} scale byte(s) are 255 (E8M0 NaN), first at row {row}, block {block}")
         x = mxfp8_dequantize(q, scales, self.model_dtype)
-        if q.numel() and not bool(torch.isfinite(x).all()):
+        if not _all_finite(x):
             count = int((~torch.isfinite(x)).sum())
             raise InvalidArgument(
                 f"hidden_states: {count} MXFP8 value(s) are NaN or overflow {self.model_dtype} when dequantized (hidden_scales too large?)"
@@ -203,19 +218,20 @@ class ExpertEngine:
             raise InvalidArgument(f"apply_router_weight_on_input: needs top-k == 1, got k = {ids.shape[1]} (topk_ids)")
         num_experts = self.config.num_experts
         if ids.numel():
-            low, high = int(ids.min()), int(ids.max())
+            low, high = (int(v) for v in ids.aminmax())
             if low < 0 or high >= num_experts:
                 bad = low if low < 0 else high
                 raise InvalidArgument(f"topk_ids: expert id {bad} outside the global range [0, {num_experts})")
-        if not bool(torch.isfinite(w).all()):
+        if not _all_finite(w):
             raise InvalidArgument("topk_weights: holds NaN or Inf")
-        converted = x.to(self.model_dtype)
-        if not bool(torch.isfinite(converted).all()):
+        converted = x if x.dtype == self.model_dtype else x.to(self.model_dtype)
+        if not _all_finite(converted):
             count = int((~torch.isfinite(converted)).sum())
             after = f" after rounding {x.dtype} to {self.model_dtype}" if x.dtype != self.model_dtype else ""
             raise InvalidArgument(f"hidden_states: holds {count} NaN or Inf value(s){after}")
         return PreparedRequest(
-            layer, converted, ids.to(torch.int32), w, bool(apply_router_weight_on_input), output_mode  # type: ignore[arg-type]
+            layer, converted, ids if ids.dtype == torch.int32 else ids.to(torch.int32), w,
+            bool(apply_router_weight_on_input), output_mode,  # type: ignore[arg-type]
         )
 
     def forward(

@@ -13,7 +13,6 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import grpc
@@ -73,11 +72,48 @@ def wrap_handler(handler: grpc.RpcMethodHandler, around: Around) -> grpc.RpcMeth
     return make(writer, **kw)
 
 
+class _Wrapped:
+    """Wrapped handlers, built once per method (interceptors run for every call; building is not free)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def get(self, method: str, handler: grpc.RpcMethodHandler, build: Callable[[], grpc.RpcMethodHandler]) -> grpc.RpcMethodHandler:
+        hit = self._cache.get(method)
+        if hit is not None and hit[0] is handler:
+            return hit[1]
+        wrapped = build()
+        self._cache[method] = (handler, wrapped)
+        return wrapped
+
+
+class _Observe:
+    """``async with``: one call's in-flight gauge, latency and status count (a plain class: cheaper than a generator)."""
+
+    __slots__ = ("_children", "_requests", "_context", "_start")
+
+    def __init__(self, children: tuple[Any, Any, Callable[[str], Any]], context: Any) -> None:
+        self._children = children
+        self._context = context
+        self._start = 0.0
+
+    async def __aenter__(self) -> None:
+        self._children[0].inc()
+        self._start = time.perf_counter()
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        in_flight, duration, requests = self._children
+        in_flight.dec()
+        duration.observe(time.perf_counter() - self._start)
+        requests(status_of(self._context, exc).name).inc()
+
+
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
     """Request count by status, latency and in-flight gauge of every registered method."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
+        self._wrapped = _Wrapped()
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[grpc.RpcMethodHandler]], handler_call_details: Any
@@ -85,26 +121,21 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        service, method = split_method(handler_call_details.method)
+        return self._wrapped.get(handler_call_details.method, handler, lambda: self._wrap(handler_call_details.method, handler))
+
+    def _wrap(self, full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        service, method = split_method(full_method)
         metrics = self._metrics
+        by_code: dict[str, Any] = {}
 
-        @asynccontextmanager
-        async def observe(context: Any) -> AsyncIterator[None]:
-            in_flight = metrics.grpc_in_flight.labels(service, method)
-            in_flight.inc()
-            start = time.perf_counter()
-            exc: BaseException | None = None
-            try:
-                yield
-            except BaseException as err:
-                exc = err
-                raise
-            finally:
-                in_flight.dec()
-                metrics.grpc_duration.labels(service, method).observe(time.perf_counter() - start)
-                metrics.grpc_requests.labels(service, method, status_of(context, exc).name).inc()
+        def requests(code: str) -> Any:
+            child = by_code.get(code)
+            if child is None:
+                child = by_code[code] = metrics.grpc_requests.labels(service, method, code)
+            return child
 
-        return wrap_handler(handler, observe)
+        children = (metrics.grpc_in_flight.labels(service, method), metrics.grpc_duration.labels(service, method), requests)
+        return wrap_handler(handler, lambda context: _Observe(children, context))
 
 
 class Gate:
@@ -144,28 +175,41 @@ class GateInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, gate: Gate, gated_services: tuple[str, ...]) -> None:
         self._gate = gate
         self._gated = gated_services
+        self._wrapped = _Wrapped()
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[grpc.RpcMethodHandler]], handler_call_details: Any
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        service, _ = split_method(handler_call_details.method)
-        if handler is None or service not in self._gated:
+        if handler is None:
             return handler
+        service, _ = split_method(handler_call_details.method)
+        if service not in self._gated:
+            return handler
+        return self._wrapped.get(handler_call_details.method, handler, lambda: wrap_handler(handler, self._admit))
+
+    def _admit(self, context: Any) -> _Admit:
+        return _Admit(self._gate, context)
+
+
+class _Admit:
+    """``async with``: UNAVAILABLE unless the gate is open; the call counts as in flight inside."""
+
+    __slots__ = ("_gate", "_context")
+
+    def __init__(self, gate: Gate, context: Any) -> None:
+        self._gate = gate
+        self._context = context
+
+    async def __aenter__(self) -> None:
         gate = self._gate
+        if not gate.open:
+            why = "is still loading its checkpoint" if gate.state == "loading" else "is shutting down"
+            await self._context.abort(grpc.StatusCode.UNAVAILABLE, f"server {why}; retry (on another replica)")
+        gate.enter()
 
-        @asynccontextmanager
-        async def admit(context: Any) -> AsyncIterator[None]:
-            if not gate.open:
-                why = "is still loading its checkpoint" if gate.state == "loading" else "is shutting down"
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"server {why}; retry (on another replica)")
-            gate.enter()
-            try:
-                yield
-            finally:
-                gate.leave()
-
-        return wrap_handler(handler, admit)
+    async def __aexit__(self, *exc: object) -> None:
+        self._gate.leave()
 
 
 __all__ = ["Gate", "GateInterceptor", "MetricsInterceptor", "split_method", "status_of", "wrap_handler"]

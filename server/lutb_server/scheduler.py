@@ -1,14 +1,21 @@
 """The batching scheduler: pools concurrent requests into experts calls run off the event loop.
 
 Requests arrive validated (:class:`~lutb_server.engine.PreparedRequest`). The
-dispatcher takes the oldest waiting request, waits up to ``max_wait_us`` (from that
-request's arrival) for more, then pools every waiting request with the same
-:attr:`~lutb_server.engine.PreparedRequest.pool_key` (layer, top-k, weighting,
-output mode), oldest first, up to ``max_batch_tokens`` (a larger request runs
-alone), concatenates them along the token axis into one ``engine.forward`` call on
-the compute worker's thread (:class:`~lutb_server.worker.ComputeWorker`: staging buffers,
-device copies, CUDA graphs), and splits the output back. While that call runs, new
-requests queue up and form the next batch (continuous batching).
+dispatcher keeps one batch in flight on the compute worker
+(:class:`~lutb_server.worker.ComputeWorker`: staging buffers, device copies, CUDA
+graphs) and takes the next one the moment the worker is free (continuous batching):
+every waiting request with the oldest one's
+:attr:`~lutb_server.engine.PreparedRequest.pool_key` (layer, top-k, weighting, output
+mode), oldest first, up to ``max_batch_tokens`` (a larger request runs alone),
+concatenated along the token axis into one experts call, the output split back. While
+a call runs, new requests queue up and form the next batch, which goes to the worker
+before the finished batch's results are handed out.
+
+``max_wait_us`` (default 0): when the worker is idle, how long the oldest request may
+wait for company (from its arrival; cut short once a full batch is queued). Under load
+the worker is busy and requests pool while they wait for it anyway, so a wait only adds
+latency to lone requests; it can help bursty open-loop traffic whose requests arrive
+microseconds apart.
 
 Isolation: every request was validated before it was queued; should a pooled call
 fail anyway, each of its requests is rerun alone so that only the culprit fails.
@@ -24,7 +31,8 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from concurrent.futures import Future
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -32,7 +40,7 @@ from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
 from lutb_server.errors import DeadlineExpired, QueueFull, Unavailable
 from lutb_server.metrics import ServerMetrics
-from lutb_server.worker import ComputeWorker
+from lutb_server.worker import BatchOutput, ComputeWorker
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +65,14 @@ class ForwardResult:
     batch_requests: int
 
 
+class _LayerMetrics(NamedTuple):
+    queue_wait: Any
+    compute: Any
+    batch_tokens: Any
+    batch_requests: Any
+    tokens: Any
+
+
 @dataclass(eq=False)
 class _Item:
     request: PreparedRequest
@@ -71,7 +87,7 @@ class BatchScheduler:
     Args:
         engine: runs one (pooled) experts call, blocking.
         max_batch_tokens: most tokens per pooled call.
-        max_wait_us: how long the oldest request waits for company.
+        max_wait_us: how long the oldest request waits for company when the worker is idle (0: never).
         max_queue_requests: most requests waiting (not yet in a batch).
         metrics: where to record queue wait, compute, batch sizes; none if None.
         backend_name: the ``backend`` label of those metrics.
@@ -83,7 +99,7 @@ class BatchScheduler:
         engine: ForwardEngine,
         *,
         max_batch_tokens: int = 8192,
-        max_wait_us: int = 500,
+        max_wait_us: int = 0,
         max_queue_requests: int = 1024,
         metrics: ServerMetrics | None = None,
         backend_name: str = "",
@@ -100,6 +116,7 @@ class BatchScheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._by_layer: dict[int, _LayerMetrics] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -162,15 +179,55 @@ class BatchScheduler:
     # -- dispatcher ------------------------------------------------------------------------
 
     async def _dispatch_forever(self) -> None:
+        # One batch in flight: the next one is taken when the worker becomes free, so everything
+        # that arrived meanwhile pools into it. It is handed to the worker *before* the finished
+        # batch's results are delivered (futures, metrics: a few us per request, ~0.5 ms for 64),
+        # so the device does not sit idle during that bookkeeping.
+        running: tuple[list[_Item], float, Future[BatchOutput]] | None = None
         while True:
+            batch: list[_Item] = []
             try:
-                batch = await self._next_batch()
-                if batch:
-                    await self._execute(batch)
+                if running is None:
+                    batch = await self._next_batch()
+                    if not batch:
+                        continue
+                    running = (batch, time.monotonic(), self.worker.submit([i.request for i in batch]))
+                batch, started, job = running
+                try:
+                    outputs, compute_s = await asyncio.wrap_future(job)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    running = None
+                    await self._rerun_alone(batch, started, exc)
+                    continue
+                running = self._submit_next() if self._ready_now() else None
+                self._complete(batch, started, outputs, compute_s)
             except asyncio.CancelledError:
+                if running is not None:  # closing: the computed results are not awaited any more
+                    for item in running[0]:
+                        _fail(item, Unavailable("server is shutting down; request not answered"))
                 raise
             except Exception:  # pragma: no cover - a scheduler bug must not stop serving
                 log.exception("scheduler dispatch failed")
+                for item in batch:
+                    _fail(item, RuntimeError("scheduler dispatch failed"))
+                if running is not None and running[0] is batch:
+                    running = None  # else it is the next batch, already on the worker: await it
+
+    def _ready_now(self) -> bool:
+        """Take the next batch right away? Yes if anything is queued and needs no pooling wait (see :meth:`_next_batch`)."""
+        if not self._pending:
+            return False
+        head = self._pending[0]
+        return head.enqueued + self.max_wait_s <= time.monotonic() or self._pooled_tokens(head) >= self.max_batch_tokens
+
+    def _submit_next(self) -> tuple[list[_Item], float, Future[BatchOutput]] | None:
+        self._drop_dead()
+        batch = self._take_batch()
+        if not batch:
+            return None
+        return batch, time.monotonic(), self.worker.submit([i.request for i in batch])
 
     async def _next_batch(self) -> list[_Item]:
         while not self._pending:
@@ -232,40 +289,50 @@ class BatchScheduler:
         self._set_depth()
         return batch
 
-    async def _execute(self, batch: list[_Item]) -> None:
-        started = time.monotonic()
-        tokens = sum(item.request.tokens for item in batch)
-        layer = str(batch[0].request.layer)
-        try:
-            outputs, compute_s = await asyncio.wrap_future(self.worker.submit([i.request for i in batch]))
-        except Exception as exc:
-            if len(batch) == 1:
-                _fail(batch[0], exc)
-                return
-            log.warning("pooled call of %d requests failed (%s); rerunning each alone", len(batch), exc)
-            for item in batch:
-                if item.future.done():
-                    continue
-                try:
-                    (output,), compute_s = await asyncio.wrap_future(self.worker.submit([item.request]))
-                except Exception as single_exc:
-                    _fail(item, single_exc)
-                else:
-                    self._finish(item, output, started, compute_s, item.request.tokens, 1)
+    async def _rerun_alone(self, batch: list[_Item], started: float, exc: Exception) -> None:
+        """A batch failed: fail a lone request; rerun each of a pooled batch alone so only the culprit fails."""
+        if len(batch) == 1:
+            _fail(batch[0], exc)
             return
+        log.warning("pooled call of %d requests failed (%s); rerunning each alone", len(batch), exc)
+        for item in batch:
+            if item.future.done():
+                continue
+            try:
+                (output,), compute_s = await asyncio.wrap_future(self.worker.submit([item.request]))
+            except Exception as single_exc:
+                _fail(item, single_exc)
+            else:
+                self._finish(item, output, started, compute_s, item.request.tokens, 1)
+
+    def _complete(self, batch: list[_Item], started: float, outputs: list[torch.Tensor], compute_s: float) -> None:
+        tokens = sum(item.request.tokens for item in batch)
         for item, output in zip(batch, outputs):
             self._finish(item, output, started, compute_s, tokens, len(batch))
         if self._metrics is not None:
-            m, labels = self._metrics, (self._backend, layer)
-            m.compute.labels(*labels).observe(compute_s)
-            m.batch_tokens.labels(*labels).observe(tokens)
-            m.batch_requests.labels(*labels).observe(len(batch))
-            m.tokens.labels(*labels).inc(tokens)
+            m = self._layer_metrics(batch[0].request.layer)
+            m.compute.observe(compute_s)
+            m.batch_tokens.observe(tokens)
+            m.batch_requests.observe(len(batch))
+            m.tokens.inc(tokens)
+
+    def _layer_metrics(self, layer: int) -> _LayerMetrics:
+        """The metrics' children labelled (backend, layer), looked up once per layer (``labels()`` costs a lock and a dict)."""
+        m = self._by_layer.get(layer)
+        if m is None:
+            assert self._metrics is not None
+            labels = (self._backend, str(layer))
+            metrics = self._metrics
+            m = self._by_layer[layer] = _LayerMetrics(
+                metrics.queue_wait.labels(*labels), metrics.compute.labels(*labels), metrics.batch_tokens.labels(*labels),
+                metrics.batch_requests.labels(*labels), metrics.tokens.labels(*labels),
+            )
+        return m
 
     def _finish(self, item: _Item, output: torch.Tensor, started: float, compute_s: float, tokens: int, requests: int) -> None:
         queue_s = started - item.enqueued
         if self._metrics is not None:
-            self._metrics.queue_wait.labels(self._backend, str(item.request.layer)).observe(queue_s)
+            self._layer_metrics(item.request.layer).queue_wait.observe(queue_s)
         if not item.future.done():
             item.future.set_result(ForwardResult(output, queue_s, compute_s, tokens, requests))
 

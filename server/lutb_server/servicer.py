@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import torch
@@ -79,6 +80,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         accepting: Callable[[], bool] = lambda: True,
     ) -> None:
         self._metrics = metrics
+        self._counters: dict[tuple[str, grpc.StatusCode], Any] = {}
         self._accepting = accepting
         self._engine: ExpertEngine | None = None
         self._scheduler: BatchScheduler | None = None
@@ -198,7 +200,10 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     def _count(self, rpc: str, code: grpc.StatusCode) -> None:
         if self._metrics is not None:
-            self._metrics.forward_requests.labels(rpc, code.name).inc()
+            child = self._counters.get((rpc, code))
+            if child is None:  # labels() takes a lock and builds a key: once per (rpc, code), not per request
+                child = self._counters[(rpc, code)] = self._metrics.forward_requests.labels(rpc, code.name)
+            child.inc()
 
 
 __all__ = ["STREAM_WINDOW", "ExpertServicer", "build_model_info"]

@@ -47,7 +47,8 @@ class ServerSettings(BaseSettings):
         8192, ge=1, description="most tokens pooled into one experts call (a larger single request runs alone)"
     )
     max_wait_us: int = Field(
-        500, ge=0, description="how long a batch waits for more requests to pool, in microseconds (0: never wait)"
+        0, ge=0, description="how long the oldest request waits for company when the worker is idle, in microseconds "
+        "(0: never; under load requests pool while the worker is busy anyway)"
     )
     max_queue_requests: int = Field(
         1024, ge=1, description="requests waiting in the scheduler before new ones get RESOURCE_EXHAUSTED"

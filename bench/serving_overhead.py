@@ -1,0 +1,383 @@
+#!/usr/bin/env python
+"""Serving overhead on the CPU: the real server around a fake backend that only sleeps.
+
+``bench/serving.py`` needs a GPU to say anything about the server's own cost; this script
+isolates that cost anywhere. The server (``ExpertServer``: servicer, interceptors, metrics,
+scheduler, compute worker) runs in its own process on a checkpoint whose layer is served by
+:class:`SleepExperts`: ``forward`` sleeps ``base_us + per_token_us * T`` (``time.sleep``
+releases the GIL, as a wait on the GPU does) and returns zeros of the right shape. The
+default sleep (350 us + 4 us/token) is about what the packed backend takes for one qwen3
+layer on an H200 (``bench/results/2026-12-02-serving-h200.md``, in-process column).
+
+Closed-loop callers (unary ``Forward``, bytes in and out, no client-side decoding beyond
+``timing``) run in ``--load-procs`` other processes at each concurrency and tokens per
+request; a bare grpc.aio echo server answering the same sizes gives the transport floor.
+Per cell it prints:
+
+- p50/p99 latency, tokens/s, median and mean batch tokens formed (``timing.batch_tokens``);
+- ``compute``: median ``timing.compute_us`` (the worker's time for the request's batch,
+  the sleep's own overshoot included);
+- ``overhead``: median(latency - compute_us) - echo p50: what the server adds per request
+  beyond compute and bare gRPC (the issue's C=1 target is overhead <= 150 us);
+- ``handler``: median ``timing.total_us - compute_us - queue_us`` (decode, validate, encode,
+  the hops to the worker and back);
+- ``server CPU us/req``: CPU time of the server process per answered request, from
+  ``/proc`` (per thread in the JSON/log: ``main`` is the event loop) -- robust on a busy machine;
+- ``ideal tok/s``: back-to-back batches of the formed size (``T_b / sleep(T_b)``) and the
+  ratio (the C=64 target is >= 80%).
+
+    python bench/serving_overhead.py                                  # C=1,8,64 x T=1,16, ~1 min
+    python bench/serving_overhead.py --concurrency 1,64 --tokens 16 --profile --out /tmp/ovh
+
+The numbers depend on the machine's free cores: server, echo server and load generators
+share them (say so when recording results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import serving as _serving  # noqa: E402 - the sibling benchmark's helpers (echo server, ports, percentiles)
+
+FORWARD_METHOD = _serving.FORWARD_METHOD
+ECHO_METHOD = _serving.ECHO_METHOD
+
+
+# ----------------------------------------------------------------------------- the fake backend (server process)
+
+
+def _sleep_experts_class(base_us: float, per_token_us: float) -> type:
+    import torch
+
+    from lutb_kernels.experts.base import LayerExperts, Support
+
+    class SleepExperts(LayerExperts):
+        """Sleeps like a GPU call (GIL released) and returns zeros of the right shape and dtype."""
+
+        name: ClassVar[str] = "sleep"
+
+        @classmethod
+        def supports(cls, config: Any, device: Any) -> Support:
+            return Support(True, "fake backend for overhead measurements")
+
+        def forward(self, x, topk_ids, topk_weights, *, apply_router_weight_on_input=False, output_mode="combined"):
+            tokens = int(x.shape[0])
+            time.sleep((base_us + per_token_us * tokens) / 1e6)
+            shape = (tokens, x.shape[1]) if output_mode == "combined" else (tokens, topk_ids.shape[1], x.shape[1])
+            return torch.zeros(shape, dtype=x.dtype)
+
+        @property
+        def weight_bytes(self) -> int:
+            return 0
+
+    return SleepExperts
+
+
+def _child_serve(config: dict[str, Any]) -> None:
+    import logging
+
+    import torch
+
+    from lutb_kernels.checkpoint import Checkpoint
+    from lutb_server.app import serve
+    from lutb_server.backends import BackendChoice
+    from lutb_server.engine import ExpertEngine
+    from lutb_server.settings import ServerSettings
+
+    logging.basicConfig(level=logging.INFO, format="[server] %(asctime)s %(name)s %(message)s")
+    cls = _sleep_experts_class(config.pop("_base_us"), config.pop("_per_token_us"))
+    checkpoint = Checkpoint(config["checkpoint"])
+    choice = BackendChoice("sleep", cls, torch.device("cpu"), "fake backend (bench/serving_overhead.py)")
+    settings = ServerSettings(**config)
+
+    def loader() -> ExpertEngine:
+        return ExpertEngine(checkpoint, choice, max_tokens_per_request=settings.max_tokens_per_request, validate_tiles=False)
+
+    asyncio.run(serve(settings, engine_loader=loader))
+
+
+# ----------------------------------------------------------------------------- load generator (other processes)
+
+
+async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
+    import grpc
+
+    from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+
+    options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
+    async with grpc.aio.insecure_channel(spec["target"], options=options) as channel:
+        await asyncio.wait_for(channel.channel_ready(), 60)
+        call = channel.unary_unary(ECHO_METHOD if spec["kind"] == "echo" else FORWARD_METHOD)
+        payloads: list[bytes] = spec["payloads"]
+        rows: list[tuple[float, int, int, int, int]] = []  # latency s, batch tokens, compute us, queue us, total us
+        errors: list[str] = []
+        sizes = {"request": len(payloads[0]), "response": 0}
+        answered = [0]
+        t_start = time.perf_counter() + spec["warmup_s"]
+        t_end = t_start + spec["duration_s"]
+
+        async def caller(index: int) -> None:
+            i = index
+            while time.perf_counter() < t_end:
+                payload = payloads[i % len(payloads)]
+                i += 1
+                t0 = time.perf_counter()
+                try:
+                    raw = await call(payload, timeout=60)
+                except grpc.RpcError as err:
+                    errors.append(f"{err.code().name}: {err.details()}")
+                    if len(errors) > 20:
+                        return
+                    continue
+                t1 = time.perf_counter()
+                answered[0] += 1
+                sizes["response"] = len(raw)
+                if t0 >= t_start and t1 <= t_end:
+                    if spec["kind"] == "expert":
+                        timing = pb.ForwardResponse.FromString(raw).timing
+                        rows.append((t1 - t0, timing.batch_tokens, timing.compute_us, timing.queue_us, timing.total_us))
+                    else:
+                        rows.append((t1 - t0, 0, 0, 0, 0))
+
+        await asyncio.gather(*(caller(spec["first_index"] + j) for j in range(spec["concurrency"])))
+    return {"rows": rows, "errors": errors[:5], "sizes": sizes, "answered": answered[0]}
+
+
+def _load_worker(conn: Any) -> None:
+    while True:
+        spec = conn.recv()
+        if spec is None:
+            return
+        try:
+            conn.send(asyncio.run(_run_load(spec)))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            conn.send({"fatal": f"{type(exc).__name__}: {exc}"})
+
+
+class LoadPool:
+    def __init__(self, procs: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.workers = []
+        for _ in range(procs):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_load_worker, args=(child,), daemon=True)
+            proc.start()
+            self.workers.append((proc, parent))
+
+    def run(self, kind: str, target: str, payloads: list[bytes], concurrency: int, warmup_s: float,
+            duration_s: float) -> dict[str, Any]:
+        procs = min(len(self.workers), concurrency)
+        shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
+        first = 0
+        for (_, conn), share in zip(self.workers, shares):
+            conn.send({"kind": kind, "target": target, "payloads": payloads, "concurrency": share, "first_index": first,
+                       "warmup_s": warmup_s, "duration_s": duration_s})
+            first += share
+        parts = [conn.recv() for (_, conn), _ in zip(self.workers, shares)]
+        fatal = [p["fatal"] for p in parts if "fatal" in p]
+        if fatal:
+            raise RuntimeError(f"load generator failed: {fatal[0]}")
+        return {"rows": [r for p in parts for r in p["rows"]], "answered": sum(p["answered"] for p in parts), "errors": [e for p in parts for e in p["errors"]][:5],
+                "request_bytes": parts[0]["sizes"]["request"], "response_bytes": max(p["sizes"]["response"] for p in parts)}
+
+    def close(self) -> None:
+        for _, conn in self.workers:
+            try:
+                conn.send(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for proc, _ in self.workers:
+            proc.join(10)
+            if proc.is_alive():
+                proc.terminate()
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _make_checkpoint(root: Path, hidden: int, experts: int) -> Path:
+    from lutb_server.testing import make_tiny_checkpoint
+
+    path = root / f"overhead-h{hidden}-e{experts}"
+    if not any(path.glob("*.safetensors")):
+        make_tiny_checkpoint(path, layers=(0,), num_experts=experts, hidden=hidden, intermediate=128)
+    return path
+
+
+def _payloads(hidden: int, experts: int, top_k: int, tokens: int) -> list[bytes]:
+    import torch
+
+    from lutb_client.client import build_request
+
+    gen = torch.Generator().manual_seed(tokens)
+    out = []
+    for i in range(8):
+        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+        ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
+        w = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=1)
+        out.append(build_request(0, x, ids, w, request_id=i + 1).SerializeToString())
+    return out
+
+
+def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    log = open(log_path, "ab")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", *args], stdout=log, stderr=subprocess.STDOUT)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all threads) so far; NaN where /proc is missing."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds so far per thread name of process ``pid`` (``main``: the event loop; threads of one name summed)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def _median(values: list[float]) -> float:
+    return _serving._pct(values, 0.5)
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    out: Path = args.out
+    ckpt = _make_checkpoint(out / "checkpoints", args.hidden, args.experts)
+    port, echo_port = _serving._free_port(), _serving._free_port()
+    config = {"checkpoint": str(ckpt), "backend": "reference", "device": "cpu", "host": "127.0.0.1", "port": port,
+              "metrics_port": 0, "validate_checkpoint": False, "max_wait_us": args.max_wait_us,
+              "max_batch_tokens": args.max_batch_tokens, "max_queue_requests": 4096, "shutdown_grace_s": 2,
+              "cuda_graph_max_tokens": 0, "_base_us": args.base_us, "_per_token_us": args.per_token_us}
+    server = _spawn(["serve", json.dumps(config)], out / "server.log")
+    echo = subprocess.Popen([sys.executable, _serving.__file__, "--child", "echo", str(echo_port)],
+                            stdout=open(out / "echo.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    pool = LoadPool(max(1, min(args.load_procs, max(args.concurrency))))
+    profiler = None
+    rows: list[dict[str, Any]] = []
+    try:
+        _serving._wait_port(echo_port)
+        _serving._wait_serving(f"127.0.0.1:{port}", server, 120)
+        if args.profile:
+            profiler = _serving.Profiler(out, "overhead")
+            if not profiler.py_spy:
+                print("[overhead] --profile needs py-spy on PATH; not profiling", flush=True)
+            profiler.attach(server.pid)
+        sleep_us = lambda t: args.base_us + args.per_token_us * t  # noqa: E731
+        for tokens in args.tokens:
+            payloads = _payloads(args.hidden, args.experts, args.top_k, tokens)
+            for c in args.concurrency:
+                cpu0, threads0 = _cpu_s(server.pid), _thread_cpu_s(server.pid)
+                res = pool.run("expert", f"127.0.0.1:{port}", payloads, c, args.warmup_s, args.duration_s)
+                cpu = _cpu_s(server.pid) - cpu0  # warm-up included: divided by all requests answered meanwhile
+                threads = {k: v - threads0.get(k, 0.0) for k, v in _thread_cpu_s(server.pid).items()}
+                echo_res = pool.run("echo", f"127.0.0.1:{echo_port}",
+                                    _serving.echo_payloads(res["request_bytes"], res["response_bytes"]), c,
+                                    args.warmup_s / 2, args.duration_s)
+                lat = [r[0] * 1e6 for r in res["rows"]]
+                batch = [float(r[1]) for r in res["rows"]]
+                overhead = [r[0] * 1e6 - r[2] for r in res["rows"]]
+                handler = [float(r[4] - r[2] - r[3]) for r in res["rows"]]
+                echo_p50 = _median([r[0] * 1e6 for r in echo_res["rows"]])
+                formed = _median(batch) if batch else float(tokens)
+                ideal = formed / (sleep_us(formed) / 1e6)
+                row = {"concurrency": c, "tokens": tokens, "requests": len(lat), "p50_us": _median(lat),
+                       "p99_us": _serving._pct(lat, 0.99), "tokens_per_s": len(lat) * tokens / args.duration_s,
+                       "batch_tokens_p50": formed, "batch_tokens_mean": sum(batch) / max(1, len(batch)),
+                       "sleep_us": sleep_us(formed), "echo_p50_us": echo_p50,
+                       "overhead_us": _median(overhead) - echo_p50, "handler_us": _median(handler),
+                       "compute_us_p50": _median([float(r[2]) for r in res["rows"]]),
+                       "cpu_us_per_request": cpu * 1e6 / max(1, res["answered"]),
+                       "thread_cpu_us_per_request": {k: round(v * 1e6 / max(1, res["answered"])) for k, v in threads.items() if v > 0},
+                       "ideal_tokens_per_s": ideal, "errors": res["errors"]}
+                row["ratio"] = row["tokens_per_s"] / ideal
+                rows.append(row)
+                print(f"[overhead] C={c} T={tokens}: p50 {row['p50_us']:.0f} us, {row['tokens_per_s']:.0f} tok/s "
+                      f"({row['ratio']:.0%} of ideal), batch p50 {formed:.0f} mean {row['batch_tokens_mean']:.1f}, "
+                      f"overhead {row['overhead_us']:.0f} us, server CPU {row['cpu_us_per_request']:.0f} us/request "
+                      f"{row['thread_cpu_us_per_request']}" + (f", errors {res['errors']}" if res["errors"] else ""),
+                      flush=True)
+    finally:
+        if profiler is not None and profiler.py_spy and server.poll() is None:
+            print(f"[overhead] profile: {profiler.detach()}", flush=True)
+        pool.close()
+        _serving._stop_child(server)
+        _serving._stop_child(echo)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| C | T | p50 us | p99 us | tok/s | batch p50 | batch mean | compute us | echo p50 us | overhead us | handler us "
+             "| server CPU us/req | ideal tok/s | tok/s / ideal |", "|" + "---|" * 14]
+    for r in rows:
+        lines.append(f"| {r['concurrency']} | {r['tokens']} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['tokens_per_s']:.0f} "
+                     f"| {r['batch_tokens_p50']:.0f} | {r['batch_tokens_mean']:.1f} | {r['compute_us_p50']:.0f} | {r['echo_p50_us']:.0f} "
+                     f"| {r['overhead_us']:.0f} | {r['handler_us']:.0f} | {r['cpu_us_per_request']:.0f} | {r['ideal_tokens_per_s']:.0f} | {r['ratio']:.0%} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["--child"]:
+        if raw[1] == "serve":
+            _child_serve(json.loads(raw[2]))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None, help="directory for logs, checkpoint, overhead.json/.md (default: a temp dir)")
+    p.add_argument("--base-us", type=float, default=350.0, help="fake backend: sleep per experts call")
+    p.add_argument("--per-token-us", type=float, default=4.0, help="fake backend: extra sleep per token")
+    p.add_argument("--concurrency", default="1,8,64")
+    p.add_argument("--tokens", default="1,16")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--duration-s", type=float, default=3.0)
+    p.add_argument("--warmup-s", type=float, default=0.5)
+    p.add_argument("--max-wait-us", type=int, default=0, help="server setting (default 0, the server default)")
+    p.add_argument("--max-batch-tokens", type=int, default=8192)
+    p.add_argument("--load-procs", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="py-spy the server during the run (needs py-spy on PATH)")
+    args = p.parse_args(raw)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    temp = None
+    if args.out is None:
+        temp = args.out = Path(tempfile.mkdtemp(prefix="lutb-overhead-"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rows = measure(args)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    (args.out / "overhead.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
+    md = table(rows)
+    (args.out / "overhead.md").write_text(md + "\n")
+    print()
+    print(md, flush=True)
+    if temp is not None:
+        shutil.rmtree(temp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Continuous batching: requests pool while the worker is busy, and the worker gets the next batch at once."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from lutb_client import ExpertClient
+from lutb_kernels.checkpoint import Checkpoint
+from lutb_kernels.experts.base import LayerExperts, Support
+from lutb_server.backends import BackendChoice
+from lutb_server.engine import ExpertEngine, PreparedRequest
+from lutb_server.scheduler import BatchScheduler
+from lutb_server.testing import ServerThread
+
+SLEEP_S = 0.02
+
+
+class SleepExperts(LayerExperts):
+    """A slow device: every call sleeps SLEEP_S (GIL released, like a GPU wait) and returns x * 0."""
+
+    name = "sleep"
+
+    @classmethod
+    def supports(cls, config, device):
+        return Support(True, "test backend")
+
+    def forward(self, x, topk_ids, topk_weights, *, apply_router_weight_on_input=False, output_mode="combined"):
+        time.sleep(SLEEP_S)
+        return x * 0
+
+    @property
+    def weight_bytes(self) -> int:
+        return 0
+
+
+def test_batches_grow_with_concurrency_on_a_slow_backend(tiny_checkpoint) -> None:
+    checkpoint = Checkpoint(tiny_checkpoint)
+    choice = BackendChoice("sleep", SleepExperts, torch.device("cpu"), "test")
+    hidden = checkpoint.config.hidden_size
+    tokens = 2
+
+    def loader() -> ExpertEngine:
+        return ExpertEngine(checkpoint, choice, validate_tiles=False)
+
+    def caller(address: str, count: int) -> list[int]:
+        gen = torch.Generator().manual_seed(threading.get_ident() % 1000)
+        with ExpertClient(address, timeout=30) as client:
+            sizes = []
+            for _ in range(count):
+                x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+                ids = torch.zeros(tokens, 2, dtype=torch.int32)
+                result = client.forward_detailed(0, x, ids, torch.full((tokens, 2), 0.5))
+                assert torch.equal(result.output, torch.zeros_like(x))
+                sizes.append(int(result.timing.batch_tokens))
+            return sizes
+
+    with ServerThread(engine_loader=loader) as server:  # default settings: max_wait_us = 0
+        alone = caller(server.address, 4)
+        with ThreadPoolExecutor(8) as pool:
+            pooled = [s for part in pool.map(lambda _: caller(server.address, 6), range(8)) for s in part]
+    assert alone == [tokens] * 4  # nothing to pool with, and no wait for company
+    # 8 callers against a 20 ms device: while one batch runs, the others queue and form the next one
+    assert statistics.median(pooled) >= 4 * tokens, pooled
+    assert max(pooled) <= 8 * tokens
+
+
+def test_next_batch_goes_to_the_worker_before_results_are_delivered() -> None:
+    """The device must not idle while the event loop hands out a finished batch's results."""
+    events: list[tuple[str, int]] = []
+    first_started = threading.Event()
+
+    class Engine:
+        def forward(self, layer, x, topk_ids, topk_weights, *, apply_router_weight_on_input=False, output_mode="combined"):
+            first_started.set()
+            time.sleep(0.05)
+            return x * 2
+
+    class Recording(BatchScheduler):
+        def _finish(self, item, output, started, compute_s, tokens, requests):  # type: ignore[override]
+            events.append(("deliver", item.request.tokens))
+            super()._finish(item, output, started, compute_s, tokens, requests)
+
+    def req(tokens: int) -> PreparedRequest:
+        return PreparedRequest(0, torch.randn(tokens, 4), torch.zeros(tokens, 1, dtype=torch.int32), torch.ones(tokens, 1),
+                               False, "combined")
+
+    async def body() -> None:
+        scheduler = Recording(Engine())
+        submit = scheduler.worker.submit
+
+        def recording_submit(requests):
+            events.append(("submit", sum(r.tokens for r in requests)))
+            return submit(requests)
+
+        scheduler.worker.submit = recording_submit  # type: ignore[method-assign]
+        await scheduler.start()
+        try:
+            first = asyncio.ensure_future(scheduler.submit(req(1)))
+            while not first_started.is_set():
+                await asyncio.sleep(0.001)
+            rest = [asyncio.ensure_future(scheduler.submit(req(t))) for t in (2, 3, 4)]
+            results = await asyncio.gather(first, *rest)
+        finally:
+            await scheduler.close()
+        assert [r.batch_tokens for r in results] == [1, 9, 9, 9]
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+    assert events == [("submit", 1), ("submit", 9), ("deliver", 1), ("deliver", 2), ("deliver", 3), ("deliver", 4)]
