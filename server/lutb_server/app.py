@@ -182,6 +182,7 @@ class ExpertServer:
             )
             await scheduler.start()
             await asyncio.wrap_future(worker.call(worker.capture_graphs))  # logs the time; before SERVING
+            await asyncio.wrap_future(worker.call(worker.warm_up, s.max_batch_tokens))  # compiles, before SERVING
         except BaseException:
             await self.stop(0)
             raise

@@ -203,6 +203,40 @@ class ComputeWorker:
                  count, seconds, len(layers), list(buckets), self.cuda_graph_top_k)
         return seconds
 
+    def warm_up(self, max_tokens: int) -> float:
+        """Run each eager batch size once so Triton compiles every kernel configuration before serving.
+
+        Batches above the CUDA-graph buckets run eagerly, and the GEMMs pick their routing
+        block (and so a kernel specialisation) from the rows per expert; a configuration first
+        met under load would stall that batch for the seconds a compile takes. This runs one
+        layer (all layers share shapes, hence kernels) at every power of two from above the
+        largest bucket up to ``max_tokens`` with uniform random routing at ``cuda_graph_top_k``
+        (8 when 0). Call it on the worker thread before serving; returns the seconds taken.
+        """
+        if not self.cuda or not self._experts:
+            return 0.0
+        experts = next(iter(self._experts.values()))
+        buckets = experts.buckets if isinstance(experts, CudaGraphExperts) else ()
+        inner = experts.inner if isinstance(experts, CudaGraphExperts) else experts
+        sizes = [t for t in _powers_of_two_upto(max_tokens) if not buckets or t > buckets[-1]]
+        if not sizes:
+            return 0.0
+        k = min(self.cuda_graph_top_k or 8, inner.num_local_experts)
+        held = inner.expert_ids.to(self.device, torch.long)
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        start = time.perf_counter()
+        with torch.cuda.stream(self._stream):
+            for tokens in sizes:
+                x = torch.randn(tokens, inner.config.hidden_size, device=self.device, generator=gen).to(inner.config.torch_dtype)
+                pick = torch.rand(tokens, held.numel(), device=self.device, generator=gen).argsort(dim=1)[:, :k]
+                ids = held[pick].to(torch.int32)
+                weights = torch.full((tokens, k), 1.0 / k, device=self.device)
+                inner.forward(x, ids, weights)
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        log.info("warmed up eager batch sizes %s (top-k %d) in %.2fs", sizes, k, seconds)
+        return seconds
+
     # -- one batch ---------------------------------------------------------------------------
 
     def run(self, requests: list[PreparedRequest]) -> BatchOutput:
@@ -290,6 +324,15 @@ class ComputeWorker:
     def staging_bytes(self) -> dict[str, int]:
         """Bytes held by the host and device staging buffers."""
         return {"host": self._host.nbytes, "device": self._dev.nbytes}
+
+
+def _powers_of_two_upto(limit: int) -> list[int]:
+    """1, 2, 4, ... up to ``limit``, and ``limit`` itself when it is not a power of two."""
+    sizes, t = [], 1
+    while t < limit:
+        sizes.append(t)
+        t *= 2
+    return sizes + [limit] if limit >= 1 else sizes
 
 
 def _split(out: torch.Tensor, requests: list[PreparedRequest]) -> list[torch.Tensor]:

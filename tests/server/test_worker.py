@@ -104,3 +104,34 @@ def test_thread_submit_call_and_errors(engine: ExpertEngine) -> None:
         worker.close(10)
     with pytest.raises(RuntimeError):
         worker.submit(requests)
+
+
+@pytest.mark.parametrize("limit, sizes", [(0, []), (1, [1]), (8, [1, 2, 4, 8]), (12, [1, 2, 4, 8, 12])])
+def test_warm_up_sizes_are_powers_of_two_then_the_limit(limit: int, sizes: list[int]) -> None:
+    from lutb_server.worker import _powers_of_two_upto
+
+    assert _powers_of_two_upto(limit) == sizes
+
+
+def test_warm_up_is_a_no_op_on_the_cpu(engine: ExpertEngine) -> None:
+    worker = ComputeWorker(engine).start()
+    try:
+        assert worker.call(worker.warm_up, 4096).result(timeout=30) == 0.0
+    finally:
+        worker.close()
+
+
+@pytest.mark.gpu
+def test_warm_up_runs_every_eager_size_on_the_gpu(tiny_checkpoint: Path) -> None:
+    from lutb_kernels.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(tiny_checkpoint)
+    gpu_engine = ExpertEngine(ckpt, choose_backend("auto", ckpt.config, torch.device("cuda")), validate_tiles=False)
+    worker = ComputeWorker(gpu_engine, cuda_graph_max_tokens=64).start()
+    try:
+        assert worker.call(worker.warm_up, 512).result(timeout=300) > 0.0
+        requests = _requests(gpu_engine, [300], k=2)
+        outputs, _ = worker.submit(requests).result(timeout=60)
+        assert outputs[0].shape == (300, gpu_engine.config.hidden_size) and torch.isfinite(outputs[0].float()).all()
+    finally:
+        worker.close()
