@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +14,8 @@ from lutb_kernels.checkpoint import Checkpoint
 from lutb_kernels.tiles import tiles_to_dense
 from lutb_server.cli import main
 
-# The HF checkpoint builders live with the importer's tests.
-_spec = importlib.util.spec_from_file_location("_hf_fixtures", Path(__file__).parents[1] / "kernels" / "test_hf_import.py")
-_hf = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-sys.modules.setdefault("_hf_fixtures", _hf)
-_spec.loader.exec_module(_hf)  # type: ignore[union-attr]
+import hf_fixtures as _hf
+
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
