@@ -172,6 +172,37 @@ def _act_columns(h2: torch.Tensor, activation: str) -> int:
 # ----------------------------------------------------------------------------- ops
 
 
+def _check_quantize_args(
+    x: torch.Tensor, scale_mode: str, k_order: str, row_weight: torch.Tensor | None, nonfinite: torch.Tensor | None,
+) -> torch.Tensor:
+    """Validate the arguments of :func:`mxfp8_quantize` / :func:`mxfp8_qdq`; returns ``x`` as ``[M, K]``."""
+    check_scale_mode(scale_mode)
+    _check_k_order(k_order)
+    x2 = _rows(x, "x")
+    if x2.shape[1] % BLOCK:
+        raise ValueError(f"MXFP8 quantization needs a last dimension divisible by {BLOCK}, got {tuple(x.shape)}")
+    _check_row_args(x2.shape[0], x2.device, row_weight, None)
+    _check_flag(nonfinite, x2.device)
+    return x2
+
+
+def _check_act_quantize_args(
+    h: torch.Tensor, activation: str, scale_mode: str, k_order: str, row_mask: torch.Tensor | None,
+    nonfinite: torch.Tensor | None,
+) -> tuple[torch.Tensor, int]:
+    """Validate the arguments of the fused activation ops; returns ``(h [R, N], output columns)``."""
+    check_activation(activation)
+    check_scale_mode(scale_mode)
+    _check_k_order(k_order)
+    h2 = _rows(h, "h")
+    if h.dim() != 2:
+        raise ValueError(f"h must be [R, N], got {tuple(h.shape)}")
+    k_out = _act_columns(h2, activation)
+    _check_row_args(h2.shape[0], h2.device, None, row_mask)
+    _check_flag(nonfinite, h2.device)
+    return h2, k_out
+
+
 def mxfp8_quantize(
     x: torch.Tensor,
     scale_mode: ScaleMode = "rceil",
@@ -196,13 +227,7 @@ def mxfp8_quantize(
     """
     from lutb_kernels._mxfp8_details.kernels import OUT_MXFP8
 
-    check_scale_mode(scale_mode)
-    _check_k_order(k_order)
-    x2 = _rows(x, "x")
-    if x2.shape[1] % BLOCK:
-        raise ValueError(f"MXFP8 quantization needs a last dimension divisible by {BLOCK}, got {tuple(x.shape)}")
-    _check_row_args(x2.shape[0], x2.device, row_weight, None)
-    _check_flag(nonfinite, x2.device)
+    x2 = _check_quantize_args(x, scale_mode, k_order, row_weight, nonfinite)
     q, s = _launch(x2, x2.shape[1], activation=None, scale_mode=scale_mode, out_mode=OUT_MXFP8, k_order=k_order,
                    row_weight=row_weight, row_mask=None, nonfinite=nonfinite)
     assert s is not None
@@ -247,13 +272,7 @@ def mxfp8_qdq(
     """
     from lutb_kernels._mxfp8_details.kernels import OUT_QDQ
 
-    check_scale_mode(scale_mode)
-    x2 = _rows(x, "x")
-    if x2.shape[1] % BLOCK:
-        raise ValueError(f"MXFP8 quantization needs a last dimension divisible by {BLOCK}, got {tuple(x.shape)}")
-    _check_row_args(x2.shape[0], x2.device, row_weight, None)
-    _check_flag(nonfinite, x2.device)
-    _check_k_order(k_order)
+    x2 = _check_quantize_args(x, scale_mode, k_order, row_weight, nonfinite)
     out, _ = _launch(x2, x2.shape[1], activation=None, scale_mode=scale_mode, out_mode=OUT_QDQ, k_order=k_order,
                      row_weight=row_weight, row_mask=None, nonfinite=nonfinite, out_dtype=out_dtype)
     return out.reshape(x.shape)
@@ -299,15 +318,7 @@ def act_mxfp8_quantize(
     """
     from lutb_kernels._mxfp8_details.kernels import OUT_MXFP8
 
-    check_activation(activation)
-    check_scale_mode(scale_mode)
-    _check_k_order(k_order)
-    h2 = _rows(h, "h")
-    if h.dim() != 2:
-        raise ValueError(f"h must be [R, N], got {tuple(h.shape)}")
-    k_out = _act_columns(h2, activation)
-    _check_row_args(h2.shape[0], h2.device, None, row_mask)
-    _check_flag(nonfinite, h2.device)
+    h2, k_out = _check_act_quantize_args(h, activation, scale_mode, k_order, row_mask, nonfinite)
     q, s = _launch(h2, k_out, activation=activation, scale_mode=scale_mode, out_mode=OUT_MXFP8, k_order=k_order,
                    row_weight=None, row_mask=row_mask, nonfinite=nonfinite)
     assert s is not None
@@ -350,15 +361,7 @@ def act_mxfp8_qdq(
     """
     from lutb_kernels._mxfp8_details.kernels import OUT_QDQ
 
-    check_activation(activation)
-    check_scale_mode(scale_mode)
-    h2 = _rows(h, "h")
-    if h.dim() != 2:
-        raise ValueError(f"h must be [R, N], got {tuple(h.shape)}")
-    k_out = _act_columns(h2, activation)
-    _check_row_args(h2.shape[0], h2.device, None, row_mask)
-    _check_flag(nonfinite, h2.device)
-    _check_k_order(k_order)
+    h2, k_out = _check_act_quantize_args(h, activation, scale_mode, k_order, row_mask, nonfinite)
     out, _ = _launch(h2, k_out, activation=activation, scale_mode=scale_mode, out_mode=OUT_QDQ, k_order=k_order,
                      row_weight=None, row_mask=row_mask, nonfinite=nonfinite, out_dtype=out_dtype)
     return out
