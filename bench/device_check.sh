@@ -36,7 +36,7 @@ tests() {
     echo "skipped (needs pytest)"
   fi
   echo "== GPU tests (log: $OUT/gpu_tests.log)"
-  timeout 420 "$PY" bench/run_gpu_tests.py tests/kernels/test_mxfp8_triton.py tests/kernels/test_lut_b_gemm.py \
+  timeout 420 "$PY" bench/run_gpu_tests.py tests/kernels/test_routing_triton.py tests/kernels/test_mxfp8_triton.py tests/kernels/test_lut_b_gemm.py \
     tests/kernels/test_experts_gpu.py > "$OUT/gpu_tests.log" 2>&1 || status=1
   grep -E "^(FAIL|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15
 }

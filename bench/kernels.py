@@ -322,6 +322,13 @@ def _packed_only(name: str):  # noqa: ANN202
     return LutBPackedExperts(cfg, layer, "cuda")
 
 
+STAGES_NOT_SUMMED = ("whole forward", "moe_align_block_size (triton)")
+
+
+def _stage_label(name: str) -> str:
+    return name.split(" ")[0] + ("(triton)" if name.endswith("(triton)") else "")
+
+
 def breakdown(results: dict, shapes: list[str]) -> None:
     """Per-stage CUDA-graph time of the packed forward at decode sizes (rotated routings: fresh weights)."""
     from lutb_kernels.experts._triton_common import choose_route_block
@@ -329,6 +336,7 @@ def breakdown(results: dict, shapes: list[str]) -> None:
     from lutb_kernels.lut_b_gemm import LutBGemmConfig, default_config, lut_b_moe_gemm
     from lutb_kernels.mxfp8_triton import act_mxfp8_qdq, mxfp8_qdq
     from lutb_kernels.routing import moe_align_block_size
+    from lutb_kernels.routing_triton import moe_align_block_size_triton
 
     out = results.setdefault("breakdown", {})
     dev = torch.device("cuda")
@@ -371,6 +379,8 @@ def breakdown(results: dict, shapes: list[str]) -> None:
             stages = {
                 "held (emap index)": lambda d: emap[d["ids"].long()] >= 0,
                 "moe_align_block_size": lambda d: moe_align_block_size(d["ids"], block, experts, expert_map=emap),
+                # the one-launch candidate (not in the forward yet); an alternative, so not in the sum
+                "moe_align_block_size (triton)": lambda d: moe_align_block_size_triton(d["ids"], block, experts, expert_map=emap),
                 "mxfp8_qdq(x)": lambda d: mxfp8_qdq(x, k_order="decoder", out_dtype=torch.bfloat16, nonfinite=flag),
                 "gemm1 (w13)": g1,
                 "act+qdq": lambda d: act_mxfp8_qdq(d["h"], "silu", row_mask=d["held"].reshape(-1), k_order="decoder",
@@ -386,9 +396,18 @@ def breakdown(results: dict, shapes: list[str]) -> None:
                     us, method = time_graph_rot([lambda fn=fn, d=d: fn(d) for d in st])
                 except Exception as exc:  # noqa: BLE001
                     us, method = float("nan"), f"{type(exc).__name__}: {str(exc)[:80]}"
+                    log(f"  stage {sname} failed: {method}")
                 rec["stages_us"][sname] = us
+            try:  # the Triton routing must equal the torch one before its time means anything
+                same = all(all(torch.equal(a, b) for a, b in zip(
+                    moe_align_block_size_triton(d["ids"], block, experts, expert_map=emap), d["routing"])) for d in st)
+            except Exception as exc:  # noqa: BLE001
+                same = f"{type(exc).__name__}: {str(exc)[:80]}"
+            rec["triton_routing_equal"] = same
+            if same is not True:
+                log(f"  moe_align_block_size (triton) differs from the torch routing: {same}")
             te = rec["touched_experts_mean"]
-            rec["sum_of_stages_us"] = sum(v for k, v in rec["stages_us"].items() if k != "whole forward")
+            rec["sum_of_stages_us"] = sum(v for k, v in rec["stages_us"].items() if k not in STAGES_NOT_SUMMED)
             rec["gemm1_TBps"] = te * w13_bytes / rec["stages_us"]["gemm1 (w13)"] / 1e6
             rec["gemm2_TBps"] = te * w2_bytes / rec["stages_us"]["gemm2 (w2)"] / 1e6
             rec["forward_TBps"] = te * per_expert / rec["stages_us"]["whole forward"] / 1e6
@@ -419,8 +438,41 @@ def breakdown(results: dict, shapes: list[str]) -> None:
             for k, v in rec["gemm_configs"].items():
                 log(f"   {k:28s} {v['us']:8.1f} us {v['TBps']:5.2f} TB/s")
             del st
+        routing_prefill(results, name, experts, top_k, emap)
         del pk
         torch.cuda.empty_cache()
+
+
+ROUTING_PREFILL_TOKENS = (2048, 8192)
+
+
+def routing_prefill(results: dict, name: str, experts: int, top_k: int, emap: torch.Tensor) -> None:
+    """Torch vs one-launch Triton ``moe_align_block_size`` alone at prefill sizes (CUDA graph)."""
+    from lutb_kernels.experts._triton_common import choose_route_block
+    from lutb_kernels.routing import moe_align_block_size
+    from lutb_kernels.routing_triton import moe_align_block_size_triton
+
+    out = results.setdefault("routing_prefill", {})
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for tokens in ROUTING_PREFILL_TOKENS:
+        ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
+        block = choose_route_block(tokens * top_k, experts)
+        rec: dict = {"route_block": block}
+        for label, fn in (("torch_us", moe_align_block_size), ("triton_us", moe_align_block_size_triton)):
+            try:
+                rec[label], _ = time_graph(lambda fn=fn, ids=ids, block=block: fn(ids, block, experts, expert_map=emap))
+            except Exception as exc:  # noqa: BLE001
+                rec[label] = float("nan")
+                log(f"  routing {label} {name} T={tokens} failed: {type(exc).__name__}: {str(exc)[:100]}")
+        try:
+            rec["equal"] = all(torch.equal(a, b) for a, b in zip(
+                moe_align_block_size_triton(ids, block, experts, expert_map=emap),
+                moe_align_block_size(ids, block, experts, expert_map=emap)))
+        except Exception as exc:  # noqa: BLE001
+            rec["equal"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        out[f"{name} T={tokens}"] = rec
+        log(f"[routing] {name} T={tokens} block={block}: torch {rec['torch_us']:.1f} us, triton {rec['triton_us']:.1f} us, "
+            f"equal={rec['equal']}")
 
 
 def tune_candidates(block: int, tokens: int):  # noqa: ANN201
@@ -547,9 +599,12 @@ def markdown(results: dict, targets: list[dict]) -> str:
 
 def breakdown_table(results: dict) -> str:
     lines = ["breakdown: us per stage (CUDA graph, rotated routings), GEMM TB/s on touched LUT-B bytes"]
+    for key, r in results.get("routing_prefill", {}).items():
+        lines.append(f"{key:22s} blk{r['route_block']:3d} moe_align_block_size torch={r['torch_us']:.1f} "
+                     f"triton={r['triton_us']:.1f} equal={r['equal']}")
     for key, r in results.get("breakdown", {}).items():
         s = r["stages_us"]
-        lines.append(f"{key:22s} blk{r['route_block']:3d} " + " ".join(f"{k.split(' ')[0]}={v:.1f}" for k, v in s.items())
+        lines.append(f"{key:22s} blk{r['route_block']:3d} " + " ".join(f"{_stage_label(k)}={v:.1f}" for k, v in s.items())
                      + f" sum={r['sum_of_stages_us']:.1f} g1={r['gemm1_TBps']:.2f}TB/s g2={r['gemm2_TBps']:.2f}TB/s")
         best = {}
         for k, v in r["gemm_configs"].items():

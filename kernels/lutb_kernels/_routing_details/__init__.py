@@ -1,0 +1,1 @@
+"""Triton kernel behind :mod:`lutb_kernels.routing_triton` (imports triton; load lazily)."""

@@ -1,0 +1,131 @@
+"""One-launch Triton moe_align_block_size vs the torch one (lutb_kernels.routing), CPU interpreter.
+
+Every output element is compared (outputs preallocated and poisoned), including the order of
+the routes inside each expert's run (both are stable).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lutb_kernels.routing import max_padded_routes, moe_align_block_size
+from lutb_kernels.routing_triton import moe_align_block_size_triton, routing_launch
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # triton interpreter
+
+POISON = -123456789
+
+
+def _ids(tokens: int, top_k: int, experts: int, gen: torch.Generator, *, skewed: bool, dtype: torch.dtype) -> torch.Tensor:
+    if skewed:  # ~90% of the routes to one expert, the rest anywhere (repeats within a token allowed)
+        ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+        hot = torch.rand(tokens, top_k, generator=gen) < 0.9
+        ids[hot] = int(torch.randint(0, experts, (1,), generator=gen))
+    else:  # distinct experts per token, as a router gives
+        k = min(top_k, experts)
+        ids = torch.rand(tokens, experts, generator=gen).topk(k, dim=1).indices
+        if k < top_k:
+            ids = torch.cat([ids, torch.randint(0, experts, (tokens, top_k - k), generator=gen)], dim=1)
+    return ids.to(dtype)
+
+
+def _map(experts: int, gen: torch.Generator, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A random subset of the experts held (possibly none), numbered in a random local order."""
+    held = torch.randperm(experts, generator=gen)[: int(torch.randint(0, experts + 1, (1,), generator=gen))]
+    emap = torch.full((experts,), -1, dtype=dtype)
+    emap[held] = torch.randperm(held.numel(), generator=gen).to(dtype)
+    return emap
+
+
+def _poisoned_out(num_routes: int, block_m: int, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = max_padded_routes(num_routes, block_m, experts)
+    return (torch.full((n,), POISON, dtype=torch.int32), torch.full((-(-n // block_m),), POISON, dtype=torch.int32),
+            torch.full((1,), POISON, dtype=torch.int32))
+
+
+def _check(ids: torch.Tensor, block_m: int, experts: int, emap: torch.Tensor | None) -> None:
+    ref = moe_align_block_size(ids, block_m, experts, emap)
+    out = _poisoned_out(ids.numel(), block_m, experts)
+    got = moe_align_block_size_triton(ids, block_m, experts, emap, out=out)
+    assert all(g is o for g, o in zip(got, out))
+    for name, g, r in zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), got, ref):
+        assert g.dtype == r.dtype == torch.int32 and g.shape == r.shape, name
+        assert torch.equal(g, r), (name, (g != r).nonzero()[:8].flatten().tolist())
+    fresh = moe_align_block_size_triton(ids, block_m, experts, emap)  # the op's own allocation
+    assert all(torch.equal(f, r) for f, r in zip(fresh, ref))
+
+
+@pytest.mark.parametrize("experts", [3, 8, 64, 256])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("tokens", [0, 1, 7, 33, 300])
+def test_matches_torch(tokens: int, top_k: int, experts: int) -> None:
+    gen = torch.Generator().manual_seed(1000 * tokens + 10 * top_k + experts)
+    for block_m in (16, 64, 128):
+        for sharded in (False, True):
+            ids = _ids(tokens, top_k, experts, gen, skewed=False, dtype=torch.int32)
+            _check(ids, block_m, experts, _map(experts, gen) if sharded else None)
+
+
+@pytest.mark.parametrize("experts,block_m", [(8, 16), (64, 64), (256, 16), (256, 128)])
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (300, 2), (300, 8)])
+def test_skewed_routing(tokens: int, top_k: int, experts: int, block_m: int) -> None:
+    gen = torch.Generator().manual_seed(tokens + experts + block_m)
+    ids = _ids(tokens, top_k, experts, gen, skewed=True, dtype=torch.int32)
+    _check(ids, block_m, experts, None)
+    emap = _map(experts, gen)
+    emap[ids.flatten()[0]] = experts - 1  # the hot expert (usually) held, as the last local expert
+    _check(ids, block_m, experts, emap)
+
+
+@pytest.mark.parametrize("experts", [8, 256])
+def test_int64_ids_and_map(experts: int) -> None:
+    gen = torch.Generator().manual_seed(experts)
+    ids = _ids(57, 4, experts, gen, skewed=False, dtype=torch.int64)
+    _check(ids, 32, experts, None)
+    _check(ids, 32, experts, _map(experts, gen, torch.int64))
+
+
+def test_several_chunks_both_modes() -> None:
+    """More routes than one chunk holds, in both placement modes (one-hot and pairwise)."""
+    gen = torch.Generator().manual_seed(5)
+    for experts in (16, 128):
+        for tokens in (700, 1500):
+            launch = routing_launch(tokens * 2, experts, max_padded_routes(tokens * 2, 16, experts), 0)
+            assert tokens * 2 > launch.rank_chunk and tokens * 2 > launch.hist_chunk
+            ids = _ids(tokens, 2, experts, gen, skewed=False, dtype=torch.int32)
+            _check(ids, 16, experts, None)
+            _check(ids, 16, experts, _map(experts, gen))
+
+
+def test_block_m_one_and_single_expert() -> None:
+    gen = torch.Generator().manual_seed(9)
+    _check(_ids(9, 2, 4, gen, skewed=False, dtype=torch.int32), 1, 4, None)
+    _check(torch.zeros(5, 1, dtype=torch.int32), 16, 1, None)
+    _check(torch.zeros(5, 1, dtype=torch.int32), 16, 1, torch.tensor([-1], dtype=torch.int32))
+
+
+def test_ids_out_of_range_get_no_rows() -> None:
+    """Not the reference's contract (it indexes out of range): the kernel must stay in bounds."""
+    ids = torch.tensor([[0, 9], [-1, 2], [1, 3]], dtype=torch.int32)  # 9, -1 and 3 are not experts of 3
+    sorted_ids, expert_ids, total = moe_align_block_size_triton(ids, 4, 3)  # 6 + 3 * 3 = 15 rows, 4 blocks
+    assert int(total) == 12 and sorted_ids.numel() == 15
+    assert sorted_ids[:12].tolist() == [0, 6, 6, 6, 4, 6, 6, 6, 3, 6, 6, 6]
+    assert expert_ids.tolist() == [0, 1, 2, -1]
+    assert (sorted_ids[12:] == 6).all()
+
+
+def test_bad_arguments_refused() -> None:
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe_align_block_size_triton(ids.float(), 16, 4)
+    with pytest.raises(ValueError, match="block_m"):
+        moe_align_block_size_triton(ids, 0, 4)
+    with pytest.raises(ValueError, match="expert_map"):
+        moe_align_block_size_triton(ids, 16, 4, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="expert_map"):
+        moe_align_block_size_triton(ids, 16, 4, torch.zeros(4))
+    out = _poisoned_out(4, 16, 4)
+    with pytest.raises(ValueError, match="expert_ids"):
+        moe_align_block_size_triton(ids, 16, 4, out=(out[0], out[1][:-1], out[2]))
+    with pytest.raises(ValueError, match="sorted_token_ids"):
+        moe_align_block_size_triton(ids, 16, 4, out=(out[0].long(), out[1], out[2]))
