@@ -29,6 +29,8 @@ Per cell it prints:
     python bench/serving_overhead.py                                  # C=1,8,64 x T=1,16, ~1 min
     python bench/serving_overhead.py --concurrency 1,64 --tokens 16 --profile --out /tmp/ovh
 
+The server runs with ``intra_op_threads`` 1 (``--intra-op-threads``), what it uses on a CUDA device.
+
 The numbers depend on the machine's free cores: server, echo server and load generators
 share them (say so when recording results).
 """
@@ -270,7 +272,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     config = {"checkpoint": str(ckpt), "backend": "reference", "device": "cpu", "host": "127.0.0.1", "port": port,
               "metrics_port": 0, "validate_checkpoint": False, "max_wait_us": args.max_wait_us,
               "max_batch_tokens": args.max_batch_tokens, "max_queue_requests": 4096, "shutdown_grace_s": 2,
-              "cuda_graph_max_tokens": 0, "_base_us": args.base_us, "_per_token_us": args.per_token_us}
+              "cuda_graph_max_tokens": 0, "intra_op_threads": args.intra_op_threads, "_base_us": args.base_us, "_per_token_us": args.per_token_us}
     server = _spawn(["serve", json.dumps(config)], out / "server.log")
     echo = subprocess.Popen([sys.executable, _serving.__file__, "--child", "echo", str(echo_port)],
                             stdout=open(out / "echo.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
@@ -358,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-wait-us", type=int, default=0, help="server setting (default 0, the server default)")
     p.add_argument("--max-batch-tokens", type=int, default=8192)
     p.add_argument("--load-procs", type=int, default=2)
+    p.add_argument("--intra-op-threads", type=int, default=1,
+                   help="server setting; default 1, what the server uses on a CUDA device (0: torch's default, as on a CPU device)")
     p.add_argument("--profile", action="store_true", help="py-spy the server during the run (needs py-spy on PATH)")
     args = p.parse_args(raw)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -109,6 +110,23 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def apply_intra_op_threads(threads: int, device: torch.device) -> int:
+    """Set torch's CPU thread count for the serving process (``intra_op_threads``); returns the count in effect.
+
+    0 means 1 on a CUDA device and torch's default on the CPU. On a CUDA server the CPU
+    tensor work is per-request validation on the event loop and the worker's staging copies:
+    from 32K elements on, torch runs them on an OpenMP team per calling thread whose threads
+    spin after each region, taking cores from the event loop, gRPC and the compute worker.
+    Call it on the event loop before the compute worker starts (threads created later
+    inherit the count; OpenMP keeps it per thread).
+    """
+    if threads == 0 and device.type == "cuda":
+        threads = 1
+    if threads > 0:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 class ExpertServer:
     """One serving process's worth of state; several can live in one process (tests).
 
@@ -174,6 +192,8 @@ class ExpertServer:
                  f", metrics on http://{_address(s.host, self.metrics_port)}/metrics" if self.metrics_port else ", metrics off")
         try:
             engine = await asyncio.to_thread(loader)
+            threads = apply_intra_op_threads(s.intra_op_threads, engine.device)
+            log.info("torch intra-op threads: %d", threads)
             worker = ComputeWorker(engine, cuda_graph_max_tokens=s.cuda_graph_max_tokens, cuda_graph_top_k=s.cuda_graph_top_k)
             scheduler = BatchScheduler(
                 engine, max_batch_tokens=s.max_batch_tokens, max_wait_us=s.max_wait_us,
@@ -257,4 +277,4 @@ async def serve(
     return 0
 
 
-__all__ = ["DEMO_NAME", "SERVICE_NAME", "EnginePlan", "ExpertServer", "ensure_demo_checkpoint", "load_engine", "plan_engine", "serve"]
+__all__ = ["DEMO_NAME", "SERVICE_NAME", "EnginePlan", "ExpertServer", "apply_intra_op_threads", "ensure_demo_checkpoint", "load_engine", "plan_engine", "serve"]

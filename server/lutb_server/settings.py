@@ -71,6 +71,11 @@ class ServerSettings(BaseSettings):
     cuda_graph_top_k: int = Field(
         8, ge=0, description="top-k whose CUDA graphs are captured at startup (others on first use); 0: all on first use"
     )
+    intra_op_threads: int = Field(
+        0, ge=0, description="torch CPU threads of the serving process (torch.set_num_threads); 0: 1 on a CUDA device "
+        "(its CPU tensor work is small per-request validation and staging; a thread pool only competes for cores), "
+        "torch's default on the CPU",
+    )
     expert_metrics: bool = Field(
         False, description="export lutb_expert_tokens_total{layer,expert}: tokens per held expert (E x layers series; for `lutb load`)"
     )

@@ -170,3 +170,17 @@ def test_demo_checkpoint_is_made_once_and_served(tmp_path: Path) -> None:
     with ServerThread(demo_dir=tmp_path) as server, ExpertClient(server.address) as client:
         info = client.model_info()
     assert (info.hidden_size, info.num_experts, len(info.layers)) == (256, 8, 2)
+
+
+def test_intra_op_threads_default_to_one_on_cuda_only() -> None:
+    from lutb_server.app import apply_intra_op_threads
+
+    assert ServerSettings().intra_op_threads == 0
+    before = torch.get_num_threads()
+    try:
+        assert apply_intra_op_threads(0, torch.device("cpu")) == before  # torch's default on a CPU device
+        assert apply_intra_op_threads(0, torch.device("cuda:0")) == 1  # no device needed: only the type is read
+        assert apply_intra_op_threads(2, torch.device("cuda:0")) == 2  # an explicit count wins
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -192,3 +192,35 @@ def test_close_fails_waiting_requests_with_unavailable() -> None:
         running.cancel()
 
     _run(body())
+
+
+def test_a_lone_request_goes_to_the_worker_without_a_dispatcher_task() -> None:
+    """Latency of a lone request: ``submit`` hands it to the idle worker on the caller's own task (no task
+    of the scheduler's to wake first), and the result comes back through the worker's done-callback."""
+    engine = FakeEngine()
+    handed_over_on: list[asyncio.Task | None] = []
+
+    async def body():
+        baseline = asyncio.all_tasks()
+        s = BatchScheduler(engine, max_wait_us=0)
+        await s.start()
+        try:
+            assert asyncio.all_tasks() == baseline  # the scheduler runs no task of its own
+            submit = s.worker.submit
+
+            def recording_submit(requests):
+                handed_over_on.append(asyncio.current_task())
+                return submit(requests)
+
+            s.worker.submit = recording_submit
+            request = _req(3)
+            caller = asyncio.ensure_future(s.submit(request))
+            result = await caller
+            assert handed_over_on == [caller]
+            assert torch.equal(result.output, request.x * 2)
+            assert (result.batch_tokens, result.batch_requests) == (3, 1)
+            assert asyncio.all_tasks() == baseline
+        finally:
+            await s.close()
+
+    _run(body())
