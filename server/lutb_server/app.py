@@ -44,6 +44,9 @@ from lutb_server.worker import ComputeWorker
 
 log = logging.getLogger(__name__)
 
+RESPONSE_FLUSH_S = 1.0
+"""Seconds a draining server waits, once every ExpertService handler has returned, for their responses to go out."""
+
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
 """``lutb.v1.ExpertService``: also the health service name probes can ask about."""
 
@@ -229,9 +232,11 @@ class ExpertServer:
             loop = asyncio.get_running_loop()
             start = loop.time()
             idle = await self.gate.wait_idle(grace)
-            # ExpertService calls are done (or out of time): other streams (health Watch) get what is left.
-            remaining = max(0.0, grace - (loop.time() - start)) if not idle else 0.0
-            await self._server.stop(remaining)
+            # ExpertService handlers have returned (or the grace ran out). A returned handler's
+            # response may still be on its way out, so the server gets a short flush period, not
+            # zero; long-lived streams (health Watch) are cut after it instead of holding the grace.
+            remaining = max(0.0, grace - (loop.time() - start))
+            await self._server.stop(min(remaining, RESPONSE_FLUSH_S) if idle else remaining)
             self._server = None
         if self.scheduler is not None:
             await self.scheduler.close()
