@@ -23,20 +23,16 @@ versions() {
   echo "== versions"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | head -3
   "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '|', torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
-  "$PY" -c "import pytest; print('pytest', pytest.__version__)" 2>/dev/null || echo "pytest not installed: bench/run_gpu_tests.py uses its minimal runner"
+  "$PY" -c "import pytest; print('pytest', pytest.__version__)"
 }
 
 tests() {
   echo "== CPU interpreter kernel tests (no GPU visible)"
-  if "$PY" -c "import pytest" 2>/dev/null; then
-    CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
-      tests/kernels/triton_interp tests/kernels/test_gpu_experts_without_triton.py > "$OUT/interp_tests.log" 2>&1 || status=1
-    tail -3 "$OUT/interp_tests.log"
-  else
-    echo "skipped (needs pytest)"
-  fi
+  CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
+    tests/kernels/triton_interp tests/kernels/test_gpu_experts_without_triton.py > "$OUT/interp_tests.log" 2>&1 || status=1
+  tail -3 "$OUT/interp_tests.log"
   echo "== GPU tests (log: $OUT/gpu_tests.log)"
-  timeout 420 "$PY" bench/run_gpu_tests.py tests/kernels/test_routing_triton.py tests/kernels/test_mxfp8_triton.py tests/kernels/test_lut_b_gemm.py \
+  timeout 420 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kernels/test_routing_triton.py tests/kernels/test_mxfp8_triton.py tests/kernels/test_lut_b_gemm.py \
     tests/kernels/test_experts_gpu.py > "$OUT/gpu_tests.log" 2>&1 || status=1
   grep -E "^(FAIL|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15
 }

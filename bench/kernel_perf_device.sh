@@ -27,13 +27,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader 2
 "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())"
 
 stamp "1. GPU kernel tests"
-if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout 130 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/kernels/test_experts_gpu.py tests/kernels/test_lut_b_gemm.py \
-    > "$OUT/gpu_tests.log" 2>&1; echo "rc=$?" >> "$OUT/gpu_tests.log"
-else
-  timeout 130 "$PY" bench/run_gpu_tests.py tests/kernels/test_experts_gpu.py tests/kernels/test_lut_b_gemm.py \
-    > "$OUT/gpu_tests.log" 2>&1; echo "rc=$?" >> "$OUT/gpu_tests.log"
-fi
+timeout 130 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/kernels/test_experts_gpu.py tests/kernels/test_lut_b_gemm.py \
+  > "$OUT/gpu_tests.log" 2>&1; echo "rc=$?" >> "$OUT/gpu_tests.log"
 tail -4 "$OUT/gpu_tests.log"
 
 stamp "2. breakdown"
