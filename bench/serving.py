@@ -200,42 +200,54 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
             "compute_us": compute_us, "sizes": sizes, "errors": errors[:5]}
 
 
-def _load_worker(conn: Any) -> None:
+def _load_worker(conn: Any, load_fn: Any = None) -> None:
+    load_fn = load_fn or _run_load
     while True:
         spec = conn.recv()
         if spec is None:
             return
         try:
-            conn.send(asyncio.run(_run_load(spec)))
+            conn.send(asyncio.run(load_fn(spec)))
         except Exception as exc:  # noqa: BLE001 - reported to the parent
             conn.send({"fatal": f"{type(exc).__name__}: {exc}"})
 
 
 class LoadPool:
-    """Long-lived load-generator processes (spawned once; each runs its share of the callers)."""
+    """Long-lived load-generator processes (spawned once; each runs its share of the callers).
 
-    def __init__(self, procs: int) -> None:
+    ``load_fn(spec) -> dict`` is the async load loop each process runs per :meth:`gather`
+    (a module-level function, so spawned processes can import it); this module's
+    ``_run_load`` by default. ``bench/serving_overhead.py`` passes its own.
+    """
+
+    def __init__(self, procs: int, load_fn: Any = None) -> None:
         ctx = mp.get_context("spawn")
         self.workers = []
         for _ in range(procs):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_load_worker, args=(child,), daemon=True)
+            proc = ctx.Process(target=_load_worker, args=(child, load_fn), daemon=True)
             proc.start()
             self.workers.append((proc, parent))
 
-    def run(self, kind: str, target: str, payloads: list[bytes], tokens: int, concurrency: int,
-            warmup_s: float, duration_s: float) -> dict[str, Any]:
+    def gather(self, concurrency: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+        """Split ``concurrency`` callers over the processes, run ``spec`` in each, return their parts."""
         procs = min(len(self.workers), concurrency)
         shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
         first = 0
         for (_, conn), share in zip(self.workers, shares):
-            conn.send({"kind": kind, "target": target, "payloads": payloads, "tokens": tokens, "concurrency": share,
-                       "first_index": first, "warmup_s": warmup_s, "duration_s": duration_s})
+            conn.send({**spec, "concurrency": share, "first_index": first})
             first += share
         parts = [conn.recv() for (_, conn), _ in zip(self.workers, shares)]
         fatal = [p["fatal"] for p in parts if "fatal" in p]
         if fatal:
             raise RuntimeError(f"load generator failed: {fatal[0]}")
+        return parts
+
+    def run(self, kind: str, target: str, payloads: list[bytes], tokens: int, concurrency: int,
+            warmup_s: float, duration_s: float) -> dict[str, Any]:
+        procs = min(len(self.workers), concurrency)
+        parts = self.gather(concurrency, {"kind": kind, "target": target, "payloads": payloads, "tokens": tokens,
+                                          "warmup_s": warmup_s, "duration_s": duration_s})
         latencies = [v for p in parts for v in p["latencies"]]
         batch = [v for p in parts for v in p["batch_tokens"]]
         compute = [v for p in parts for v in p["compute_us"]]

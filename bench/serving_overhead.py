@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -158,53 +157,14 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
     return {"rows": rows, "errors": errors[:5], "sizes": sizes, "answered": answered[0]}
 
 
-def _load_worker(conn: Any) -> None:
-    while True:
-        spec = conn.recv()
-        if spec is None:
-            return
-        try:
-            conn.send(asyncio.run(_run_load(spec)))
-        except Exception as exc:  # noqa: BLE001 - reported to the parent
-            conn.send({"fatal": f"{type(exc).__name__}: {exc}"})
-
-
-class LoadPool:
-    def __init__(self, procs: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.workers = []
-        for _ in range(procs):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_load_worker, args=(child,), daemon=True)
-            proc.start()
-            self.workers.append((proc, parent))
-
-    def run(self, kind: str, target: str, payloads: list[bytes], concurrency: int, warmup_s: float,
-            duration_s: float) -> dict[str, Any]:
-        procs = min(len(self.workers), concurrency)
-        shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
-        first = 0
-        for (_, conn), share in zip(self.workers, shares):
-            conn.send({"kind": kind, "target": target, "payloads": payloads, "concurrency": share, "first_index": first,
-                       "warmup_s": warmup_s, "duration_s": duration_s})
-            first += share
-        parts = [conn.recv() for (_, conn), _ in zip(self.workers, shares)]
-        fatal = [p["fatal"] for p in parts if "fatal" in p]
-        if fatal:
-            raise RuntimeError(f"load generator failed: {fatal[0]}")
-        return {"rows": [r for p in parts for r in p["rows"]], "answered": sum(p["answered"] for p in parts), "errors": [e for p in parts for e in p["errors"]][:5],
-                "request_bytes": parts[0]["sizes"]["request"], "response_bytes": max(p["sizes"]["response"] for p in parts)}
-
-    def close(self) -> None:
-        for _, conn in self.workers:
-            try:
-                conn.send(None)
-            except Exception:  # noqa: BLE001
-                pass
-        for proc, _ in self.workers:
-            proc.join(10)
-            if proc.is_alive():
-                proc.terminate()
+def run_load(pool: _serving.LoadPool, kind: str, target: str, payloads: list[bytes], concurrency: int,
+             warmup_s: float, duration_s: float) -> dict[str, Any]:
+    """One measurement over the pool's processes, running this module's ``_run_load``."""
+    parts = pool.gather(concurrency, {"kind": kind, "target": target, "payloads": payloads,
+                                      "warmup_s": warmup_s, "duration_s": duration_s})
+    return {"rows": [r for p in parts for r in p["rows"]], "answered": sum(p["answered"] for p in parts),
+            "errors": [e for p in parts for e in p["errors"]][:5],
+            "request_bytes": parts[0]["sizes"]["request"], "response_bytes": max(p["sizes"]["response"] for p in parts)}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -276,7 +236,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     server = _spawn(["serve", json.dumps(config)], out / "server.log")
     echo = subprocess.Popen([sys.executable, _serving.__file__, "--child", "echo", str(echo_port)],
                             stdout=open(out / "echo.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
-    pool = LoadPool(max(1, min(args.load_procs, max(args.concurrency))))
+    pool = _serving.LoadPool(max(1, min(args.load_procs, max(args.concurrency))), load_fn=_run_load)
     profiler = None
     rows: list[dict[str, Any]] = []
     try:
@@ -292,10 +252,10 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             payloads = _payloads(args.hidden, args.experts, args.top_k, tokens)
             for c in args.concurrency:
                 cpu0, threads0 = _cpu_s(server.pid), _thread_cpu_s(server.pid)
-                res = pool.run("expert", f"127.0.0.1:{port}", payloads, c, args.warmup_s, args.duration_s)
+                res = run_load(pool, "expert", f"127.0.0.1:{port}", payloads, c, args.warmup_s, args.duration_s)
                 cpu = _cpu_s(server.pid) - cpu0  # warm-up included: divided by all requests answered meanwhile
                 threads = {k: v - threads0.get(k, 0.0) for k, v in _thread_cpu_s(server.pid).items()}
-                echo_res = pool.run("echo", f"127.0.0.1:{echo_port}",
+                echo_res = run_load(pool, "echo", f"127.0.0.1:{echo_port}",
                                     _serving.echo_payloads(res["request_bytes"], res["response_bytes"]), c,
                                     args.warmup_s / 2, args.duration_s)
                 lat = [r[0] * 1e6 for r in res["rows"]]
