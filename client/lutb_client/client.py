@@ -95,12 +95,23 @@ def parse_response(response: pb.ForwardResponse) -> ForwardResult:
     return ForwardResult(output, response.timing, response.request_id)
 
 
-def _channel_options(max_message_bytes: int, extra: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    return [
+def open_channel(
+    target: str,
+    *,
+    aio: bool,
+    credentials: grpc.ChannelCredentials | None,
+    max_message_bytes: int,
+    channel_options: Sequence[tuple[str, Any]],
+) -> Any:
+    """A ``grpc`` (or ``grpc.aio`` when ``aio``) channel to ``target``: TLS when ``credentials``
+    are given, plaintext otherwise, messages up to ``max_message_bytes`` both ways."""
+    options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        *extra,
+        *channel_options,
     ]
+    module = grpc.aio if aio else grpc
+    return module.secure_channel(target, credentials, options) if credentials else module.insecure_channel(target, options)
 
 
 class _HiddenWire:
@@ -177,9 +188,8 @@ class ExpertClient:
         self.target = target
         self.timeout = timeout
         self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
-        options = _channel_options(max_message_bytes, channel_options)
-        self._channel = (
-            grpc.secure_channel(target, credentials, options) if credentials else grpc.insecure_channel(target, options)
+        self._channel = open_channel(
+            target, aio=False, credentials=credentials, max_message_bytes=max_message_bytes, channel_options=channel_options
         )
         self._stub = pb_grpc.ExpertServiceStub(self._channel)
         self._ids = itertools.count(1)
@@ -410,9 +420,8 @@ class AsyncExpertClient:
         self.target = target
         self.timeout = timeout
         self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
-        options = _channel_options(max_message_bytes, channel_options)
-        self._channel = (
-            grpc.aio.secure_channel(target, credentials, options) if credentials else grpc.aio.insecure_channel(target, options)
+        self._channel = open_channel(
+            target, aio=True, credentials=credentials, max_message_bytes=max_message_bytes, channel_options=channel_options
         )
         self._stub = pb_grpc.ExpertServiceStub(self._channel)
         self._ids = itertools.count(1)

@@ -57,7 +57,7 @@ import torch
 
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
-from lutb_client.client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, build_request, parse_response
+from lutb_client.client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, build_request, open_channel, parse_response
 from lutb_client.codec import dtype_name, to_torch_dtype
 from lutb_client.errors import ExpertServiceError
 
@@ -521,10 +521,6 @@ class _ShardedCore:
                 c.latencies.clear()
 
 
-def _options(max_message_bytes: int, extra: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    return [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes), *extra]
-
-
 def _info_error(target: str, err: grpc.RpcError) -> ExpertServiceError:
     error = ExpertServiceError.from_rpc_error(err)
     return ExpertServiceError(error.code, f"shard {target}: GetModelInfo failed: {error.message}")
@@ -563,9 +559,9 @@ class ShardedExpertClient(_ShardedCore):
         channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         super().__init__(targets, timeout, attempt_timeout, down_s)
-        options = _options(max_message_bytes, channel_options)
         self._channels = [
-            grpc.secure_channel(t, credentials, options) if credentials else grpc.insecure_channel(t, options)
+            open_channel(t, aio=False, credentials=credentials, max_message_bytes=max_message_bytes,
+                         channel_options=channel_options)
             for t in self.targets
         ]
         self._stubs = [pb_grpc.ExpertServiceStub(c) for c in self._channels]
@@ -694,9 +690,9 @@ class AsyncShardedExpertClient(_ShardedCore):
     ) -> None:
         super().__init__(targets, timeout, attempt_timeout, down_s)
         self.connect_timeout = connect_timeout
-        options = _options(max_message_bytes, channel_options)
         self._channels = [
-            grpc.aio.secure_channel(t, credentials, options) if credentials else grpc.aio.insecure_channel(t, options)
+            open_channel(t, aio=True, credentials=credentials, max_message_bytes=max_message_bytes,
+                         channel_options=channel_options)
             for t in self.targets
         ]
         self._stubs = [pb_grpc.ExpertServiceStub(c) for c in self._channels]
