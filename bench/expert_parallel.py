@@ -9,7 +9,8 @@ after a warm-up: the same client code path for every N, the same total experts, 
 routed batches (``--tokens`` tokens per request, top-``--topk`` of uniform random logits).
 
 Reported per (N, concurrency): requests, latency p50/p99/mean (ms), requests/s, tokens/s,
-errors; the JSON also holds the client's per-shard stats.
+errors, and each shard's p50/p99 as the client saw it (the JSON holds the client's per-shard
+stats). The servers' logs go to ``OUT/servers.log``.
 
 Usage::
 
@@ -40,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from lutb_client import AsyncShardedExpertClient, ExpertServiceError
 from lutb_client.routing import softmax_topk
 from lutb_kernels.checkpoint import Checkpoint
@@ -81,7 +81,7 @@ def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
 async def _drive(targets: list[str], layer: int, batches: list[tuple[torch.Tensor, ...]], concurrency: int,
@@ -128,7 +128,7 @@ async def _drive(targets: list[str], layer: int, batches: list[tuple[torch.Tenso
         "requests_per_s": len(latencies) / elapsed,
         "tokens_per_s": len(latencies) * tokens / elapsed,
         "shard_requests_per_call": sum(s.requests for s in stats.shards) / max(stats.calls, 1),
-        "shards": [
+        "shard_stats": [
             {"target": s.target, "requests": s.requests, "tokens": s.tokens, "p50_ms": s.latency_p50_ms, "p99_ms": s.latency_p99_ms}
             for s in stats.shards
         ],
@@ -154,16 +154,20 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _per_shard(row: dict[str, Any], key: str) -> str:
+    return " / ".join(f"{s[key]:.2f}" for s in row["shard_stats"])
+
+
 def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = ["# Expert-parallel serving benchmark", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
-    lines += ["", "| shards | concurrency | requests | p50 ms | p99 ms | mean ms | req/s | tokens/s | shard calls/forward | errors |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| shards | concurrency | requests | p50 ms | p99 ms | mean ms | req/s | tokens/s | shard calls/forward | shard p50 ms | shard p99 ms | errors |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         errors = ", ".join(f"{n} {c}" for c, n in sorted(r["errors"].items())) or "0"
         lines.append(f"| {r['shards']} | {r['concurrency']} | {r['requests']} | {r['latency_p50_ms']:.2f} | {r['latency_p99_ms']:.2f} | "
                      f"{r['latency_mean_ms']:.2f} | {r['requests_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['shard_requests_per_call']:.2f} | {errors} |")
+                     f"{r['shard_requests_per_call']:.2f} | {_per_shard(r, 'p50_ms')} | {_per_shard(r, 'p99_ms')} | {errors} |")
     return "\n".join(lines) + "\n"
 
 
@@ -204,9 +208,11 @@ def main(argv: list[str] | None = None) -> int:
                              env={"OMP_NUM_THREADS": str(args.server_threads)} if args.server_threads else None)
                 for i, d in enumerate(dirs)
             ]
+            starts = [0] * len(procs)  # server log lines at SERVING: what comes after was logged under load
             try:
                 for proc in procs:
                     proc.wait_ready(600)
+                starts = [len(p.lines) for p in procs]
                 targets = [p.address for p in procs]
                 for concurrency in args.concurrency:
                     row = asyncio.run(_drive(targets, layer, batches, concurrency, args.warmup, args.duration, args.timeout))
@@ -217,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 for proc in procs:
                     proc.stop()
+                with (args.out / "servers.log").open("a") as log:
+                    for i, proc in enumerate(procs):
+                        log.write(f"==== shards={shards} shard {i} ({proc.address}); lines after start-up: "
+                                  f"{len(proc.lines) - starts[i]}\n")
+                        log.writelines(proc.lines)
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
