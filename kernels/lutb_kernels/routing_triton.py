@@ -13,9 +13,12 @@ prefill sizes the placement loop, not the launch, dominates: predicted tens of m
 with <= 64 experts (one-hot mode) and ~0.3-0.6 ms for 65536 routes over 256 experts (pairwise
 mode), possibly slower than the torch version there (see docs/kernels.md).
 
-Status: measured by ``bench/kernels.py --breakdown`` (stage ``moe_align_block_size (triton)``)
-and not yet used by the experts backends; they adopt it once the GPU tests
-(``tests/kernels/test_routing_triton.py``) have passed on a device.
+Where it wins (H200, ``bench/kernels.py --breakdown``, bench/results/2026-12-02-routing-ep-h200.md):
+2.5-3.8 us against the torch version's 60-66 us at T=1 and T=8 (mixtral, deepseek); 21 us
+against 87 us at deepseek T=32 (256 routes, pairwise mode); 40 us against 102 us at mixtral
+T=2048 (one-hot mode), even at mixtral T=8192; but 845 us against 152 us at deepseek T=2048
+(pairwise mode, 16384 routes). :func:`triton_routing_wins` encodes that, and the experts
+backends call this kernel where it says so and the torch version elsewhere.
 
 Triton is optional: importing this module never imports triton.
 """
@@ -27,12 +30,19 @@ import torch
 from lutb_kernels.routing import max_padded_routes
 from lutb_kernels.routing import moe_align_block_size as moe_align_block_size_reference
 
-__all__ = ["RoutingLaunch", "moe_align_block_size_reference", "moe_align_block_size_triton", "routing_launch"]
+__all__ = [
+    "RoutingLaunch", "moe_align_block_size_reference", "moe_align_block_size_triton", "routing_launch", "triton_routing_wins",
+]
 
 # Phase 3 keeps per-expert counters in registers (one-hot [C, E_PAD] block) up to this many
 # (padded) experts, and compares routes pairwise ([C, C]) with counters in memory above it.
 ONEHOT_MAX_EXPERTS = 64
 _INT32_LIMIT = 2**31
+# Most routes for which one launch beats the torch version, per phase-3 mode (H200 measurements
+# in the module docstring): the one-hot mode walks 8192 / e_pad routes per step and ties at 16384
+# routes over 8 experts; the pairwise mode costs ~50 us per 1024 routes.
+ONEHOT_MAX_ROUTES = 8192
+PAIRWISE_MAX_ROUTES = 1024
 
 
 def _pow2(n: int) -> int:
@@ -80,6 +90,16 @@ def routing_launch(num_routes: int, num_experts: int, max_padded: int, num_block
         block_chunk=_clamp_pow2(num_blocks, 16, max(16, 8192 // e_pad)),
         num_warps=4,
     )
+
+
+def triton_routing_wins(num_routes: int, num_experts: int) -> bool:
+    """Whether :func:`moe_align_block_size_triton` is the faster choice for this size (shapes only).
+
+    ``num_routes`` is ``T*k``; ``num_experts`` the global expert count. Depends on sizes alone,
+    so a CUDA graph captured for a batch size keeps its choice.
+    """
+    onehot = max(16, _pow2(num_experts)) <= ONEHOT_MAX_EXPERTS
+    return num_routes <= (ONEHOT_MAX_ROUTES if onehot else PAIRWISE_MAX_ROUTES)
 
 
 def _check_out(

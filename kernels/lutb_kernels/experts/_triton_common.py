@@ -4,7 +4,8 @@ The skeleton (spec section 4, for every backend that batches the experts with gr
 
     check_forward_args (host sync: topk id range)
     held = expert_map[topk_ids] >= 0                              [T, k]
-    routing = moe_align_block_size(topk_ids, route_block, E, expert_map)
+    routing = moe_align_block_size(topk_ids, route_block, E, expert_map)   one Triton launch at decode
+                                                                  sizes, torch ops above (triton_routing_wins)
     y = backend._routed_forward(...)                              [T*k, H], rows of held routes
     flag check (host sync: NaN/Inf met by an MXFP8 quantization)
     combined:    moe_combine(y, held)   (float32 sum over held routes, rounded to d)
@@ -27,6 +28,7 @@ from lutb_kernels.experts.base import LayerExperts, Support
 from lutb_kernels.mxfp8 import SCALE_MODES
 from lutb_kernels.reference import OutputMode, check_forward_args
 from lutb_kernels.routing import moe_align_block_size
+from lutb_kernels.routing_triton import moe_align_block_size_triton, triton_routing_wins
 from lutb_kernels.tiles import TILE
 
 # ----------------------------------------------------------------------------- support predicates
@@ -197,7 +199,8 @@ class RoutedTritonExperts(LayerExperts):
         weights = topk_weights.float().contiguous()
         held = self._emap[topk_ids.long()] >= 0  # [T, k]
         route_block = self.route_block(tokens * top_k)
-        routing = moe_align_block_size(topk_ids, route_block, self.config.num_experts, expert_map=self._emap)
+        align = moe_align_block_size_triton if triton_routing_wins(topk_ids.numel(), self.config.num_experts) else moe_align_block_size
+        routing = align(topk_ids, route_block, self.config.num_experts, expert_map=self._emap)
         y = self._routed_forward(
             x, weights, held, routing, top_k, route_block, nonfinite,
             weight_on_input=apply_router_weight_on_input,
