@@ -54,6 +54,8 @@ SHAPES: dict[str, dict[str, int]] = {
     "smoke": {"experts": 8, "hidden": 128, "intermediate": 128, "top_k": 2},
 }
 FORWARD_METHOD = "/lutb.v1.ExpertService/Forward"
+FORWARD_STREAM_METHOD = "/lutb.v1.ExpertService/ForwardStream"
+APIS = ("unary", "stream")
 ECHO_METHOD = "/bench.Echo/Echo"
 TARGET_SLACK_US = 150.0
 TARGET_THROUGHPUT = 0.8
@@ -154,6 +156,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
     options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
     async with grpc.aio.insecure_channel(spec["target"], options=options) as channel:
         await asyncio.wait_for(channel.channel_ready(), 60)
+        stream = spec["kind"] == "expert" and spec.get("api", "unary") == "stream"
         method = ECHO_METHOD if spec["kind"] == "echo" else FORWARD_METHOD
         call = channel.unary_unary(method)  # bytes in, bytes out: no (de)serialization cost on this side
         payloads: list[bytes] = spec["payloads"]
@@ -167,20 +170,30 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         t_end = t_start + spec["duration_s"]
 
         async def caller(index: int) -> None:
+            # api "stream": one ForwardStream per caller for the whole cell, one request in
+            # flight on it (what an attention node keeping a stream open per expert server does)
             nonlocal done_tokens
             i = index
+            duplex = channel.stream_stream(FORWARD_STREAM_METHOD)(timeout=600) if stream else None
             while True:
                 now = time.perf_counter()
                 if now >= t_end:
-                    return
+                    break
                 payload = payloads[i % len(payloads)]
                 i += 1
                 t0 = time.perf_counter()
                 try:
-                    raw = await call(payload, timeout=60)
+                    if duplex is not None:
+                        await duplex.write(payload)
+                        raw = await duplex.read()
+                        if raw is grpc.aio.EOF:
+                            errors.append("stream ended early")
+                            return
+                    else:
+                        raw = await call(payload, timeout=60)
                 except grpc.RpcError as err:
                     errors.append(f"{err.code().name}: {err.details()}")
-                    if len(errors) > 20:
+                    if len(errors) > 20 or duplex is not None:
                         return
                     continue
                 t1 = time.perf_counter()
@@ -194,6 +207,11 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                         batch_tokens.append(int(response.timing.batch_tokens))
                         compute_us.append(int(response.timing.compute_us))
                 sizes["response"] = len(raw)
+            if duplex is not None:
+                await duplex.done_writing()
+                await duplex.wait_for_connection()
+                if await duplex.read() is not grpc.aio.EOF:
+                    errors.append("stream: a response after the last request")
 
         await asyncio.gather(*(caller(spec["first_index"] + j) for j in range(spec["concurrency"])))
     return {"latencies": latencies, "tokens": done_tokens, "window_s": spec["duration_s"], "batch_tokens": batch_tokens,
@@ -244,10 +262,10 @@ class LoadPool:
         return parts
 
     def run(self, kind: str, target: str, payloads: list[bytes], tokens: int, concurrency: int,
-            warmup_s: float, duration_s: float) -> dict[str, Any]:
+            warmup_s: float, duration_s: float, api: str = "unary") -> dict[str, Any]:
         procs = min(len(self.workers), concurrency)
         parts = self.gather(concurrency, {"kind": kind, "target": target, "payloads": payloads, "tokens": tokens,
-                                          "warmup_s": warmup_s, "duration_s": duration_s})
+                                          "warmup_s": warmup_s, "duration_s": duration_s, "api": api})
         latencies = [v for p in parts for v in p["latencies"]]
         batch = [v for p in parts for v in p["batch_tokens"]]
         compute = [v for p in parts for v in p["compute_us"]]
@@ -502,6 +520,7 @@ def inprocess_times(ckpt: Path, args: argparse.Namespace, cells: list[tuple[Cell
 class Row:
     shape: str
     wire: str
+    api: str
     concurrency: int
     tokens: int
     server: dict[str, Any]
@@ -547,13 +566,17 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
                 reqs = requests[(wire, tokens)] = make_requests(shape, tokens, wire, dtype=dtype, scale_mode="rceil",
                                                                  seed=tokens)
                 for concurrency in args.concurrency:
-                    result = pool.run("expert", address, reqs.payloads, tokens, concurrency, args.warmup_s, args.duration_s)
-                    echo = pool.run("echo", echo_target, echo_payloads(result["request_bytes"], result["response_bytes"]),
-                                    tokens, concurrency, args.warmup_s / 2, args.duration_s)
-                    rows.append(Row(shape_name, wire, concurrency, tokens, result, echo))
-                    print(f"[bench] {shape_name} {wire} C={concurrency} T={tokens}: p50 {result['p50_us']:.0f} us, "
-                          f"{result['tokens_per_s']:.0f} tok/s, batch {result['batch_tokens_p50']}, echo p50 {echo['p50_us']:.0f} us"
-                          + (f", errors {result['errors']}" if result["errors"] else ""), flush=True)
+                    echo: dict[str, Any] = {}
+                    for api in args.apis:
+                        result = pool.run("expert", address, reqs.payloads, tokens, concurrency, args.warmup_s, args.duration_s,
+                                          api=api)
+                        if not echo:  # the transport floor: a bare unary echo of the same sizes, once per cell
+                            echo = pool.run("echo", echo_target, echo_payloads(result["request_bytes"], result["response_bytes"]),
+                                            tokens, concurrency, args.warmup_s / 2, args.duration_s)
+                        rows.append(Row(shape_name, wire, api, concurrency, tokens, result, echo))
+                        print(f"[bench] {shape_name} {wire} {api} C={concurrency} T={tokens}: p50 {result['p50_us']:.0f} us, "
+                              f"{result['tokens_per_s']:.0f} tok/s, batch {result['batch_tokens_p50']}, echo p50 {echo['p50_us']:.0f} us"
+                              + (f", errors {result['errors']}" if result["errors"] else ""), flush=True)
     finally:
         if profiler is not None:
             info["profile"] = profiler.detach() if server.poll() is None else None
@@ -583,16 +606,16 @@ def _targets(row: Row) -> None:
 
 
 def _saturation(rows: list[Row]) -> dict[str, str]:
-    """Per (wire, tokens): the concurrency beyond which tokens/s grows by less than 10%."""
+    """Per (wire, api, tokens): the concurrency beyond which tokens/s grows by less than 10%."""
     out = {}
-    for key in sorted({(r.wire, r.tokens) for r in rows}):
-        series = sorted((r.concurrency, r.server["tokens_per_s"]) for r in rows if (r.wire, r.tokens) == key)
+    for key in sorted({(r.wire, r.api, r.tokens) for r in rows}):
+        series = sorted((r.concurrency, r.server["tokens_per_s"]) for r in rows if (r.wire, r.api, r.tokens) == key)
         where = f"still growing at C={series[-1][0]}"
         for (c0, t0), (_c1, t1) in zip(series, series[1:]):
             if t1 < 1.1 * t0:
                 where = f"flat from C={c0} ({t0:.0f} tok/s)"
                 break
-        out[f"{key[0]} T={key[1]}"] = where
+        out[f"{key[0]} {key[1]} T={key[2]}"] = where
     return out
 
 
@@ -605,8 +628,8 @@ def _fmt(v: Any, digits: int = 0) -> str:
 
 
 def short_table(rows: list[Row]) -> str:
-    head = "| shape | wire | C | T | p50 us | p99 us | tok/s | batch | in-proc us | in-proc tok/s | echo p50 us | target |"
-    lines = [head, "|" + "|".join("---" for _ in range(12)) + "|"]
+    head = "| shape | wire | api | C | T | p50 us | p99 us | tok/s | batch | in-proc us | in-proc tok/s | echo p50 us | target |"
+    lines = [head, "|" + "|".join("---" for _ in range(13)) + "|"]
     for r in rows:
         target = []
         if "latency" in r.targets:
@@ -615,7 +638,7 @@ def short_table(rows: list[Row]) -> str:
         if "throughput" in r.targets:
             t = r.targets["throughput"]
             target.append(f"tok/s>={t['min_tokens_per_s']:.0f} {'OK' if t['ok'] else 'MISS'}")
-        lines.append(f"| {r.shape} | {r.wire} | {r.concurrency} | {r.tokens} | {_fmt(r.server['p50_us'])} | {_fmt(r.server['p99_us'])} "
+        lines.append(f"| {r.shape} | {r.wire} | {r.api} | {r.concurrency} | {r.tokens} | {_fmt(r.server['p50_us'])} | {_fmt(r.server['p99_us'])} "
                      f"| {_fmt(r.server['tokens_per_s'])} | {_fmt(r.server['batch_tokens_p50'])} | {_fmt(r.inproc.get('us'))} "
                      f"| {_fmt(r.inproc.get('tokens_per_s'))} | {_fmt(r.echo.get('p50_us'))} | {'; '.join(target)} |")
     return "\n".join(lines)
@@ -638,7 +661,8 @@ def write_report(out: Path, args: argparse.Namespace, infos: dict[str, Any], row
           f"Settings: {json.dumps(settings, default=str)}", ""]
     for name, info in infos.items():
         md += [f"## {name}", "", f"```\n{json.dumps(info, indent=2)}\n```", ""]
-    md += ["## Results", "", "p50/p99: end-to-end latency of one Forward as the load generator sees it; batch: median "
+    md += ["## Results", "", "p50/p99: end-to-end latency of one request as the load generator sees it (api unary: a Forward call; "
+           "stream: a message on the caller's open ForwardStream, one in flight); batch: median "
            "`timing.batch_tokens`; in-proc: the same experts and compute worker in-process on a batch of that size; "
            f"echo: bare gRPC of the same payload sizes. Targets: C=1, T=16: p50 <= in-proc + echo + {TARGET_SLACK_US:.0f} us; "
            f"C=64: tok/s >= {TARGET_THROUGHPUT:.0%} of in-proc tok/s.", "", table, ""]
@@ -657,6 +681,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--tokens", default="1,16,128", help="tokens per request")
     p.add_argument("--wires", default="bf16,mxfp8", help="bf16 (model dtype) and/or mxfp8")
+    p.add_argument("--apis", default="unary,stream",
+                   help="unary (one Forward per request) and/or stream (one ForwardStream per caller, one request in flight)")
     p.add_argument("--duration-s", type=float, default=2.0, help="measured seconds per cell")
     p.add_argument("--warmup-s", type=float, default=0.5, help="unmeasured seconds before each cell")
     p.add_argument("--inproc-s", type=float, default=0.5, help="seconds of in-process calls per formed batch size")
@@ -686,6 +712,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.wires = [w for w in str(args.wires).split(",") if w]
     if any(w not in ("bf16", "mxfp8") for w in args.wires):
         p.error("--wires takes bf16 and/or mxfp8")
+    args.apis = [a for a in str(args.apis).split(",") if a]
+    if not args.apis or any(a not in APIS for a in args.apis):
+        p.error(f"--apis takes {' and/or '.join(APIS)}")
     if args.work_dir is None:
         args.work_dir = str(args.out / "checkpoints")
     return args
