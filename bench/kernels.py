@@ -421,6 +421,7 @@ def breakdown(results: dict, shapes: list[str]) -> None:
                     if sk >= 1:
                         cands[f"split_k={sk}"] = LutBGemmConfig(**{**base.__dict__, "split_k": sk})
                 cands["block_n=64"] = LutBGemmConfig(**{**base.__dict__, "block_n": 64})
+                cands["decoder=prmt"] = LutBGemmConfig(**{**base.__dict__, "decoder": "prmt"})
                 cands["prefetch"] = LutBGemmConfig(**{**base.__dict__, "prefetch": True})
                 cands["stages=4"] = LutBGemmConfig(**{**base.__dict__, "num_stages": 4})
                 tb = (w13_bytes if gname == "gemm1" else w2_bytes) * te

@@ -29,7 +29,13 @@ LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(
 
 
 def compile_variant(block_m: int, block_n: int, warps: int, g: int, *, decoder: int = 1, a_deq: bool = True,
-                    tile_loop: bool = True, prefetch: bool = True, split_k: int = 2, stages: int = 3, swap: bool = True) -> str:
+                    tile_loop: bool = True, prefetch: bool = True, split_k: int = 2, stages: int = 3,
+                    swap: bool = True) -> tuple[str, int, int]:
+    """SASS of one variant, its registers per thread and its local-memory bytes (spills) per thread.
+
+    (``CompiledKernel.n_regs``/``n_spills`` are only filled when a GPU loads the cubin; the
+    cubin's resource usage from ``cuobjdump`` holds the same numbers.)
+    """
     sig = {
         "a_ptr": "*bf16" if a_deq else "*u8", "as_ptr": "*u8" if not a_deq else "*bf16", "w_bytes_ptr": "*u8",
         "w_words_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "topk_w_ptr": "*fp32", "sorted_ptr": "*i32",
@@ -49,7 +55,11 @@ def compile_variant(block_m: int, block_n: int, warps: int, g: int, *, decoder: 
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     cubin = Path("/tmp/sass_offline.cubin")
     cubin.write_bytes(ck.asm["cubin"])
-    return subprocess.run([str(TOOL), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([str(TOOL), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    res = subprocess.run([str(TOOL), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    local = re.search(r"LOCAL:(\d+)", res)
+    return sass, int(regs.group(1)) if regs else -1, int(local.group(1)) if local else -1
 
 
 def main_loop(sass: str) -> tuple[list[str], dict]:
@@ -87,6 +97,9 @@ VARIANTS = {
     "128,128,w8 tile loop": (128, 128, 8, 1, dict(tile_loop=True, prefetch=False, split_k=1)),
     "16,128,w4 tile loop e4m3 A": (16, 128, 4, 1, dict(tile_loop=True, prefetch=False, a_deq=False)),
 }
+# the same tile-loop variants with the "prmt2" decoder (DECODER=2)
+VARIANTS.update({f"{name} prmt2": (bm, bn, w, g, dict(kw, decoder=2))
+                 for name, (bm, bn, w, g, kw) in list(VARIANTS.items()) if kw.get("tile_loop")})
 
 
 def main() -> int:
@@ -95,12 +108,13 @@ def main() -> int:
     ap.add_argument("--dump", type=Path, default=None, help="write each variant's loop SASS here")
     args = ap.parse_args()
     keys = ("PRMT", "LOP3", "SHF", "IMAD", "IADD3", "HMMA", "HGMMA", "LDG", "LDS", "STS", "BAR", "F2FP", "HFMA2", "MOV", "SEL")
-    print(f"{'variant':38s} {'loop':>5s} {'w/thr':>6s} {'i/w':>5s} " + " ".join(f"{k:>5s}" for k in keys) + "  LDG widths")
+    print(f"{'variant':38s} {'loop':>5s} {'w/thr':>6s} {'i/w':>5s} {'regs':>4s} " + " ".join(f"{k:>5s}" for k in keys)
+          + "  LDG widths")
     for name, (bm, bn, warps, g, kw) in VARIANTS.items():
         if args.only and args.only not in name:
             continue
         try:
-            sass = compile_variant(bm, bn, warps, g, **kw)
+            sass, regs, spills = compile_variant(bm, bn, warps, g, **kw)
         except Exception as exc:  # noqa: BLE001
             print(f"{name:38s} compile failed: {type(exc).__name__}: {str(exc)[:300]}")
             continue
@@ -108,9 +122,9 @@ def main() -> int:
         per_iter = 4 if kw.get("tile_loop") else g  # 32-column groups per loop iteration
         w_thr = bn * 32 * per_iter / (32 * warps)
         widths = collections.Counter(re.match(r"(LDG\S*)", ln).group(1) for ln in body if ln.startswith("LDG"))
-        spill = "STL" in sass
-        print(f"{name:38s} {len(body):5d} {w_thr:6.0f} {len(body) / w_thr:5.2f} " + " ".join(f"{counts.get(k, 0):5d}" for k in keys)
-              + "  " + ",".join(f"{k}x{v}" for k, v in sorted(widths.items())) + (" SPILLS" if spill else ""))
+        spill = f" SPILLS(local {spills} B)" if spills or "STL" in sass else ""
+        print(f"{name:38s} {len(body):5d} {w_thr:6.0f} {len(body) / w_thr:5.2f} {regs:4d} "
+              + " ".join(f"{counts.get(k, 0):5d}" for k in keys) + "  " + ",".join(f"{k}x{v}" for k, v in sorted(widths.items())) + spill)
         if args.dump:
             args.dump.mkdir(parents=True, exist_ok=True)
             (args.dump / (re.sub(r"\W+", "_", name) + ".sass")).write_text("\n".join(body))

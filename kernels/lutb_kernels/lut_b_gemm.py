@@ -16,7 +16,9 @@ applied and the result rounded to ``out.dtype``. Only the order of the float32 s
 :func:`lut_b_moe_gemm_reference`.
 
 Configs (:class:`LutBGemmConfig`, :func:`default_config`): decoder ``prmt`` (inline PTX, NVIDIA
-sm80+) or ``triton`` (pure Triton: the CPU interpreter and other GPUs), rows per program, output
+sm80+), ``prmt2`` (the same values bit for bit, fewer instructions per weight: unscaled LUT split
+once per tile, scale applied after the lookup, cheaper selectors) or ``triton`` (pure Triton: the
+CPU interpreter and other GPUs), rows per program, output
 columns per program (a divisor of 128: a program stays inside one tile row), split-K (fp32
 atomics into a zeroed workspace, then a finalize pass), swap-AB (weights as the MMA's M side for
 small batches), warps and pipeline stages.
@@ -42,7 +44,9 @@ from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize
 from lutb_kernels.mxfp8_triton import decoder_column_order
 from lutb_kernels.tiles import TILE, TILE_BYTES, tiles_to_dense
 
-Decoder = Literal["prmt", "triton"]
+Decoder = Literal["prmt", "prmt2", "triton"]
+# the kernel's constexpr DECODER for each decoder name
+DECODER_IDS: dict[str, int] = {"triton": 0, "prmt": 1, "prmt2": 2}
 
 
 @dataclass(frozen=True)
@@ -51,16 +55,17 @@ class LutBGemmConfig:
 
     ``block_m``: rows per program (divides the routing block); ``block_n``: output columns per
     program (16..128, divides 128); ``split_k``: programs sharing one output tile along K;
-    ``swap_ab``: compute ``W @ A^T`` so the weights fill the MMA's M side; ``decoder``: "prmt"
-    or "triton"; ``groups_per_step``: 32-column groups decoded per K step (4 = a whole tile;
-    2 or 1 hold fewer decoded weights in registers, for large ``block_m``).
+    ``swap_ab``: compute ``W @ A^T`` so the weights fill the MMA's M side; ``decoder``: "prmt",
+    "prmt2" (NVIDIA sm80+, identical results) or "triton"; ``groups_per_step``: 32-column groups
+    decoded per K step (4 = a whole tile; 2 or 1 hold fewer decoded weights in registers, for
+    large ``block_m``).
     """
 
     block_m: int
     block_n: int = 128
     split_k: int = 1
     swap_ab: bool = False
-    decoder: Decoder = "prmt"
+    decoder: Decoder = "prmt2"
     num_warps: int = 4
     num_stages: int = 3
     groups_per_step: int = 4
@@ -75,9 +80,9 @@ class LutBGemmConfig:
 
 
 def default_decoder(device: torch.device) -> Decoder:
-    """``prmt`` on NVIDIA GPUs of compute capability 8.0 or newer, else ``triton``."""
+    """``prmt2`` on NVIDIA GPUs of compute capability 8.0 or newer, else ``triton``."""
     if is_nvidia(device) and torch.cuda.get_device_capability(device) >= (8, 0):
-        return "prmt"
+        return "prmt2"
     return "triton"
 
 
@@ -218,7 +223,7 @@ def lut_b_moe_gemm(
         config = default_config(num_valid, n, k, w_packed.shape[0], block_m, device)
     bm = min(config.block_m, block_m)
     if (block_m % bm or config.block_n not in (16, 32, 64, 128) or config.split_k < 1 or config.groups_per_step not in (1, 2, 4)
-            or (config.tile_loop and config.groups_per_step != 1)):
+            or (config.tile_loop and config.groups_per_step != 1) or config.decoder not in DECODER_IDS):
         raise ValueError(f"bad config {config} for block_m={block_m}")
     k_tiles = k // TILE
     split_k = min(config.split_k, k_tiles)
@@ -236,7 +241,7 @@ def lut_b_moe_gemm(
         a_mxfp8.stride(0), a_scales.stride(0) if a_scales is not None else 0, out.stride(0),
         TOP_K=top_k, ROUTE_BLOCK=block_m, BLOCK_M=bm, BLOCK_N=config.block_n, SPLIT_K=split_k,
         MUL_WEIGHT=topk_weights is not None,
-        DECODER=1 if config.decoder == "prmt" else 0,
+        DECODER=DECODER_IDS[config.decoder],
         A_PERMUTED=a_k_order == "decoder",
         A_DEQUANTIZED=a_scales is None,
         SWAP_AB=config.swap_ab,

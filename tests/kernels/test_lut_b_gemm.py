@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from lutb_gpu_testdata import rel_l2
@@ -45,6 +47,8 @@ CONFIGS = [
     LutBGemmConfig(block_m=16, block_n=64, split_k=2, swap_ab=True, decoder="triton"),
     LutBGemmConfig(block_m=64, block_n=64, split_k=1, swap_ab=False, decoder="triton"),
 ]
+# every "prmt" config again with "prmt2" (the same values bit for bit, fewer instructions)
+CONFIGS += [replace(c, decoder="prmt2") for c in CONFIGS if c.decoder == "prmt"]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
@@ -73,7 +77,7 @@ def test_lut_b_moe_gemm_gpu(config, tokens, top_k, experts, held, n, k, dtype, o
     assert rel_l2(out[routed], ref[routed]) < (1e-5 if dtype == torch.float32 else 5e-3)
 
 
-@pytest.mark.parametrize("decoder", ["prmt", "triton"])
+@pytest.mark.parametrize("decoder", ["prmt", "prmt2", "triton"])
 def test_decoder_exact(decoder: str) -> None:
     """One-hot activations read single weights back: the decode must be exact."""
     from lutb_kernels import mxfp8_triton as mt
