@@ -129,7 +129,9 @@ async def _drive(targets: list[str], layer: int, batches: list[tuple[torch.Tenso
         "tokens_per_s": len(latencies) * tokens / elapsed,
         "shard_requests_per_call": sum(s.requests for s in stats.shards) / max(stats.calls, 1),
         "shard_stats": [
-            {"target": s.target, "requests": s.requests, "tokens": s.tokens, "p50_ms": s.latency_p50_ms, "p99_ms": s.latency_p99_ms}
+            {"target": s.target, "requests": s.requests, "tokens": s.tokens, "p50_ms": s.latency_p50_ms, "p99_ms": s.latency_p99_ms,
+             "server_queue_p50_ms": s.server_queue_p50_ms, "server_compute_p50_ms": s.server_compute_p50_ms,
+             "server_total_p50_ms": s.server_total_p50_ms}
             for s in stats.shards
         ],
     }
@@ -158,16 +160,21 @@ def _per_shard(row: dict[str, Any], key: str) -> str:
     return " / ".join(f"{s[key]:.2f}" for s in row["shard_stats"])
 
 
+def _server_split(row: dict[str, Any]) -> str:
+    return " ; ".join(f"{s['server_queue_p50_ms']:.2f}/{s['server_compute_p50_ms']:.2f}/{s['server_total_p50_ms']:.2f}"
+                      for s in row["shard_stats"])
+
+
 def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = ["# Expert-parallel serving benchmark", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
-    lines += ["", "| shards | concurrency | requests | p50 ms | p99 ms | mean ms | req/s | tokens/s | shard calls/forward | shard p50 ms | shard p99 ms | errors |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| shards | concurrency | requests | p50 ms | p99 ms | mean ms | req/s | tokens/s | shard calls/forward | shard p50 ms | shard p99 ms | server queue / compute / total p50 ms (per shard) | errors |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         errors = ", ".join(f"{n} {c}" for c, n in sorted(r["errors"].items())) or "0"
         lines.append(f"| {r['shards']} | {r['concurrency']} | {r['requests']} | {r['latency_p50_ms']:.2f} | {r['latency_p99_ms']:.2f} | "
                      f"{r['latency_mean_ms']:.2f} | {r['requests_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['shard_requests_per_call']:.2f} | {_per_shard(r, 'p50_ms')} | {_per_shard(r, 'p99_ms')} | {errors} |")
+                     f"{r['shard_requests_per_call']:.2f} | {_per_shard(r, 'p50_ms')} | {_per_shard(r, 'p99_ms')} | {_server_split(r)} | {errors} |")
     return "\n".join(lines) + "\n"
 
 

@@ -80,7 +80,10 @@ class ShardStats:
     ``requests``: sub-requests sent (failed ones included); ``tokens``/``routes``: tokens
     sent and ``(token, route)`` pairs assigned; ``failures``: sub-requests that failed with
     UNAVAILABLE/DEADLINE_EXCEEDED and were retried elsewhere; latencies are of
-    successful sub-requests (last 4096), in milliseconds.
+    successful sub-requests (last 4096), in milliseconds. ``server_*_p50_ms`` are the medians
+    of what the shard itself reported in each response's ``timing`` over the same sub-requests
+    (queue: waiting for its batch; compute: the batch's experts call; total: receipt to
+    response), so ``latency - server_total`` is the transport and the client's own share.
     """
 
     target: str
@@ -93,6 +96,9 @@ class ShardStats:
     latency_mean_ms: float
     latency_p50_ms: float
     latency_p99_ms: float
+    server_queue_p50_ms: float = 0.0
+    server_compute_p50_ms: float = 0.0
+    server_total_p50_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,7 @@ class _ShardCounters:
     outstanding: int = 0
     down_until: float = 0.0
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=_LATENCY_SAMPLES))
+    server_us: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=_LATENCY_SAMPLES))  # queue, compute, total
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -484,12 +491,15 @@ class _ShardedCore:
             c.routes += int(sub.valid.sum())
         return time.perf_counter()
 
-    def _answered(self, shard: int, started: float, ok: bool) -> None:
+    def _answered(self, shard: int, started: float, response: Any) -> None:
+        """Book a finished sub-request; ``response`` is the ForwardResponse, or None when it failed."""
         with self._lock:
             c = self._counters[shard]
             c.outstanding -= 1
-            if ok:
+            if response is not None:
                 c.latencies.append(time.perf_counter() - started)
+                t = response.timing
+                c.server_us.append((t.queue_us, t.compute_us, t.total_us))
                 c.down_until = 0.0
 
     def _attempt_timeout(self, deadline: float) -> float:
@@ -507,6 +517,9 @@ class _ShardedCore:
                     latency_mean_ms=1e3 * sum(c.latencies) / len(c.latencies) if c.latencies else 0.0,
                     latency_p50_ms=1e3 * _percentile(list(c.latencies), 0.5),
                     latency_p99_ms=1e3 * _percentile(list(c.latencies), 0.99),
+                    server_queue_p50_ms=1e-3 * _percentile([q for q, _, _ in c.server_us], 0.5),
+                    server_compute_p50_ms=1e-3 * _percentile([m for _, m, _ in c.server_us], 0.5),
+                    server_total_p50_ms=1e-3 * _percentile([t for _, _, t in c.server_us], 0.5),
                 )
                 for t, c in zip(self.targets, self._counters)
             )
@@ -519,6 +532,7 @@ class _ShardedCore:
             for c in self._counters:
                 c.requests = c.tokens = c.routes = c.failures = 0
                 c.latencies.clear()
+                c.server_us.clear()
 
 
 def _info_error(target: str, err: grpc.RpcError) -> ExpertServiceError:
@@ -573,7 +587,8 @@ class ShardedExpertClient(_ShardedCore):
 
     def _on_done(self, sub: _Sub, started: float) -> Any:
         def done(future: Any) -> None:
-            self._answered(sub.shard, started, not future.cancelled() and future.exception() is None)
+            ok = not future.cancelled() and future.exception() is None
+            self._answered(sub.shard, started, future.result() if ok else None)
 
         return done
 
@@ -733,15 +748,14 @@ class AsyncShardedExpertClient(_ShardedCore):
 
     async def _send(self, sub: _Sub, request: pb.ForwardRequest, timeout: float) -> Any:
         started = self._sent(sub)
-        ok = False
+        response = None
         try:
             response = await self._stubs[sub.shard].Forward(request, timeout=timeout)
-            ok = True
             return response
         except grpc.RpcError as err:
             return ExpertServiceError.from_rpc_error(err)
         finally:
-            self._answered(sub.shard, started, ok)
+            self._answered(sub.shard, started, response)
 
     async def forward_detailed(
         self,

@@ -175,7 +175,11 @@ def test_replicas_share_the_load(cluster: Cluster) -> None:
     copies = [stats[cluster.targets[1]].requests, stats[cluster.targets[3]].requests]
     assert sum(copies) == 24 and min(copies) >= 4, copies
     assert stats[cluster.targets[0]].requests == stats[cluster.targets[2]].requests == 0
-    assert stats[cluster.targets[1]].latency_p99_ms > 0
+    busy = stats[cluster.targets[1]]
+    assert busy.latency_p99_ms > 0
+    # the shard's own account of each sub-request: compute inside total, total inside what the client waited
+    assert 0 < busy.server_compute_p50_ms <= busy.server_total_p50_ms <= busy.latency_p99_ms
+    assert stats[cluster.targets[0]].server_total_p50_ms == 0.0  # no sub-requests, no samples
 
 
 def test_async_client_equals_the_single_server(cluster: Cluster) -> None:
