@@ -116,6 +116,8 @@ class ComputeWorker:
         self._experts: dict[int, LayerExperts] | None = None
         self.device = torch.device(getattr(engine, "device", "cpu"))
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # torch.cuda.set_device refuses a bare "cuda"
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._stream: Any = None
         self._host = _Buffers(torch.device("cpu"), pin=self.cuda)
         self._dev = _Buffers(self.device, pin=False)
@@ -149,14 +151,22 @@ class ComputeWorker:
             self._thread = None
 
     def _loop(self) -> None:
+        broken: BaseException | None = None
         if self.cuda:
-            torch.cuda.set_device(self.device)
+            try:
+                torch.cuda.set_device(self.device)
+            except BaseException as exc:  # noqa: BLE001 - every job fails with it instead of waiting forever
+                log.error("compute worker cannot use %s: %s", self.device, exc)
+                broken = exc
         while True:
             job = self._jobs.get()
             if job is None:
                 return
             fn, args, future = job
             if not future.set_running_or_notify_cancel():
+                continue
+            if broken is not None:
+                future.set_exception(broken)
                 continue
             try:
                 future.set_result(fn(*args))

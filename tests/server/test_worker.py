@@ -135,3 +135,19 @@ def test_warm_up_runs_every_eager_size_on_the_gpu(tiny_checkpoint: Path) -> None
         assert outputs[0].shape == (300, gpu_engine.config.hidden_size) and torch.isfinite(outputs[0].float()).all()
     finally:
         worker.close()
+
+
+def test_a_worker_that_cannot_use_its_device_fails_jobs_instead_of_hanging(engine: ExpertEngine,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(device: object) -> None:
+        raise ValueError("no such device")
+
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+    worker = ComputeWorker(engine)
+    worker.cuda = True  # as if on a GPU: the thread calls torch.cuda.set_device first
+    worker.start()
+    try:
+        with pytest.raises(ValueError, match="no such device"):
+            worker.call(lambda: 1).result(timeout=10)
+    finally:
+        worker.close(10)
