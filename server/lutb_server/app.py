@@ -174,6 +174,9 @@ class ExpertServer:
         options = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
+            # gRPC sets SO_REUSEPORT by default: a second server on a taken port would bind and
+            # silently receive part of the first one's connections. Fail the bind instead.
+            ("grpc.so_reuseport", 0),
         ]
         server = grpc.aio.server(
             interceptors=[MetricsInterceptor(self.metrics), GateInterceptor(self.gate, (SERVICE_NAME,))],
@@ -184,7 +187,10 @@ class ExpertServer:
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        port = server.add_insecure_port(_address(s.host, s.port))
+        try:
+            port = server.add_insecure_port(_address(s.host, s.port))
+        except RuntimeError:  # newer grpcio raises where older ones return 0
+            port = 0
         if port == 0:
             self.metrics.close()
             raise OSError(f"cannot bind gRPC to {_address(s.host, s.port)}")

@@ -94,3 +94,13 @@ def test_metrics_port_zero_disables_serving(tiny_checkpoint: Path) -> None:
         assert server.server.metrics_port is None
         with grpc.insecure_channel(server.address) as channel:
             grpc.channel_ready_future(channel).result(timeout=10)
+
+
+def test_a_second_server_on_a_taken_port_fails_to_bind(tiny_checkpoint: Path) -> None:
+    """No SO_REUSEPORT: two servers on one port would split each other's connections silently."""
+    with ServerThread(checkpoint=tiny_checkpoint) as first:
+        port = int(first.address.rsplit(":", 1)[1])
+        second = ServerThread(checkpoint=tiny_checkpoint, port=port)
+        with pytest.raises(OSError, match="cannot bind"):
+            second.start()
+        second.stop()
