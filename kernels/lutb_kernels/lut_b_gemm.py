@@ -99,6 +99,10 @@ DEFAULT_TABLE: dict[int, tuple[int, int, int, int, int]] = {
     256: (128, 128, 8, 3, 1),
 }
 MIN_TILES_PER_SPLIT = 4
+# Routing blocks from which the defaults keep the prmt decoder: on the H200 prmt2 made every
+# decode-sized forward faster (mixtral T=1 209 -> 120 us) but prefill ones slower (qwen3 T=2048
+# 933 -> 1025 us, T=8192 2598 -> 2917 us), bench/results/2026-12-02-kernels-prmt2-h200.md.
+PRMT2_MAX_ROUTE_BLOCK = 128
 TUNED: dict[tuple[int, int, int], dict] = {
     # (route_block, n, k): {"block_n": 64, "split_k": 8, "num_warps": 4, "num_stages": 3}
 }
@@ -115,6 +119,8 @@ def default_config(num_routes: int, n: int, k: int, num_experts: int, route_bloc
     if interpreting():
         return LutBGemmConfig(block_m=min(route_block, 16), block_n=min(64, n), split_k=1, swap_ab=False,
                               decoder=decoder, num_warps=4, num_stages=1, groups_per_step=4)
+    if decoder == "prmt2" and route_block >= PRMT2_MAX_ROUTE_BLOCK:
+        decoder = "prmt"
     k_tiles = k // TILE
     block_m, block_n, warps, stages, waves = DEFAULT_TABLE.get(route_block, DEFAULT_TABLE[128])
     block_m = min(block_m, route_block)

@@ -160,3 +160,15 @@ def test_prmt2_equals_prmt_edge_values_gpu(tile_loop: bool, groups: int, block_m
         outs.append(out)
     assert not outs[0].isnan().any()
     assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+
+
+@pytest.mark.parametrize("route_block,expected", [(16, "prmt2"), (32, "prmt2"), (64, "prmt2"), (128, "prmt"), (256, "prmt")])
+def test_default_config_keeps_prmt_for_prefill_blocks(monkeypatch: pytest.MonkeyPatch, route_block: int, expected: str) -> None:
+    """prmt2 was faster at decode-sized routing blocks and slower from 128 rows on (H200 results)."""
+    import lutb_kernels.lut_b_gemm as op
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(op, "default_decoder", lambda device: "prmt2")
+    monkeypatch.setattr(op, "sm_count", lambda device: 132)
+    config = op.default_config(4096, 1536, 2048, 128, route_block, torch.device("cpu"))
+    assert config.decoder == expected
