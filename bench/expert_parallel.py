@@ -68,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=5.0, help="seconds measured per (shards, concurrency) (default 5)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up before each measurement (default 1)")
     p.add_argument("--timeout", type=float, default=60.0, help="deadline of one forward in seconds (default 60)")
+    p.add_argument("--client-threads", type=int,
+                   help="torch intra-op threads of this (client) process (default: torch's, one per core); the "
+                        "client's split and combine are small tensor ops, and a full OpenMP pool competing with "
+                        "several server processes for the cores is one suspect for the multi-shard stalls")
     p.add_argument("--server-threads", type=int, help="OMP_NUM_THREADS of each server process (default: inherited); "
                    "on a small CPU machine use 1, or the processes' spinning threads starve each other")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `lutb serve` flag (repeatable), e.g. --serve-arg=--max-wait-us=200")
@@ -180,6 +184,8 @@ def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.client_threads:
+        torch.set_num_threads(args.client_threads)
     args.out.mkdir(parents=True, exist_ok=True)
     temp = None
     work = args.work_dir
@@ -251,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"synthetic random tiles (H={config.hidden_size}, I={config.intermediate_size}, E={config.num_experts}, "
                       f"{config.activation}, {config.dtype})",
         "server threads": args.server_threads or "inherited",
+        "client threads": torch.get_num_threads(),
         "workload": f"layer {layer}, {args.tokens} tokens/request, top-{topk}, {args.duration:g} s per row after {args.warmup:g} s warm-up, "
                     "AsyncShardedExpertClient (unary Forward per shard)",
     }
