@@ -60,7 +60,7 @@ ECHO_METHOD = _serving.ECHO_METHOD
 # ----------------------------------------------------------------------------- the fake backend (server process)
 
 
-def _sleep_experts_class(base_us: float, per_token_us: float) -> type:
+def _sleep_experts_class(base_us: float, per_token_us: float, launches: int = 0) -> type:
     import torch
 
     from lutb_kernels.experts.base import LayerExperts, Support
@@ -76,6 +76,11 @@ def _sleep_experts_class(base_us: float, per_token_us: float) -> type:
 
         def forward(self, x, topk_ids, topk_weights, *, apply_router_weight_on_input=False, output_mode="combined"):
             tokens = int(x.shape[0])
+            # ``launches`` small torch ops first: the Python and dispatch work (GIL held) a GPU
+            # forward spends launching its kernels, then the sleep stands in for the GPU's time
+            t = torch.zeros(4)
+            for _ in range(launches):
+                t = t.add(1)
             time.sleep((base_us + per_token_us * tokens) / 1e6)
             shape = (tokens, x.shape[1]) if output_mode == "combined" else (tokens, topk_ids.shape[1], x.shape[1])
             return torch.zeros(shape, dtype=x.dtype)
@@ -99,7 +104,8 @@ def _child_serve(config: dict[str, Any]) -> None:
     from lutb_server.settings import ServerSettings
 
     logging.basicConfig(level=logging.INFO, format="[server] %(asctime)s %(name)s %(message)s")
-    cls = _sleep_experts_class(config.pop("_base_us"), config.pop("_per_token_us"))
+    cls = _sleep_experts_class(config.pop("_base_us"), config.pop("_per_token_us"), config.pop("_launches", 0))
+    switch_us = config.pop("_switch_interval_us", None)
     checkpoint = Checkpoint(config["checkpoint"])
     choice = BackendChoice("sleep", cls, torch.device("cpu"), "fake backend (bench/serving_overhead.py)")
     settings = ServerSettings(**config)
@@ -107,6 +113,8 @@ def _child_serve(config: dict[str, Any]) -> None:
     def loader() -> ExpertEngine:
         return ExpertEngine(checkpoint, choice, max_tokens_per_request=settings.max_tokens_per_request, validate_tiles=False)
 
+    if switch_us:  # an experiment: the GIL hand-over between the event loop and the compute worker
+        sys.setswitchinterval(switch_us / 1e6)
     asyncio.run(serve(settings, engine_loader=loader))
 
 
@@ -232,7 +240,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     config = {"checkpoint": str(ckpt), "backend": "reference", "device": "cpu", "host": "127.0.0.1", "port": port,
               "metrics_port": 0, "validate_checkpoint": False, "max_wait_us": args.max_wait_us,
               "max_batch_tokens": args.max_batch_tokens, "max_queue_requests": 4096, "shutdown_grace_s": 2,
-              "cuda_graph_max_tokens": 0, "intra_op_threads": args.intra_op_threads, "_base_us": args.base_us, "_per_token_us": args.per_token_us}
+              "cuda_graph_max_tokens": 0, "intra_op_threads": args.intra_op_threads, "_base_us": args.base_us, "_per_token_us": args.per_token_us,
+              "_launches": args.launches, "_switch_interval_us": args.switch_interval_us}
     server = _spawn(["serve", json.dumps(config)], out / "server.log")
     echo = subprocess.Popen([sys.executable, _serving.__file__, "--child", "echo", str(echo_port)],
                             stdout=open(out / "echo.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
@@ -310,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="directory for logs, checkpoint, overhead.json/.md (default: a temp dir)")
     p.add_argument("--base-us", type=float, default=350.0, help="fake backend: sleep per experts call")
     p.add_argument("--per-token-us", type=float, default=4.0, help="fake backend: extra sleep per token")
+    p.add_argument("--launches", type=int, default=0,
+                   help="fake backend: small torch ops (GIL held) per experts call before the sleep, like kernel launches")
+    p.add_argument("--switch-interval-us", type=float, default=None,
+                   help="the server process's sys.setswitchinterval in microseconds (default: Python's 5000)")
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--tokens", default="1,16")
     p.add_argument("--hidden", type=int, default=2048)

@@ -143,7 +143,7 @@ class ExpertEngine:
         Raises:
             InvalidArgument: the message names the field.
         """
-        from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize
+        from lutb_kernels.mxfp8 import BLOCK, e4m3_nan_count, mxfp8_dequantize_fast
 
         q, scales, hidden = hidden_states, hidden_scales, self.config.hidden_size
         if q.dtype != torch.float8_e4m3fn:
@@ -164,7 +164,10 @@ class ExpertEngine:
             if bad.numel():
                 row, block = (int(v) for v in bad[0])
                 raise InvalidArgument(f"hidden_scales: {bad.shape[0]} scale byte(s) are 255 (E8M0 NaN), first at row {row}, block {block}")
-        x = mxfp8_dequantize(q, scales, self.model_dtype)
+        nan = e4m3_nan_count(q)
+        if nan:
+            raise InvalidArgument(f"hidden_states: {nan} MXFP8 value(s) are NaN (e4m3 codes 0x7F/0xFF)")
+        x = mxfp8_dequantize_fast(q, scales, self.model_dtype)
         if not _all_finite(x):
             count = int((~torch.isfinite(x)).sum())
             raise InvalidArgument(

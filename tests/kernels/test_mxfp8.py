@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lutb_kernels.errors import NonFiniteInputError
-from lutb_kernels.mxfp8 import mxfp8_dequantize, mxfp8_qdq, mxfp8_quantize
+from lutb_kernels.mxfp8 import e4m3_nan_count, mxfp8_dequantize, mxfp8_dequantize_fast, mxfp8_qdq, mxfp8_quantize
 
 
 def _e4m3_values() -> list[float]:
@@ -130,3 +130,31 @@ def test_bad_shapes_are_refused(shape: tuple[int, ...]) -> None:
 def test_empty_batch() -> None:
     q, s = mxfp8_quantize(torch.zeros(0, 64))
     assert q.shape == (0, 64) and s.shape == (0, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fast_dequantize_equals_the_reference_on_every_code_and_scale(dtype: torch.dtype) -> None:
+    """All 254 non-NaN e4m3 codes (both signs, subnormals, zeros) under every scale byte 0..254."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = torch.cat([codes, codes[torch.randperm(codes.numel())][:2]])  # 256 = 8 blocks of 32
+    q = codes.view(torch.float8_e4m3fn).repeat(255, 1)  # row s: every code, scale byte s
+    scales = torch.arange(255, dtype=torch.uint8)[:, None].expand(255, codes.numel() // 32).contiguous()
+    for rows in (slice(0, 247), slice(247, 255)):  # the bit path (s <= 246), the hand-over to the reference above
+        got, want = mxfp8_dequantize_fast(q[rows], scales[rows], dtype), mxfp8_dequantize(q[rows], scales[rows], dtype)
+        assert got.dtype == want.dtype == dtype
+        # bit for bit, infinities (fp16 overflows from s ~ 143) and signed zeros included
+        assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+
+
+def test_fast_dequantize_random_blocks_and_shapes() -> None:
+    x = torch.randn(3, 5, 96) * torch.logspace(-30, 30, 96)
+    q, s = mxfp8_quantize(x)
+    assert torch.equal(mxfp8_dequantize_fast(q, s, torch.bfloat16).view(torch.int16), mxfp8_dequantize(q, s, torch.bfloat16).view(torch.int16))
+    with pytest.raises(ValueError, match="do not match"):
+        mxfp8_dequantize_fast(q, s[..., :2])
+
+
+def test_e4m3_nan_count_finds_both_nan_codes() -> None:
+    codes = torch.tensor([0x00, 0x7F, 0x7E, 0xFF, 0x80, 0xFE], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert e4m3_nan_count(codes) == 2
+    assert int(torch.isnan(codes.float()).sum()) == 2  # the same two, by torch's own conversion
