@@ -543,7 +543,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         "metrics_port": 0, "validate_checkpoint": False, "max_wait_us": args.max_wait_us,
         "max_batch_tokens": args.max_batch_tokens, "max_tokens_per_request": max(args.tokens),
         "cuda_graph_max_tokens": args.cuda_graph_max_tokens, "cuda_graph_top_k": shape["top_k"], "shutdown_grace_s": 5,
-        "max_queue_requests": 4096,
+        "max_queue_requests": 4096, "gil_switch_interval_us": args.gil_switch_interval_us,
     }
     profiler = Profiler(out, shape_name) if args.profile else None
     if profiler is not None and not profiler.py_spy:
@@ -690,6 +690,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="server pooling wait (0: never wait; closed-loop callers pool while a batch runs anyway)")
     p.add_argument("--max-batch-tokens", type=int, default=8192)
     p.add_argument("--cuda-graph-max-tokens", type=int, default=512)
+    p.add_argument("--gil-switch-interval-us", type=int, default=0,
+                   help="server setting (default 0: the server's default, 500 us on a CUDA device; 5000 is Python's)")
     p.add_argument("--load-procs", type=int, default=4, help="most load-generator processes")
     p.add_argument("--start-timeout-s", type=float, default=420.0)
     p.add_argument("--work-dir", default=None, help="where checkpoints are made once (default: OUT/checkpoints)")

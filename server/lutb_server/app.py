@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,6 +131,26 @@ def apply_intra_op_threads(threads: int, device: torch.device) -> int:
     return torch.get_num_threads()
 
 
+CUDA_GIL_SWITCH_INTERVAL_US = 500
+
+
+def apply_gil_switch_interval(interval_us: int, device: torch.device) -> float:
+    """Set the process's GIL switch interval (``gil_switch_interval_us``); returns the interval in effect, in seconds.
+
+    0 means ``CUDA_GIL_SWITCH_INTERVAL_US`` on a CUDA device and Python's default on the CPU.
+    The compute worker releases the GIL inside every torch call (copies, launches, the wait
+    for the GPU) and must take it back from the event loop thread, which under load runs
+    Python almost without pause: the interpreter then hands the GIL over only after the
+    switch interval. The H200 serving run showed a batch's compute, as the worker measured
+    it, at 4-9x its in-process time at concurrency 64 (bench/results/2026-12-02-serving-3-h200.md).
+    """
+    if interval_us == 0 and device.type == "cuda":
+        interval_us = CUDA_GIL_SWITCH_INTERVAL_US
+    if interval_us > 0:
+        sys.setswitchinterval(interval_us / 1e6)
+    return sys.getswitchinterval()
+
+
 class ExpertServer:
     """One serving process's worth of state; several can live in one process (tests).
 
@@ -202,7 +223,8 @@ class ExpertServer:
         try:
             engine = await asyncio.to_thread(loader)
             threads = apply_intra_op_threads(s.intra_op_threads, engine.device)
-            log.info("torch intra-op threads: %d", threads)
+            switch = apply_gil_switch_interval(s.gil_switch_interval_us, engine.device)
+            log.info("torch intra-op threads: %d; GIL switch interval %.0f us", threads, switch * 1e6)
             worker = ComputeWorker(engine, cuda_graph_max_tokens=s.cuda_graph_max_tokens, cuda_graph_top_k=s.cuda_graph_top_k)
             scheduler = BatchScheduler(
                 engine, max_batch_tokens=s.max_batch_tokens, max_wait_us=s.max_wait_us,
@@ -288,4 +310,4 @@ async def serve(
     return 0
 
 
-__all__ = ["DEMO_NAME", "SERVICE_NAME", "EnginePlan", "ExpertServer", "apply_intra_op_threads", "ensure_demo_checkpoint", "load_engine", "plan_engine", "serve"]
+__all__ = ["DEMO_NAME", "SERVICE_NAME", "EnginePlan", "ExpertServer", "apply_gil_switch_interval", "apply_intra_op_threads", "ensure_demo_checkpoint", "load_engine", "plan_engine", "serve"]

@@ -76,6 +76,11 @@ class ServerSettings(BaseSettings):
         "(its CPU tensor work is small per-request validation and staging; a thread pool only competes for cores), "
         "torch's default on the CPU",
     )
+    gil_switch_interval_us: int = Field(
+        0, ge=0, description="the process's Python GIL switch interval (sys.setswitchinterval) in microseconds; 0: 500 "
+        "on a CUDA device (the compute worker waits for the GIL between its launches and copies while the event loop "
+        "runs; Python's 5000 us default lets each wait last up to 5 ms), Python's default on the CPU",
+    )
     expert_metrics: bool = Field(
         False, description="export lutb_expert_tokens_total{layer,expert}: tokens per held expert (E x layers series; for `lutb load`)"
     )
