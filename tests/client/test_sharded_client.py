@@ -196,6 +196,42 @@ def test_async_client_equals_the_single_server(cluster: Cluster) -> None:
         assert _rel(out, expected) <= 1e-5
 
 
+def test_mxfp8_wire_equals_sending_the_dequantized_values(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each shard gets the e4m3 codes and scales of its own tokens; sums equal the native wire on QDQ(x)."""
+    import lutb_client.sharded as sharded
+    from lutb_kernels.mxfp8 import mxfp8_dequantize, mxfp8_quantize
+
+    sent: list[tuple[torch.dtype, int, int]] = []  # hidden dtype, rows, scale rows of every sub-request
+    build = sharded.build_request
+
+    def spy(layer, x, ids, w, **kw):  # noqa: ANN001, ANN202, ANN003
+        scales = kw.get("hidden_scales")
+        sent.append((x.dtype, int(x.shape[0]), -1 if scales is None else int(scales.shape[0])))
+        return build(layer, x, ids, w, **kw)
+
+    monkeypatch.setattr(sharded, "build_request", spy)
+    x, ids, w = _batch(40, 4, seed=21)
+    x = x * torch.logspace(-3, 3, H)  # blocks of very different magnitudes: scales matter
+    q, scales = mxfp8_quantize(x)  # float32 checkpoint, rceil (the synthetic default)
+    expected = _single(cluster, 0, mxfp8_dequantize(q, scales, torch.float32), ids, w)
+    with ShardedExpertClient(cluster.targets, wire="mxfp8") as client:
+        result = client.forward_detailed(0, x, ids, w)
+    assert len(result.shards) > 1 and len(sent) == len(result.shards)  # really split
+    assert all(dtype == torch.float8_e4m3fn and rows == scale_rows for dtype, rows, scale_rows in sent)
+    assert _rel(result.output, expected) <= 1e-5
+
+    async def go() -> torch.Tensor:
+        async with AsyncShardedExpertClient(cluster.targets, wire="mxfp8") as client:
+            return await client.forward(0, x, ids, w)
+
+    assert _rel(asyncio.run(go()), expected) <= 1e-5
+    with pytest.raises(ValueError, match="wire must be one of"):
+        ShardedExpertClient(cluster.targets, wire="fp4")
+    with ShardedExpertClient(cluster.targets, wire="mxfp8") as client, pytest.raises(ExpertServiceError) as err:
+        client.forward(0, torch.full_like(x, float("nan")), ids, w)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "hidden_states" in err.value.message
+
+
 def test_missing_expert_names_layer_and_experts(cluster: Cluster) -> None:
     x, ids, w = _batch(8, 2, seed=13)
     ids[:, 0] = cluster.plan[1][1][0]
