@@ -691,7 +691,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-tokens", type=int, default=8192)
     p.add_argument("--cuda-graph-max-tokens", type=int, default=512)
     p.add_argument("--gil-switch-interval-us", type=int, default=0,
-                   help="server setting (default 0: the server's default, 500 us on a CUDA device; 5000 is Python's)")
+                   help="server setting (default 0: the server's default, 200 us on a CUDA device; 5000 is Python's)")
     p.add_argument("--load-procs", type=int, default=4, help="most load-generator processes")
     p.add_argument("--start-timeout-s", type=float, default=420.0)
     p.add_argument("--work-dir", default=None, help="where checkpoints are made once (default: OUT/checkpoints)")

@@ -131,7 +131,7 @@ def apply_intra_op_threads(threads: int, device: torch.device) -> int:
     return torch.get_num_threads()
 
 
-CUDA_GIL_SWITCH_INTERVAL_US = 500
+CUDA_GIL_SWITCH_INTERVAL_US = 200
 
 
 def apply_gil_switch_interval(interval_us: int, device: torch.device) -> float:
@@ -142,7 +142,8 @@ def apply_gil_switch_interval(interval_us: int, device: torch.device) -> float:
     for the GPU) and must take it back from the event loop thread, which under load runs
     Python almost without pause: the interpreter then hands the GIL over only after the
     switch interval. The H200 serving run showed a batch's compute, as the worker measured
-    it, at 4-9x its in-process time at concurrency 64 (bench/results/2026-12-02-serving-3-h200.md).
+    it, at 4-9x its in-process time at concurrency 64 (bench/results/2026-12-02-serving-3-h200.md);
+    ``bench/gil_handover.py`` shows the mechanism on the CPU (bench/results/2026-12-02-mxfp8-wire-cpu.md).
     """
     if interval_us == 0 and device.type == "cuda":
         interval_us = CUDA_GIL_SWITCH_INTERVAL_US

@@ -77,7 +77,7 @@ class ServerSettings(BaseSettings):
         "torch's default on the CPU",
     )
     gil_switch_interval_us: int = Field(
-        0, ge=0, description="the process's Python GIL switch interval (sys.setswitchinterval) in microseconds; 0: 500 "
+        0, ge=0, description="the process's Python GIL switch interval (sys.setswitchinterval) in microseconds; 0: 200 "
         "on a CUDA device (the compute worker waits for the GIL between its launches and copies while the event loop "
         "runs; Python's 5000 us default lets each wait last up to 5 ms), Python's default on the CPU",
     )

@@ -186,7 +186,7 @@ def test_intra_op_threads_default_to_one_on_cuda_only() -> None:
         torch.set_num_threads(before)
 
 
-def test_gil_switch_interval_defaults_to_500_us_on_cuda_only() -> None:
+def test_gil_switch_interval_defaults_to_200_us_on_cuda_only() -> None:
     import sys
 
     from lutb_server.app import apply_gil_switch_interval
@@ -196,7 +196,7 @@ def test_gil_switch_interval_defaults_to_500_us_on_cuda_only() -> None:
     before = sys.getswitchinterval()
     try:
         assert apply_gil_switch_interval(0, torch.device("cpu")) == before  # Python's default on a CPU device
-        assert abs(apply_gil_switch_interval(0, torch.device("cuda:0")) - 500e-6) < 1e-9  # only the type is read
+        assert abs(apply_gil_switch_interval(0, torch.device("cuda:0")) - 200e-6) < 1e-9  # only the type is read
         assert abs(apply_gil_switch_interval(2000, torch.device("cpu")) - 2e-3) < 1e-9  # an explicit value wins
     finally:
         sys.setswitchinterval(before)
