@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=5.0, help="seconds measured per (shards, concurrency) (default 5)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up before each measurement (default 1)")
     p.add_argument("--timeout", type=float, default=60.0, help="deadline of one forward in seconds (default 60)")
+    p.add_argument("--transport", default="stream", choices=("stream", "unary"),
+                   help="AsyncShardedExpertClient transport: one ForwardStream per shard (default) or a Forward call per sub-request")
     p.add_argument("--client-threads", type=int,
                    help="torch intra-op threads of this (client) process (default: torch's, one per core); the "
                         "client's split and combine are small tensor ops, and a full OpenMP pool competing with "
@@ -89,8 +91,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def _drive(targets: list[str], layer: int, batches: list[tuple[torch.Tensor, ...]], concurrency: int,
-                 warmup: float, duration: float, timeout: float) -> dict[str, Any]:
-    async with AsyncShardedExpertClient(targets, timeout=timeout) as client:
+                 warmup: float, duration: float, timeout: float, transport: str) -> dict[str, Any]:
+    async with AsyncShardedExpertClient(targets, timeout=timeout, transport=transport) as client:
         latencies: list[float] = []
         errors: dict[str, int] = {}
         measuring = False
@@ -228,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                 starts = [len(p.lines) for p in procs]
                 targets = [p.address for p in procs]
                 for concurrency in args.concurrency:
-                    row = asyncio.run(_drive(targets, layer, batches, concurrency, args.warmup, args.duration, args.timeout))
+                    row = asyncio.run(_drive(targets, layer, batches, concurrency, args.warmup, args.duration, args.timeout,
+                                            args.transport))
                     row["shards"] = shards
                     rows.append(row)
                     print(f"shards {shards} concurrency {concurrency}: p50 {row['latency_p50_ms']:.2f} ms  "
@@ -259,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "server threads": args.server_threads or "inherited",
         "client threads": torch.get_num_threads(),
         "workload": f"layer {layer}, {args.tokens} tokens/request, top-{topk}, {args.duration:g} s per row after {args.warmup:g} s warm-up, "
-                    "AsyncShardedExpertClient (unary Forward per shard)",
+                    f"AsyncShardedExpertClient (transport {args.transport})",
     }
     (args.out / "expert_parallel.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     (args.out / "expert_parallel.md").write_text(_markdown(meta, rows))

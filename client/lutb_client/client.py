@@ -507,6 +507,11 @@ class AsyncExpertClient:
         return AsyncForwardStream(self._stub, timeout=timeout, max_in_flight=max_in_flight, ids=self._ids, hidden=self._hidden)
 
 
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class AsyncForwardStream:
     """Many requests in flight on one ``ForwardStream`` call (asyncio API).
 
@@ -519,7 +524,7 @@ class AsyncForwardStream:
                  ids: Iterator[int], hidden: Callable[[torch.Tensor], Any] | None = None) -> None:
         self._hidden = hidden  # the client's hidden-state wire encoding (async for AsyncForwardStream)
         self._call = stub.ForwardStream(timeout=timeout)
-        self._pending: deque[tuple[int, asyncio.Future[Any], bool]] = deque()
+        self._pending: deque[tuple[int, asyncio.Future[Any], bool | None]] = deque()  # detailed; None: raw
         self._slots = asyncio.Semaphore(max_in_flight)
         self._ids = ids
         self._closed = False
@@ -540,6 +545,9 @@ class AsyncForwardStream:
                 if response.request_id != request_id:
                     future.set_exception(ExpertServiceError(
                         grpc.StatusCode.INTERNAL, f"stream out of order: got response {response.request_id}", request_id))
+                    continue
+                if detailed is None:  # send(): the response itself, its status unread
+                    future.set_result(response)
                     continue
                 try:
                     result = parse_response(response)
@@ -577,8 +585,28 @@ class AsyncForwardStream:
             layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
             output_mode=output_mode, request_id=request_id, hidden_scales=scales,
         )
+        return await self._write(request, detailed)
+
+    async def send(self, request: pb.ForwardRequest) -> asyncio.Future[pb.ForwardResponse]:
+        """Send an already built request (its ``request_id`` must be unique on this stream).
+
+        Returns the future of the raw :class:`ForwardResponse`, whose ``status`` the caller
+        reads (a per-request error does not fail the future; a broken stream does, with
+        :class:`ExpertServiceError`). Waits while ``max_in_flight`` are outstanding.
+        """
+        return await self._write(request, None)
+
+    @property
+    def broken(self) -> bool:
+        """The stream ended or failed: nothing more can be sent on it."""
+        return self._closed or self._error is not None
+
+    async def _write(self, request: pb.ForwardRequest, detailed: bool | None) -> asyncio.Future[Any]:
+        request_id = request.request_id
         await self._slots.acquire()
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if detailed is None:  # a sender may stop waiting (its own deadline): no "never retrieved" noise then
+            future.add_done_callback(_retrieve)
         async with self._write_lock:  # pending order must equal write order
             if self._closed or self._error is not None:
                 self._slots.release()
@@ -597,6 +625,11 @@ class AsyncForwardStream:
     async def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Send one request and wait for its output (arguments as for :meth:`submit`)."""
         return await (await self.submit(*args, **kwargs))
+
+    def cancel(self) -> None:
+        """Cancel the stream now: outstanding futures fail with CANCELLED."""
+        self._closed = True
+        self._call.cancel()
 
     async def close(self) -> None:
         """Half-close the stream and wait for the remaining responses."""

@@ -321,6 +321,39 @@ def test_a_stalled_replica_is_bypassed_after_attempt_timeout(cluster: Cluster) -
     assert sum(r.retries for r in outs) == 1
 
 
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+def test_async_client_bypasses_a_stalled_replica(cluster: Cluster, transport: str) -> None:
+    """The asyncio client, both transports: as above; a late answer on the stalled shard's stream is dropped."""
+    only1 = [e for e in cluster.plan[1][1] if e not in HOT]
+    x, ids, w = _batch(16, 2, seed=14, experts=only1)
+    expected = _single(cluster, 1, x, ids, w)
+    stalled = cluster.procs[3]
+
+    async def go() -> tuple[list, dict]:  # noqa: ANN202
+        async with AsyncShardedExpertClient(cluster.targets, timeout=20, attempt_timeout=0.5, down_s=30,
+                                            transport=transport) as client:
+            for _ in range(4):  # both copies of shard-1 have answered (an open stream each, with transport="stream")
+                await client.forward(1, x, ids, w)
+            stalled.proc.send_signal(signal.SIGSTOP)
+            try:
+                outs = [await client.forward_detailed(1, x, ids, w) for _ in range(4)]
+            finally:
+                stalled.proc.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.2)  # the stalled shard's late answer arrives on the open stream
+            outs.append(await client.forward_detailed(1, x, ids, w))
+            return outs, client.stats().by_target()
+
+    outs, stats = asyncio.run(go())
+    assert all(_rel(r.output, expected) <= 1e-5 for r in outs)
+    assert stats[stalled.address].failures <= 1 and stats[stalled.address].down  # failed once if it was picked first
+    assert all(r.shards == (cluster.targets[1],) for r in outs[1:])
+
+
+def test_async_client_rejects_unknown_transport(cluster: Cluster) -> None:
+    with pytest.raises(ValueError, match="transport must be one of"):
+        AsyncShardedExpertClient(cluster.targets, transport="carrier-pigeon")
+
+
 def test_the_calls_own_deadline_is_not_a_shard_failure(cluster: Cluster) -> None:
     x, ids, w = _batch(256, 8, seed=15)
     with ShardedExpertClient(cluster.targets) as client:
@@ -331,7 +364,8 @@ def test_the_calls_own_deadline_is_not_a_shard_failure(cluster: Cluster) -> None
 
 
 def test_killing_a_replica_during_a_run_loses_no_call(cluster: Cluster) -> None:
-    """Runs last: SIGKILL the second copy of shard-1 while 4 threads make calls; each still succeeds."""
+    """Runs last: SIGKILL the second copy of shard-1 while 4 threads (blocking client) and an asyncio
+    client (streams) make calls; each call still succeeds."""
     batches = [_batch(24, K, seed=100 + i) for i in range(4)]
     expected = [_single(cluster, i % 2, *b) for i, b in enumerate(batches)]
     victim = cluster.procs[3]
@@ -352,7 +386,27 @@ def test_killing_a_replica_during_a_run_loses_no_call(cluster: Cluster) -> None:
                 with lock:
                     results.append(_rel(out, expected[i]))
 
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        async def async_calls() -> None:  # the asyncio client over streams, alongside the threads
+            async with AsyncShardedExpertClient(cluster.targets, timeout=20, down_s=5.0) as aclient:
+
+                async def one(index: int) -> None:
+                    for n in range(30):
+                        i = (index + n) % 4
+                        out = await aclient.forward(i % 2, *batches[i])
+                        with lock:
+                            async_results.append(_rel(out, expected[i]))
+
+                await asyncio.gather(*(one(c) for c in range(2)))
+
+        def async_worker() -> None:
+            try:
+                asyncio.run(async_calls())
+            except BaseException as exc:  # noqa: BLE001 - recorded and asserted below
+                with lock:
+                    errors.append(exc)
+
+        async_results: list[float] = []
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)] + [threading.Thread(target=async_worker)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
@@ -364,7 +418,7 @@ def test_killing_a_replica_during_a_run_loses_no_call(cluster: Cluster) -> None:
             t.join(60)
         stats = client.stats()
     assert not errors, errors
-    assert len(results) == 120
-    assert max(results) <= 1e-5
+    assert len(results) == 120 and len(async_results) == 60
+    assert max(results + async_results) <= 1e-5
     assert stats.by_target()[victim.address].down
     print("failover stats:", stats)
