@@ -303,7 +303,7 @@ class ForwardStream:
                  ids: Iterator[int], hidden: Callable[[torch.Tensor], Any] | None = None) -> None:
         self._hidden = hidden  # the client's hidden-state wire encoding (async for AsyncForwardStream)
         self._requests: queue.Queue[Any] = queue.Queue()
-        self._pending: deque[tuple[int, Future[Any], bool]] = deque()
+        self._pending: deque[tuple[int, Future[Any], bool | None]] = deque()  # detailed; None: raw
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._ids = ids
@@ -329,6 +329,9 @@ class ForwardStream:
                 if response.request_id != request_id:
                     future.set_exception(ExpertServiceError(
                         grpc.StatusCode.INTERNAL, f"stream out of order: got response {response.request_id}", request_id))
+                    continue
+                if detailed is None:  # send(): the response itself, its status unread
+                    future.set_result(response)
                     continue
                 try:
                     result = parse_response(response)
@@ -364,6 +367,24 @@ class ForwardStream:
             layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
             output_mode=output_mode, request_id=request_id, hidden_scales=scales,
         )
+        return self._write(request, detailed)
+
+    def send(self, request: pb.ForwardRequest) -> Future[pb.ForwardResponse]:
+        """Send an already built request (its ``request_id`` unique on this stream).
+
+        Returns the future of the raw :class:`ForwardResponse`, whose ``status`` the caller
+        reads (a per-request error does not fail the future; a broken stream does, with
+        :class:`ExpertServiceError`). Blocks while ``max_in_flight`` are outstanding.
+        """
+        return self._write(request, None)
+
+    @property
+    def broken(self) -> bool:
+        """The stream ended or failed: nothing more can be sent on it."""
+        return self._closed or self._error is not None
+
+    def _write(self, request: pb.ForwardRequest, detailed: bool | None) -> Future[Any]:
+        request_id = request.request_id
         future: Future[Any] = Future()
         self._slots.acquire()
         with self._lock:

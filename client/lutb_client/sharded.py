@@ -48,6 +48,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -62,6 +63,7 @@ from lutb_client.client import (
     DEFAULT_TIMEOUT_S,
     WIRES,
     AsyncForwardStream,
+    ForwardStream,
     build_request,
     open_channel,
     parse_response,
@@ -591,6 +593,12 @@ class ShardedExpertClient(_ShardedCore):
             forward with the deployment's scale mode, each shard sent the e4m3 codes and E8M0
             scales of its tokens (about half the bytes; the same result as sending the
             dequantized values, as for :class:`~lutb_client.ExpertClient`).
+        transport: ``"stream"`` (default): one ``ForwardStream`` per shard, kept open, each
+            sub-request a message on it (reopened after it breaks; a per-message error status
+            fails only that sub-request, UNAVAILABLE ones over to replicas as usual; an answer
+            arriving after its attempt timed out is dropped). ``"unary"``: one ``Forward`` call
+            per sub-request. A message on an open stream costs the server and gRPC less than a
+            unary call (bench/results/2026-12-02-serving-3-h200.md).
 
     Raises:
         ExpertServiceError: a shard did not answer ``GetModelInfo`` (its target named), or the
@@ -609,8 +617,14 @@ class ShardedExpertClient(_ShardedCore):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         channel_options: Sequence[tuple[str, Any]] = (),
         wire: str = "native",
+        transport: str = "stream",
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        self.transport = transport
         super().__init__(targets, timeout, attempt_timeout, down_s, wire)
+        self._lanes: list[ForwardStream | None] = [None] * len(self.targets)
+        self._lanes_lock = threading.Lock()
         self._channels = [
             open_channel(t, aio=False, credentials=credentials, max_message_bytes=max_message_bytes,
                          channel_options=channel_options)
@@ -630,6 +644,44 @@ class ShardedExpertClient(_ShardedCore):
 
         return done
 
+    def _lane(self, shard: int) -> ForwardStream:
+        """The shard's open ``ForwardStream``, (re)opened when missing or broken (any thread)."""
+        with self._lanes_lock:
+            lane = self._lanes[shard]
+            if lane is None or lane.broken:
+                if lane is not None:
+                    lane.cancel()
+                lane = self._lanes[shard] = ForwardStream(self._stubs[shard], timeout=None,
+                                                          max_in_flight=LANE_MAX_IN_FLIGHT, ids=self._ids)
+            return lane
+
+    def _stream_send(self, sub: _Sub, request: pb.ForwardRequest) -> tuple[float, Any]:
+        """Send one sub-request on the shard's lane: ``(started, future or the error)``."""
+        started = self._sent(sub)
+        try:
+            return started, self._lane(sub.shard).send(request)
+        except ExpertServiceError as err:
+            return started, err
+
+    def _stream_result(self, sub: _Sub, started: float, sent: Any, attempt_end: float) -> Any:
+        """Wait for a lane's answer until ``attempt_end``: the response or an ``ExpertServiceError`` (booked in stats)."""
+        response = None
+        try:
+            if isinstance(sent, ExpertServiceError):
+                raise sent
+            answer = sent.result(timeout=max(attempt_end - time.monotonic(), 0.0))
+            if answer.status.code != 0:
+                return ExpertServiceError(status_code(answer.status.code), answer.status.message, answer.request_id)
+            response = answer
+            return response
+        except FutureTimeoutError:
+            return ExpertServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the attempt's deadline")
+        except ExpertServiceError as err:  # the lane broke: the shard is unreachable as far as this call goes
+            code = err.code if err.code in FAILOVER_CODES else grpc.StatusCode.UNAVAILABLE
+            return ExpertServiceError(code, f"stream to {self.targets[sub.shard]} broke: {err.code.name}: {err.message}")
+        finally:
+            self._answered(sub.shard, started, response)
+
     def refresh(self, *, timeout: float = 30.0) -> None:
         """Ask every shard for its ``ModelInfo`` again (all in parallel) and rebuild the placement."""
         futures = [stub.GetModelInfo.future(pb.GetModelInfoRequest(), timeout=timeout, wait_for_ready=True) for stub in self._stubs]
@@ -644,6 +696,10 @@ class ShardedExpertClient(_ShardedCore):
         self._set_infos(infos)
 
     def close(self) -> None:
+        with self._lanes_lock:
+            for lane in self._lanes:
+                if lane is not None:
+                    lane.cancel()
         for channel in self._channels:
             channel.close()
 
@@ -671,6 +727,13 @@ class ShardedExpertClient(_ShardedCore):
         while not call.done:
             round_ = call.plan()
             attempt = self._attempt_timeout(deadline)
+            if self.transport == "stream":
+                attempt_end = time.monotonic() + attempt
+                lanes = [(sub, *self._stream_send(sub, request)) for sub, request in round_]
+                for sub, started, sent_on in lanes:
+                    call.absorb(sub, self._stream_result(sub, started, sent_on, attempt_end), deadline)
+                call.end_round(deadline)
+                continue
             sent = []
             for sub, request in round_:
                 future = self._stubs[sub.shard].Forward.future(request, timeout=attempt)
@@ -723,13 +786,7 @@ class ShardedExpertClient(_ShardedCore):
 
 
 class AsyncShardedExpertClient(_ShardedCore):
-    """asyncio twin of :class:`ShardedExpertClient` (same arguments, and ``transport``).
-
-    ``transport``: ``"stream"`` (default) keeps one ``ForwardStream`` open per shard and sends
-    every sub-request as a message on it (reopened after it breaks; a per-message error
-    status fails only that sub-request, UNAVAILABLE ones over to replicas as usual);
-    ``"unary"`` makes one ``Forward`` call per sub-request. A message on an open stream costs
-    the server and gRPC less than a unary call (bench/results/2026-12-02-serving-3-h200.md).
+    """asyncio twin of :class:`ShardedExpertClient` (same arguments).
 
     ``async with AsyncShardedExpertClient(targets) as client: await client.forward(...)``;
     entering connects (asks every shard for its ``ModelInfo``); so does the first forward.

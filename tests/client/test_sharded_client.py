@@ -301,14 +301,16 @@ def test_route_assignment_covers_each_route_once(seed: int) -> None:
     assert torch.equal(seen, pending.long())
 
 
-def test_a_stalled_replica_is_bypassed_after_attempt_timeout(cluster: Cluster) -> None:
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+def test_a_stalled_replica_is_bypassed_after_attempt_timeout(cluster: Cluster, transport: str) -> None:
     """SIGSTOP the copy of shard-1: requests to it time out after attempt_timeout and go to the other copy."""
     only1 = [e for e in cluster.plan[1][1] if e not in HOT]
     x, ids, w = _batch(16, 2, seed=14, experts=only1)
     expected = _single(cluster, 1, x, ids, w)
     stalled = cluster.procs[3]
-    with ShardedExpertClient(cluster.targets, timeout=20, attempt_timeout=0.5, down_s=30) as client:
-        client.forward(1, x, ids, w)  # connected to everything first
+    with ShardedExpertClient(cluster.targets, timeout=20, attempt_timeout=0.5, down_s=30, transport=transport) as client:
+        for _ in range(4):  # connected to everything first (both copies of shard-1 have answered)
+            client.forward(1, x, ids, w)
         stalled.proc.send_signal(signal.SIGSTOP)
         try:
             outs = [client.forward_detailed(1, x, ids, w) for _ in range(4)]
@@ -317,8 +319,8 @@ def test_a_stalled_replica_is_bypassed_after_attempt_timeout(cluster: Cluster) -
         stats = client.stats().by_target()
     assert all(_rel(r.output, expected) <= 1e-5 for r in outs)
     assert all(r.shards == (cluster.targets[1],) for r in outs[1:])  # marked down: not tried again
-    assert stats[stalled.address].failures == 1 and stats[stalled.address].down
-    assert sum(r.retries for r in outs) == 1
+    assert stats[stalled.address].failures <= 1 and stats[stalled.address].down  # failed once if it was picked first
+    assert sum(r.retries for r in outs) == stats[stalled.address].failures
 
 
 @pytest.mark.parametrize("transport", ["stream", "unary"])
@@ -364,21 +366,22 @@ def test_the_calls_own_deadline_is_not_a_shard_failure(cluster: Cluster) -> None
 
 
 def test_killing_a_replica_during_a_run_loses_no_call(cluster: Cluster) -> None:
-    """Runs last: SIGKILL the second copy of shard-1 while 4 threads (blocking client) and an asyncio
-    client (streams) make calls; each call still succeeds."""
+    """Runs last: SIGKILL the second copy of shard-1 while 4 threads (blocking clients: 2 over streams,
+    2 over unary calls) and an asyncio client (streams) make calls; each call still succeeds."""
     batches = [_batch(24, K, seed=100 + i) for i in range(4)]
     expected = [_single(cluster, i % 2, *b) for i, b in enumerate(batches)]
     victim = cluster.procs[3]
     results: list[float] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
-    with ShardedExpertClient(cluster.targets, timeout=20, down_s=5.0) as client:
+    with ShardedExpertClient(cluster.targets, timeout=20, down_s=5.0) as client, \
+            ShardedExpertClient(cluster.targets, timeout=20, down_s=5.0, transport="unary") as unary_client:
 
         def worker(index: int) -> None:
             for n in range(30):
                 i = (index + n) % 4
                 try:
-                    out = client.forward(i % 2, *batches[i])
+                    out = (client if index % 2 else unary_client).forward(i % 2, *batches[i])
                 except BaseException as exc:  # noqa: BLE001 - recorded and asserted below
                     with lock:
                         errors.append(exc)
@@ -413,6 +416,7 @@ def test_killing_a_replica_during_a_run_loses_no_call(cluster: Cluster) -> None:
         while len(results) < 20 and time.monotonic() < deadline and not errors:
             time.sleep(0.01)
         assert client.stats().by_target()[victim.address].requests > 0  # it was serving before the kill
+        assert unary_client.stats().by_target()[victim.address].requests > 0
         victim.proc.send_signal(signal.SIGKILL)
         for t in threads:
             t.join(60)
@@ -421,4 +425,5 @@ def test_killing_a_replica_during_a_run_loses_no_call(cluster: Cluster) -> None:
     assert len(results) == 120 and len(async_results) == 60
     assert max(results + async_results) <= 1e-5
     assert stats.by_target()[victim.address].down
+    assert unary_client.stats().by_target()[victim.address].down
     print("failover stats:", stats)
