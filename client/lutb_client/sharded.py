@@ -598,7 +598,10 @@ class ShardedExpertClient(_ShardedCore):
             fails only that sub-request, UNAVAILABLE ones over to replicas as usual; an answer
             arriving after its attempt timed out is dropped). ``"unary"``: one ``Forward`` call
             per sub-request. A message on an open stream costs the server and gRPC less than a
-            unary call (bench/results/2026-12-02-serving-3-h200.md).
+            unary call (bench/results/2026-12-02-serving-3-h200.md); but a stream answers in
+            order, so a small call waits for a large one sent before it on the same shard: a
+            process mixing prefill-sized and decode-sized forwards should use one client each,
+            or ``"unary"``.
 
     Raises:
         ExpertServiceError: a shard did not answer ``GetModelInfo`` (its target named), or the
