@@ -90,6 +90,13 @@ def mxfp8_quantize(x: torch.Tensor, scale_mode: ScaleMode = "rceil") -> tuple[to
     return q, scales
 
 
+def _check_elements_and_scales(q: torch.Tensor, scales: torch.Tensor) -> None:
+    if q.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8:
+        raise ValueError(f"expected float8_e4m3fn elements and uint8 scales, got {q.dtype} and {scales.dtype}")
+    if q.shape[:-1] != scales.shape[:-1] or q.shape[-1] != scales.shape[-1] * BLOCK:
+        raise ValueError(f"scales {tuple(scales.shape)} do not match elements {tuple(q.shape)}")
+
+
 def mxfp8_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`mxfp8_quantize`: ``float32(q) * 2**(s - 127)``, then converted to ``dtype``.
 
@@ -98,10 +105,7 @@ def mxfp8_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype =
         scales: uint8 ``[..., K/32]``.
         dtype: output dtype.
     """
-    if q.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8:
-        raise ValueError(f"expected float8_e4m3fn elements and uint8 scales, got {q.dtype} and {scales.dtype}")
-    if q.shape[:-1] != scales.shape[:-1] or q.shape[-1] != scales.shape[-1] * BLOCK:
-        raise ValueError(f"scales {tuple(scales.shape)} do not match elements {tuple(q.shape)}")
+    _check_elements_and_scales(q, scales)
     blocks = q.float().reshape(*scales.shape, BLOCK)
     # 2**(s - 127) is a float32 subnormal for s == 0; build it in float64 to keep it exact.
     scale = torch.exp2(scales.double() - 127).float()
@@ -137,10 +141,7 @@ def mxfp8_dequantize_fast(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         scales: uint8 ``[..., K/32]``.
         dtype: output dtype.
     """
-    if q.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8:
-        raise ValueError(f"expected float8_e4m3fn elements and uint8 scales, got {q.dtype} and {scales.dtype}")
-    if q.shape[:-1] != scales.shape[:-1] or q.shape[-1] != scales.shape[-1] * BLOCK:
-        raise ValueError(f"scales {tuple(scales.shape)} do not match elements {tuple(q.shape)}")
+    _check_elements_and_scales(q, scales)
     if scales.numel() and int(scales.max()) > FAST_DEQUANTIZE_MAX_SCALE:
         return mxfp8_dequantize(q, scales, dtype)
     # sign-extended to int16 and moved left by 7, the byte's sign lands in bits 15 and 14;

@@ -301,13 +301,17 @@ def test_route_assignment_covers_each_route_once(seed: int) -> None:
     assert torch.equal(seen, pending.long())
 
 
+def _stall_case(cluster: Cluster) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, ServeProcess]:
+    """Layer-1 tokens routed only to shard-1's own experts, their single-server output, and the copy of shard-1 to stall."""
+    only1 = [e for e in cluster.plan[1][1] if e not in HOT]
+    batch = _batch(16, 2, seed=14, experts=only1)
+    return batch, _single(cluster, 1, *batch), cluster.procs[3]
+
+
 @pytest.mark.parametrize("transport", ["stream", "unary"])
 def test_a_stalled_replica_is_bypassed_after_attempt_timeout(cluster: Cluster, transport: str) -> None:
     """SIGSTOP the copy of shard-1: requests to it time out after attempt_timeout and go to the other copy."""
-    only1 = [e for e in cluster.plan[1][1] if e not in HOT]
-    x, ids, w = _batch(16, 2, seed=14, experts=only1)
-    expected = _single(cluster, 1, x, ids, w)
-    stalled = cluster.procs[3]
+    (x, ids, w), expected, stalled = _stall_case(cluster)
     with ShardedExpertClient(cluster.targets, timeout=20, attempt_timeout=0.5, down_s=30, transport=transport) as client:
         for _ in range(4):  # connected to everything first (both copies of shard-1 have answered)
             client.forward(1, x, ids, w)
@@ -326,10 +330,7 @@ def test_a_stalled_replica_is_bypassed_after_attempt_timeout(cluster: Cluster, t
 @pytest.mark.parametrize("transport", ["stream", "unary"])
 def test_async_client_bypasses_a_stalled_replica(cluster: Cluster, transport: str) -> None:
     """The asyncio client, both transports: as above; a late answer on the stalled shard's stream is dropped."""
-    only1 = [e for e in cluster.plan[1][1] if e not in HOT]
-    x, ids, w = _batch(16, 2, seed=14, experts=only1)
-    expected = _single(cluster, 1, x, ids, w)
-    stalled = cluster.procs[3]
+    (x, ids, w), expected, stalled = _stall_case(cluster)
 
     async def go() -> tuple[list, dict]:  # noqa: ANN202
         async with AsyncShardedExpertClient(cluster.targets, timeout=20, attempt_timeout=0.5, down_s=30,
