@@ -147,6 +147,32 @@ def test_async_client_and_stream(server: ServerThread) -> None:
     assert torch.equal(again, alone[0])
 
 
+def test_stream_send_returns_raw_responses_with_their_status(server: ServerThread) -> None:
+    """send(): a prebuilt request in, the response itself out; a request's error is its status, not an exception."""
+    from lutb_client.client import build_request, parse_response
+
+    x, ids, w = _batch(4, 2, seed=300)
+    good = build_request(0, x, ids, w, request_id=7)
+    bad = build_request(9, x, ids, w, request_id=8)  # unknown layer
+    with ExpertClient(server.address) as client:
+        want = client.forward(0, x, ids, w)
+        with client.stream() as stream:
+            sync = [stream.send(good).result(30), stream.send(bad).result(30)]
+            assert not stream.broken
+
+    async def main() -> list[pb.ForwardResponse]:
+        async with AsyncExpertClient(server.address) as aclient, aclient.stream() as astream:
+            out = [await (await astream.send(good)), await (await astream.send(bad))]
+            assert not astream.broken
+            astream.cancel()
+            assert astream.broken
+            return out
+
+    for ok, err in (sync, asyncio.run(main())):
+        assert ok.request_id == 7 and ok.status.code == 0 and torch.equal(parse_response(ok).output, want)
+        assert err.request_id == 8 and err.status.code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
 def test_retries_unavailable_until_the_server_comes_up(client_checkpoint: Path) -> None:
     port = free_port()
     x, ids, w = _batch(2, 2, seed=5)
