@@ -595,8 +595,9 @@ class ShardedExpertClient(_ShardedCore):
             dequantized values, as for :class:`~lutb_client.ExpertClient`).
         transport: ``"stream"`` (default): one ``ForwardStream`` per shard, kept open, each
             sub-request a message on it (reopened after it breaks; a per-message error status
-            fails only that sub-request, UNAVAILABLE ones over to replicas as usual; an answer
-            arriving after its attempt timed out is dropped). ``"unary"``: one ``Forward`` call
+            fails only that sub-request, UNAVAILABLE ones over to replicas as usual; a shard
+            that lets an attempt time out gets a fresh stream next time, and the late answer is
+            dropped). ``"unary"``: one ``Forward`` call
             per sub-request. A message on an open stream costs the server and gRPC less than a
             unary call (bench/results/2026-12-02-serving-3-h200.md); but a stream answers in
             order, so a small call waits for a large one sent before it on the same shard: a
@@ -658,15 +659,24 @@ class ShardedExpertClient(_ShardedCore):
                                                           max_in_flight=LANE_MAX_IN_FLIGHT, ids=self._ids)
             return lane
 
-    def _stream_send(self, sub: _Sub, request: pb.ForwardRequest) -> tuple[float, Any]:
-        """Send one sub-request on the shard's lane: ``(started, future or the error)``."""
-        started = self._sent(sub)
-        try:
-            return started, self._lane(sub.shard).send(request)
-        except ExpertServiceError as err:
-            return started, err
+    def _drop_lane(self, shard: int, lane: Any) -> None:
+        """Cancel ``lane`` if it is still the shard's: a shard that let an attempt time out gets a fresh stream
+        next time, so unanswered messages cannot pile up on a stuck one (their slots are bounded)."""
+        with self._lanes_lock:
+            if self._lanes[shard] is lane:
+                self._lanes[shard] = None
+                lane.cancel()
 
-    def _stream_result(self, sub: _Sub, started: float, sent: Any, attempt_end: float) -> Any:
+    def _stream_send(self, sub: _Sub, request: pb.ForwardRequest) -> tuple[float, Any, Any]:
+        """Send one sub-request on the shard's lane: ``(started, lane, future or the error)``."""
+        started = self._sent(sub)
+        lane = self._lane(sub.shard)
+        try:
+            return started, lane, lane.send(request)
+        except ExpertServiceError as err:
+            return started, lane, err
+
+    def _stream_result(self, sub: _Sub, started: float, lane: Any, sent: Any, attempt_end: float, deadline: float) -> Any:
         """Wait for a lane's answer until ``attempt_end``: the response or an ``ExpertServiceError`` (booked in stats)."""
         response = None
         try:
@@ -678,6 +688,8 @@ class ShardedExpertClient(_ShardedCore):
             response = answer
             return response
         except FutureTimeoutError:
+            if time.monotonic() < deadline:  # the shard's attempt timed out, not the call
+                self._drop_lane(sub.shard, lane)
             return ExpertServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the attempt's deadline")
         except ExpertServiceError as err:  # the lane broke: the shard is unreachable as far as this call goes
             code = err.code if err.code in FAILOVER_CODES else grpc.StatusCode.UNAVAILABLE
@@ -733,8 +745,8 @@ class ShardedExpertClient(_ShardedCore):
             if self.transport == "stream":
                 attempt_end = time.monotonic() + attempt
                 lanes = [(sub, *self._stream_send(sub, request)) for sub, request in round_]
-                for sub, started, sent_on in lanes:
-                    call.absorb(sub, self._stream_result(sub, started, sent_on, attempt_end), deadline)
+                for sub, started, lane, sent_on in lanes:
+                    call.absorb(sub, self._stream_result(sub, started, lane, sent_on, attempt_end, deadline), deadline)
                 call.end_round(deadline)
                 continue
             sent = []
@@ -869,14 +881,16 @@ class AsyncShardedExpertClient(_ShardedCore):
                 self._stubs[shard], timeout=None, max_in_flight=LANE_MAX_IN_FLIGHT, ids=self._ids)
         return lane
 
-    async def _send(self, sub: _Sub, request: pb.ForwardRequest, timeout: float) -> Any:
+    async def _send(self, sub: _Sub, request: pb.ForwardRequest, timeout: float, deadline: float) -> Any:
         started = self._sent(sub)
         response = None
+        lane = None
         try:
             if self.transport == "unary":
                 response = await self._stubs[sub.shard].Forward(request, timeout=timeout)
                 return response
-            future = await asyncio.wait_for((await self._lane(sub.shard)).send(request), timeout)
+            lane = await self._lane(sub.shard)
+            future = await asyncio.wait_for(lane.send(request), timeout)
             answer = await asyncio.wait_for(asyncio.shield(future), timeout)  # a late answer is dropped by the lane
             if answer.status.code != 0:
                 return ExpertServiceError(status_code(answer.status.code), answer.status.message, answer.request_id)
@@ -885,6 +899,9 @@ class AsyncShardedExpertClient(_ShardedCore):
         except grpc.RpcError as err:
             return ExpertServiceError.from_rpc_error(err)
         except asyncio.TimeoutError:
+            if lane is not None and time.monotonic() < deadline and self._lanes[sub.shard] is lane:
+                self._lanes[sub.shard] = None  # the shard's attempt timed out, not the call: a fresh stream next time
+                lane.cancel()
             return ExpertServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout:.3f} s")
         except ExpertServiceError as err:  # the lane broke: the shard is unreachable as far as this call goes
             code = err.code if err.code in FAILOVER_CODES else grpc.StatusCode.UNAVAILABLE
@@ -911,7 +928,7 @@ class AsyncShardedExpertClient(_ShardedCore):
         while not call.done:
             round_ = call.plan()
             attempt = self._attempt_timeout(deadline)
-            tasks = [asyncio.ensure_future(self._send(sub, request, attempt)) for sub, request in round_]
+            tasks = [asyncio.ensure_future(self._send(sub, request, attempt, deadline)) for sub, request in round_]
             try:
                 for (sub, _), task in zip(round_, tasks):
                     call.absorb(sub, await task, deadline)
