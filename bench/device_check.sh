@@ -32,7 +32,7 @@ tests() {
     tests/kernels/triton_interp tests/kernels/test_gpu_experts_without_triton.py > "$OUT/interp_tests.log" 2>&1 || status=1
   tail -3 "$OUT/interp_tests.log"
   echo "== GPU tests (log: $OUT/gpu_tests.log)"
-  timeout 420 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kernels/test_routing_triton.py tests/kernels/test_mxfp8_triton.py tests/kernels/test_lut_b_gemm.py \
+  timeout 420 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kernels/test_routing_triton.py tests/kernels/test_mxfp8_triton.py tests/kernels/test_lut_b_gemm_selectors.py tests/kernels/test_lut_b_gemm.py \
     tests/kernels/test_experts_gpu.py > "$OUT/gpu_tests.log" 2>&1 || status=1
   grep -E "^(FAIL|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15
 }
