@@ -260,7 +260,11 @@ def build_subrequests(
             (rows[counts == c], m[counts == c], counts[counts == c]) for c in counts.unique().tolist()
         ]
         for g_rows, g_m, g_counts in groups:
-            k_s = int(g_counts.max())
+            # padded to the call's own k where a null id exists: the server then always sees one
+            # top-k per deployment, the one its CUDA graphs and compiled kernels were made for at
+            # start-up (a top-k first met under load costs a graph capture and, since top-k is a
+            # kernel constant, Triton compiles of about a second each, per server process)
+            k_s = k if null is not None else int(g_counts.max())
             cols = torch.sort((~g_m).to(torch.int8), dim=1, stable=True).indices[:, :k_s]
             valid = torch.arange(k_s).unsqueeze(0) < g_counts.unsqueeze(1)
             sub_ids = ids[g_rows].gather(1, cols)
