@@ -290,6 +290,26 @@ class ExpertClient:
 _CLOSE = object()
 
 
+def _settle(future: Any, request_id: int, response: pb.ForwardResponse, detailed: bool | None) -> None:
+    """Complete a stream request's future (``concurrent.futures`` or ``asyncio``) from its response.
+
+    ``detailed``: True gives the :class:`ForwardResult`, False its output, None (``send``) the
+    response itself with its status unread. A response for another request fails the future.
+    """
+    if response.request_id != request_id:
+        future.set_exception(ExpertServiceError(
+            grpc.StatusCode.INTERNAL, f"stream out of order: got response {response.request_id}", request_id))
+    elif detailed is None:
+        future.set_result(response)
+    else:
+        try:
+            result = parse_response(response)
+        except ExpertServiceError as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(result if detailed else result.output)
+
+
 class ForwardStream:
     """Many requests in flight on one ``ForwardStream`` call (blocking API).
 
@@ -326,19 +346,7 @@ class ForwardStream:
                 with self._lock:
                     request_id, future, detailed = self._pending.popleft()
                 self._slots.release()
-                if response.request_id != request_id:
-                    future.set_exception(ExpertServiceError(
-                        grpc.StatusCode.INTERNAL, f"stream out of order: got response {response.request_id}", request_id))
-                    continue
-                if detailed is None:  # send(): the response itself, its status unread
-                    future.set_result(response)
-                    continue
-                try:
-                    result = parse_response(response)
-                except ExpertServiceError as exc:
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result if detailed else result.output)
+                _settle(future, request_id, response, detailed)
             error = ExpertServiceError(grpc.StatusCode.INTERNAL, "stream ended before every request was answered")
         except grpc.RpcError as err:
             error = ExpertServiceError.from_rpc_error(err)
@@ -561,21 +569,8 @@ class AsyncForwardStream:
                     break
                 request_id, future, detailed = self._pending.popleft()
                 self._slots.release()
-                if future.done():
-                    continue
-                if response.request_id != request_id:
-                    future.set_exception(ExpertServiceError(
-                        grpc.StatusCode.INTERNAL, f"stream out of order: got response {response.request_id}", request_id))
-                    continue
-                if detailed is None:  # send(): the response itself, its status unread
-                    future.set_result(response)
-                    continue
-                try:
-                    result = parse_response(response)
-                except ExpertServiceError as exc:
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result if detailed else result.output)
+                if not future.done():
+                    _settle(future, request_id, response, detailed)
             error = ExpertServiceError(grpc.StatusCode.INTERNAL, "stream ended before every request was answered")
         except grpc.RpcError as err:
             error = ExpertServiceError.from_rpc_error(err)

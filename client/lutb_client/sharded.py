@@ -51,7 +51,7 @@ from collections import deque
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import grpc
 import torch
@@ -424,17 +424,25 @@ class _Call:
 
 
 class _ShardedCore:
+    _stream_class: ClassVar[type]
+    """The stream type of a lane (``ForwardStream`` or ``AsyncForwardStream``)."""
+
     def __init__(self, targets: Sequence[str], timeout: float, attempt_timeout: float | None, down_s: float,
-                 wire: str = "native") -> None:
+                 wire: str, transport: str) -> None:
         if wire not in WIRES:
             raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.wire = wire
+        self.transport = transport
         targets = list(targets)
         if not targets:
             raise ValueError("ShardedExpertClient needs at least one target")
         if len(set(targets)) != len(targets):
             raise ValueError(f"duplicate targets in {targets}")
         self.targets = targets
+        self._lanes: list[Any] = [None] * len(targets)  # per shard: its open stream (transport "stream")
+        self._lanes_lock = threading.Lock()
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
         self.down_s = down_s
@@ -541,6 +549,39 @@ class _ShardedCore:
                 c.server_us.append((t.queue_us, t.compute_us, t.total_us))
                 c.down_until = 0.0
 
+    # -- lanes (transport "stream") ----------------------------------------------------------
+
+    def _lane(self, shard: int) -> Any:
+        """The shard's open stream, (re)opened when missing or broken (any thread, or the event loop)."""
+        with self._lanes_lock:
+            lane = self._lanes[shard]
+            if lane is None or lane.broken:
+                if lane is not None:
+                    lane.cancel()
+                lane = self._lanes[shard] = self._stream_class(
+                    self._stubs[shard], timeout=None, max_in_flight=LANE_MAX_IN_FLIGHT, ids=self._ids)
+            return lane
+
+    def _drop_lane(self, shard: int, lane: Any) -> None:
+        """Cancel ``lane`` if it is still the shard's: a shard that let an attempt time out gets a fresh stream
+        next time, so unanswered messages cannot pile up on a stuck one (their slots are bounded)."""
+        with self._lanes_lock:
+            if self._lanes[shard] is lane:
+                self._lanes[shard] = None
+                lane.cancel()
+
+    def _cancel_lanes(self) -> None:
+        with self._lanes_lock:
+            for lane in self._lanes:
+                if lane is not None:
+                    lane.cancel()
+            self._lanes = [None] * len(self._lanes)
+
+    def _lane_broke(self, shard: int, err: ExpertServiceError) -> ExpertServiceError:
+        """A broken stream's error as a sub-request outcome: the shard is unreachable as far as this call goes."""
+        code = err.code if err.code in FAILOVER_CODES else grpc.StatusCode.UNAVAILABLE
+        return ExpertServiceError(code, f"stream to {self.targets[shard]} broke: {err.code.name}: {err.message}")
+
     def _attempt_timeout(self, deadline: float) -> float:
         remaining = max(deadline - time.monotonic(), 0.0)
         return remaining if self.attempt_timeout is None else min(remaining, self.attempt_timeout)
@@ -572,6 +613,13 @@ class _ShardedCore:
                 c.requests = c.tokens = c.routes = c.failures = 0
                 c.latencies.clear()
                 c.server_us.clear()
+
+
+def _message_outcome(answer: pb.ForwardResponse) -> Any:
+    """A stream message's answer as a sub-request outcome: the response, or its status as an error."""
+    if answer.status.code != 0:
+        return ExpertServiceError(status_code(answer.status.code), answer.status.message, answer.request_id)
+    return answer
 
 
 def _info_error(target: str, err: grpc.RpcError) -> ExpertServiceError:
@@ -613,6 +661,8 @@ class ShardedExpertClient(_ShardedCore):
             shards do not serve one model (``FAILED_PRECONDITION``, naming the field).
     """
 
+    _stream_class: ClassVar[type] = ForwardStream
+
     def __init__(
         self,
         targets: Sequence[str],
@@ -627,12 +677,7 @@ class ShardedExpertClient(_ShardedCore):
         wire: str = "native",
         transport: str = "stream",
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
-        self.transport = transport
-        super().__init__(targets, timeout, attempt_timeout, down_s, wire)
-        self._lanes: list[ForwardStream | None] = [None] * len(self.targets)
-        self._lanes_lock = threading.Lock()
+        super().__init__(targets, timeout, attempt_timeout, down_s, wire, transport)
         self._channels = [
             open_channel(t, aio=False, credentials=credentials, max_message_bytes=max_message_bytes,
                          channel_options=channel_options)
@@ -652,25 +697,6 @@ class ShardedExpertClient(_ShardedCore):
 
         return done
 
-    def _lane(self, shard: int) -> ForwardStream:
-        """The shard's open ``ForwardStream``, (re)opened when missing or broken (any thread)."""
-        with self._lanes_lock:
-            lane = self._lanes[shard]
-            if lane is None or lane.broken:
-                if lane is not None:
-                    lane.cancel()
-                lane = self._lanes[shard] = ForwardStream(self._stubs[shard], timeout=None,
-                                                          max_in_flight=LANE_MAX_IN_FLIGHT, ids=self._ids)
-            return lane
-
-    def _drop_lane(self, shard: int, lane: Any) -> None:
-        """Cancel ``lane`` if it is still the shard's: a shard that let an attempt time out gets a fresh stream
-        next time, so unanswered messages cannot pile up on a stuck one (their slots are bounded)."""
-        with self._lanes_lock:
-            if self._lanes[shard] is lane:
-                self._lanes[shard] = None
-                lane.cancel()
-
     def _stream_send(self, sub: _Sub, request: pb.ForwardRequest) -> tuple[float, Any, Any]:
         """Send one sub-request on the shard's lane: ``(started, lane, future or the error)``."""
         started = self._sent(sub)
@@ -686,18 +712,16 @@ class ShardedExpertClient(_ShardedCore):
         try:
             if isinstance(sent, ExpertServiceError):
                 raise sent
-            answer = sent.result(timeout=max(attempt_end - time.monotonic(), 0.0))
-            if answer.status.code != 0:
-                return ExpertServiceError(status_code(answer.status.code), answer.status.message, answer.request_id)
-            response = answer
-            return response
+            outcome = _message_outcome(sent.result(timeout=max(attempt_end - time.monotonic(), 0.0)))
+            if not isinstance(outcome, ExpertServiceError):
+                response = outcome
+            return outcome
         except FutureTimeoutError:
             if time.monotonic() < deadline:  # the shard's attempt timed out, not the call
                 self._drop_lane(sub.shard, lane)
             return ExpertServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the attempt's deadline")
-        except ExpertServiceError as err:  # the lane broke: the shard is unreachable as far as this call goes
-            code = err.code if err.code in FAILOVER_CODES else grpc.StatusCode.UNAVAILABLE
-            return ExpertServiceError(code, f"stream to {self.targets[sub.shard]} broke: {err.code.name}: {err.message}")
+        except ExpertServiceError as err:
+            return self._lane_broke(sub.shard, err)
         finally:
             self._answered(sub.shard, started, response)
 
@@ -715,10 +739,7 @@ class ShardedExpertClient(_ShardedCore):
         self._set_infos(infos)
 
     def close(self) -> None:
-        with self._lanes_lock:
-            for lane in self._lanes:
-                if lane is not None:
-                    lane.cancel()
+        self._cancel_lanes()
         for channel in self._channels:
             channel.close()
 
@@ -811,6 +832,8 @@ class AsyncShardedExpertClient(_ShardedCore):
     entering connects (asks every shard for its ``ModelInfo``); so does the first forward.
     """
 
+    _stream_class: ClassVar[type] = AsyncForwardStream
+
     def __init__(
         self,
         targets: Sequence[str],
@@ -825,10 +848,7 @@ class AsyncShardedExpertClient(_ShardedCore):
         wire: str = "native",
         transport: str = "stream",
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
-        self.transport = transport
-        super().__init__(targets, timeout, attempt_timeout, down_s, wire)
+        super().__init__(targets, timeout, attempt_timeout, down_s, wire, transport)
         self.connect_timeout = connect_timeout
         self._channels = [
             open_channel(t, aio=True, credentials=credentials, max_message_bytes=max_message_bytes,
@@ -836,7 +856,6 @@ class AsyncShardedExpertClient(_ShardedCore):
             for t in self.targets
         ]
         self._stubs = [pb_grpc.ExpertServiceStub(c) for c in self._channels]
-        self._lanes: list[AsyncForwardStream | None] = [None] * len(self.targets)
         self._connect_lock = asyncio.Lock()
 
     async def connect(self) -> None:
@@ -858,9 +877,7 @@ class AsyncShardedExpertClient(_ShardedCore):
         self._set_infos(infos)
 
     async def close(self) -> None:
-        for lane in self._lanes:
-            if lane is not None:
-                lane.cancel()
+        self._cancel_lanes()
         for channel in self._channels:
             await channel.close()
 
@@ -875,16 +892,6 @@ class AsyncShardedExpertClient(_ShardedCore):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _lane(self, shard: int) -> AsyncForwardStream:
-        """The shard's open ``ForwardStream``, (re)opened when missing or broken."""
-        lane = self._lanes[shard]
-        if lane is None or lane.broken:
-            if lane is not None:
-                lane.cancel()
-            lane = self._lanes[shard] = AsyncForwardStream(
-                self._stubs[shard], timeout=None, max_in_flight=LANE_MAX_IN_FLIGHT, ids=self._ids)
-        return lane
-
     async def _send(self, sub: _Sub, request: pb.ForwardRequest, timeout: float, deadline: float) -> Any:
         started = self._sent(sub)
         response = None
@@ -893,23 +900,20 @@ class AsyncShardedExpertClient(_ShardedCore):
             if self.transport == "unary":
                 response = await self._stubs[sub.shard].Forward(request, timeout=timeout)
                 return response
-            lane = await self._lane(sub.shard)
+            lane = self._lane(sub.shard)
             future = await asyncio.wait_for(lane.send(request), timeout)
-            answer = await asyncio.wait_for(asyncio.shield(future), timeout)  # a late answer is dropped by the lane
-            if answer.status.code != 0:
-                return ExpertServiceError(status_code(answer.status.code), answer.status.message, answer.request_id)
-            response = answer
-            return response
+            outcome = _message_outcome(await asyncio.wait_for(asyncio.shield(future), timeout))  # a late answer is dropped
+            if not isinstance(outcome, ExpertServiceError):
+                response = outcome
+            return outcome
         except grpc.RpcError as err:
             return ExpertServiceError.from_rpc_error(err)
         except asyncio.TimeoutError:
-            if lane is not None and time.monotonic() < deadline and self._lanes[sub.shard] is lane:
-                self._lanes[sub.shard] = None  # the shard's attempt timed out, not the call: a fresh stream next time
-                lane.cancel()
+            if lane is not None and time.monotonic() < deadline:  # the shard's attempt timed out, not the call
+                self._drop_lane(sub.shard, lane)
             return ExpertServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout:.3f} s")
-        except ExpertServiceError as err:  # the lane broke: the shard is unreachable as far as this call goes
-            code = err.code if err.code in FAILOVER_CODES else grpc.StatusCode.UNAVAILABLE
-            return ExpertServiceError(code, f"stream to {self.targets[sub.shard]} broke: {err.code.name}: {err.message}")
+        except ExpertServiceError as err:
+            return self._lane_broke(sub.shard, err)
         finally:
             self._answered(sub.shard, started, response)
 
