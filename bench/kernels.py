@@ -424,6 +424,9 @@ def breakdown(results: dict, shapes: list[str]) -> None:
                 cands["decoder=prmt"] = LutBGemmConfig(**{**base.__dict__, "decoder": "prmt"})
                 cands["prefetch"] = LutBGemmConfig(**{**base.__dict__, "prefetch": True})
                 cands["stages=4"] = LutBGemmConfig(**{**base.__dict__, "num_stages": 4})
+                for regs in (96, 80):  # the compiler's choice (127 at decode: 4 blocks per SM), 5 and 6 blocks
+                    if regs != base.maxnreg:
+                        cands[f"maxnreg={regs}"] = LutBGemmConfig(**{**base.__dict__, "maxnreg": regs})
                 tb = (w13_bytes if gname == "gemm1" else w2_bytes) * te
                 for cname, cfg in cands.items():
                     try:
@@ -490,6 +493,10 @@ def tune_candidates(block: int, tokens: int):  # noqa: ANN201
                                 groups_per_step=1, tile_loop=True, prefetch=True))
         c.append(LutBGemmConfig(block_m=min(16, block), block_n=32, split_k=4, swap_ab=True, num_warps=2, num_stages=3,
                                 groups_per_step=1, tile_loop=True))
+        for sk in (2, 4, 8):  # register caps (Nsight Compute: 127 registers cap occupancy; the loop above: none)
+            for regs in (96, 80):
+                c.append(LutBGemmConfig(block_m=min(16, block), block_n=128, split_k=sk, swap_ab=True, num_warps=4,
+                                        num_stages=3, groups_per_step=1, tile_loop=True, maxnreg=regs))
     else:
         for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3),
                              (64, 64, 4, 3), (64, 128, 4, 4)):
@@ -548,7 +555,7 @@ def tune(results: dict, quick: bool, out_dir: Path, budget_s: float = 1e9) -> No
                 rec = {"shape": name, "gemm": which, "tokens": tokens, "route_block": block, "n": n, "k": k,
                        "default_us": base_us, "default": str(base), "best_us": best_us, "best": str(best),
                        "best_fields": {f: getattr(best, f) for f in ("block_m", "block_n", "split_k", "num_warps", "num_stages",
-                                                                      "tile_loop", "prefetch", "swap_ab")},
+                                                                      "tile_loop", "prefetch", "swap_ab", "maxnreg")},
                        "best_TBps": te * per_expert / best_us / 1e6 if tokens <= 128 else None,
                        "top": [(round(us, 2), str(c)) for us, c in res[:5]]}
                 recs.append(rec)

@@ -30,7 +30,7 @@ LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(
 
 def compile_variant(block_m: int, block_n: int, warps: int, g: int, *, decoder: int = 1, a_deq: bool = True,
                     tile_loop: bool = True, prefetch: bool = True, split_k: int = 2, stages: int = 3,
-                    swap: bool = True) -> tuple[str, int, int]:
+                    swap: bool = True, maxnreg: int | None = None) -> tuple[str, int, int]:
     """SASS of one variant, its registers per thread and its local-memory bytes (spills) per thread.
 
     (``CompiledKernel.n_regs``/``n_spills`` are only filled when a GPU loads the cubin; the
@@ -52,7 +52,8 @@ def compile_variant(block_m: int, block_n: int, warps: int, g: int, *, decoder: 
                                                           "topk_w_ptr", "sorted_ptr", "eid_ptr", "ntpp_ptr", "N", "K", "stride_am", "stride_om")]
     src = ASTSource(fn=lut_b_moe_gemm_kernel, signature=sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()},
                     attrs={tuple(a): [["tt.divisibility", 16]] for a in aligned})
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages,
+                                                                         **({"maxnreg": maxnreg} if maxnreg else {})})
     cubin = Path("/tmp/sass_offline.cubin")
     cubin.write_bytes(ck.asm["cubin"])
     sass = subprocess.run([str(TOOL), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -100,6 +101,9 @@ VARIANTS = {
 # the same tile-loop variants with the "prmt2" decoder (DECODER=2)
 VARIANTS.update({f"{name} prmt2": (bm, bn, w, g, dict(kw, decoder=2))
                  for name, (bm, bn, w, g, kw) in list(VARIANTS.items()) if kw.get("tile_loop")})
+# register caps on the decode default (ncu: 127 registers hold an SM to 4 blocks of 4 warps)
+VARIANTS.update({f"16,128,w4 tile loop prmt2 maxnreg={r}": (16, 128, 4, 1, dict(tile_loop=True, prefetch=False, decoder=2, maxnreg=r))
+                 for r in (96, 80, 64)})
 
 
 def main() -> int:

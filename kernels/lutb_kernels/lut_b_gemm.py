@@ -77,6 +77,10 @@ class LutBGemmConfig:
     prefetch: bool = False
     """``tile_loop``: load tile t+1 into registers while decoding tile t (Triton's own cp.async
     pipelining with ``num_stages`` already does this; kept for the tuning sweep)."""
+    maxnreg: int | None = None
+    """Registers per thread the compiler may use (PTX ``.maxnreg``; NVIDIA only), or None for its
+    own choice. At decode configs the kernel takes 127, which holds an SM to 4 blocks of 4 warps
+    (Nsight Compute: bench/results/2026-12-02-ncu-gemm-h200.md); a cap trades spills for warps."""
 
 
 def default_decoder(device: torch.device) -> Decoder:
@@ -87,16 +91,19 @@ def default_decoder(device: torch.device) -> Decoder:
 
 
 # The default launch table, keyed by the routing block (moe_align_block_size's block_m, chosen
-# from the average rows per expert): (block_m, block_n, num_warps, num_stages, waves). Split-K
-# doubles while the grid holds fewer than ``waves`` programs per SM and every split keeps at
-# least MIN_TILES_PER_SPLIT K tiles. Update from ``bench/kernels.py --tune`` (tune.json's
+# from the average rows per expert): (block_m, block_n, num_warps, num_stages, waves, maxnreg).
+# Split-K doubles while the grid holds fewer than ``waves`` programs per SM and every split keeps
+# at least MIN_TILES_PER_SPLIT K tiles. Update from ``bench/kernels.py --tune`` (tune.json's
 # "table_suggestion"); TUNED overrides one (route_block, N, K) exactly (split_k included).
-DEFAULT_TABLE: dict[int, tuple[int, int, int, int, int]] = {
-    16: (16, 128, 4, 3, 4),
-    32: (32, 128, 4, 3, 4),
-    64: (64, 128, 4, 3, 2),
-    128: (128, 128, 8, 3, 1),
-    256: (128, 128, 8, 3, 1),
+# maxnreg 96 at decode: the compiler's own choice there is 127 registers, which holds an SM to 4
+# blocks (Nsight Compute, bench/results/2026-12-02-ncu-gemm-h200.md: 1.2 of 3.3 warps eligible per
+# scheduler); 96 compiles to the same loop with no spills (bench/sass_offline.py) and fits 5.
+DEFAULT_TABLE: dict[int, tuple[int, int, int, int, int, int | None]] = {
+    16: (16, 128, 4, 3, 4, 96),
+    32: (32, 128, 4, 3, 4, 96),
+    64: (64, 128, 4, 3, 2, 96),
+    128: (128, 128, 8, 3, 1, None),
+    256: (128, 128, 8, 3, 1, None),
 }
 MIN_TILES_PER_SPLIT = 4
 # Routing blocks from which the defaults keep the prmt decoder: on the H200 prmt2 made every
@@ -122,14 +129,15 @@ def default_config(num_routes: int, n: int, k: int, num_experts: int, route_bloc
     if decoder == "prmt2" and route_block >= PRMT2_MAX_ROUTE_BLOCK:
         decoder = "prmt"
     k_tiles = k // TILE
-    block_m, block_n, warps, stages, waves = DEFAULT_TABLE.get(route_block, DEFAULT_TABLE[128])
+    block_m, block_n, warps, stages, waves, maxnreg = DEFAULT_TABLE.get(route_block, DEFAULT_TABLE[128])
     block_m = min(block_m, route_block)
     tuned = TUNED.get((route_block, n, k))
     if tuned is not None:
         return LutBGemmConfig(block_m=tuned.get("block_m", block_m), block_n=tuned.get("block_n", block_n),
                               split_k=tuned.get("split_k", 1), swap_ab=True, decoder=decoder,
                               num_warps=tuned.get("num_warps", warps), num_stages=tuned.get("num_stages", stages),
-                              groups_per_step=1, tile_loop=tuned.get("tile_loop", True), prefetch=tuned.get("prefetch", False))
+                              groups_per_step=1, tile_loop=tuned.get("tile_loop", True), prefetch=tuned.get("prefetch", False),
+                              maxnreg=tuned.get("maxnreg", maxnreg))
     active_blocks = min(num_experts, num_routes) + num_routes // route_block
     programs = active_blocks * (route_block // block_m) * (n // block_n)
     target = waves * sm_count(device)
@@ -137,7 +145,7 @@ def default_config(num_routes: int, n: int, k: int, num_experts: int, route_bloc
     while programs * split_k < target and k_tiles // (split_k * 2) >= MIN_TILES_PER_SPLIT:
         split_k *= 2
     return LutBGemmConfig(block_m=block_m, block_n=block_n, split_k=split_k, swap_ab=True, decoder=decoder,
-                          num_warps=warps, num_stages=stages, groups_per_step=1, tile_loop=True)
+                          num_warps=warps, num_stages=stages, groups_per_step=1, tile_loop=True, maxnreg=maxnreg)
 
 
 def _check_args(
@@ -229,7 +237,8 @@ def lut_b_moe_gemm(
         config = default_config(num_valid, n, k, w_packed.shape[0], block_m, device)
     bm = min(config.block_m, block_m)
     if (block_m % bm or config.block_n not in (16, 32, 64, 128) or config.split_k < 1 or config.groups_per_step not in (1, 2, 4)
-            or (config.tile_loop and config.groups_per_step != 1) or config.decoder not in DECODER_IDS):
+            or (config.tile_loop and config.groups_per_step != 1) or config.decoder not in DECODER_IDS
+            or (config.maxnreg is not None and not 32 <= config.maxnreg <= 255)):
         raise ValueError(f"bad config {config} for block_m={block_m}")
     k_tiles = k // TILE
     split_k = min(config.split_k, k_tiles)
@@ -256,6 +265,7 @@ def lut_b_moe_gemm(
         TILE_LOOP=config.tile_loop,
         PREFETCH=config.prefetch,
         num_warps=config.num_warps, num_stages=config.num_stages,
+        **({"maxnreg": config.maxnreg} if config.maxnreg is not None and not interpreting() else {}),
     )
     if split_k > 1:
         fin_r = min(block_m, 16)
