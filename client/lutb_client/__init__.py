@@ -4,7 +4,7 @@
     with ExpertClient("127.0.0.1:50051") as client:
         out = client.forward(layer, hidden_states, topk_ids, topk_weights)
 
-Needs grpcio, protobuf and torch only (none of the server's dependencies).
+Needs grpcio, protobuf, numpy and torch only (none of the server's dependencies).
 """
 
 from lutb_client.client import (

@@ -14,19 +14,21 @@ How a call is split (the *route assignment*):
    compared).
 2. Every ``(token, route)`` pair is assigned to exactly ONE live shard holding its expert,
    so a replicated expert is never counted twice. Per token, the shard that can take the
-   most of its routes wins (so a token whose experts all live on one shard goes to that
-   shard alone, and no other shard is called); ties go to the shard with the fewest
-   requests outstanding from this client (round-robin among equals), which spreads load
-   over replicas.
+   most of its routes wins: each route goes to the shard, among those holding its expert,
+   that can take the most of the token's (pending) routes (so a token whose experts all live
+   on one shard goes to that shard alone, and no other shard is called); ties go to the
+   shard with the fewest requests outstanding from this client (round-robin among equals),
+   which spreads load over replicas. Without replicas there is nothing to choose: a route
+   goes to its expert's one holder.
 3. Shard ``s`` gets one request holding only the tokens with a route assigned to it; its
-   ``topk_ids``/``topk_weights`` are ``[T_s, k_s]`` with the token's assigned routes packed
-   left in their original order (``k_s`` = most routes any of those tokens has there). A
+   ``topk_ids``/``topk_weights`` are ``[T_s, k]`` (the call's own top-k, the one every server
+   warmed up for) with the token's assigned routes packed left in their original order. A
    token with fewer routes there is padded with an expert id the shard does NOT hold and
    weight 0: the server adds exactly zero for it and computes nothing (spec section 4).
    Only when the shard holds every expert of the layer (so no such id exists: it can only
    happen while retrying part of a token) are its tokens split into one request per route
-   count instead, so no route is ever computed twice or wasted. When one shard takes a
-   whole call unchanged, the request is the caller's own.
+   count ``c`` instead (``[T_c, c]``), so no route is ever computed twice or wasted. When one
+   shard takes a whole call unchanged, the request is the caller's own.
 4. Requests go out in parallel. Combined outputs are summed in float32 and rounded to the
    model dtype once (a call answered by one shard returns that shard's output as is);
    route-major rows are placed from the shard that computed them.
@@ -37,8 +39,14 @@ How a call is split (the *route assignment*):
    experts (``UNAVAILABLE`` when their holders failed, ``NOT_FOUND`` when no shard holds
    them). Other errors (bad input) are raised as the shard reported them.
 
-Only unary ``Forward`` calls are used; many calls may run concurrently (threads or tasks).
-All shards must answer ``GetModelInfo`` when the client connects; :meth:`refresh` asks again.
+Sub-requests travel as messages on one kept-open ``ForwardStream`` per shard
+(``transport="stream"``, the default) or as unary ``Forward`` calls (``transport="unary"``);
+many calls may run concurrently (threads or tasks). All shards must answer ``GetModelInfo``
+when the client connects; :meth:`refresh` asks again.
+
+A call's planning (steps 2-3, and the bookkeeping of step 5) runs on small numpy arrays, not
+torch tensors, since it is CPU work paid on every forward (``bench/sharded_client_cpu.py``
+measures it).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 import grpc
+import numpy as np
 import torch
 
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
@@ -159,8 +168,24 @@ class ShardedForwardResult(NamedTuple):
 
 @dataclass(frozen=True)
 class _LayerMap:
-    holders: torch.Tensor  # bool [E, S]: shard s holds expert e
+    """One layer's placement, as numpy arrays (planning runs on them, never on torch tensors)."""
+
+    holders: np.ndarray  # bool [E, S]: shard s holds expert e
+    holders_t: np.ndarray  # bool [S, E]: the same, transposed (contiguous)
     null_ids: tuple[int | None, ...]  # per shard: an expert id it does not hold (None if it holds all)
+    owner: np.ndarray | None  # int64 [E]: the one shard holding each expert (-1: none); None when an expert has replicas
+    complete: bool  # every expert is held by some shard
+
+
+def _layer_map(holders: np.ndarray) -> _LayerMap:
+    """The :class:`_LayerMap` of a bool ``[E, S]`` placement."""
+    nulls: list[int | None] = []
+    for s in range(holders.shape[1]):
+        free = np.flatnonzero(~holders[:, s])
+        nulls.append(int(free[0]) if free.size else None)
+    held = holders.any(1)
+    owner = np.where(held, holders.argmax(1), -1).astype(np.int64) if bool((holders.sum(1) <= 1).all()) else None
+    return _LayerMap(holders, np.ascontiguousarray(holders.T), tuple(nulls), owner, bool(held.all()))
 
 
 class _Topology:
@@ -181,103 +206,235 @@ class _Topology:
         self.dtype = to_torch_dtype(first.dtype)
         self.scale_mode = first.mxfp8_scale_mode or "rceil"
         self.shards = len(targets)
-        held: dict[int, torch.Tensor] = {}
+        held: dict[int, np.ndarray] = {}
         for s, info in enumerate(infos):
             for layer in info.layers:
-                mask = held.setdefault(layer.layer, torch.zeros(self.num_experts, self.shards, dtype=torch.bool))
+                mask = held.setdefault(layer.layer, np.zeros((self.num_experts, self.shards), dtype=bool))
                 ids = [e for e in layer.expert_ids if 0 <= e < self.num_experts]
                 mask[ids, s] = True
-        self.layers: dict[int, _LayerMap] = {}
-        for layer, mask in held.items():
-            nulls: list[int | None] = []
-            for s in range(self.shards):
-                free = (~mask[:, s]).nonzero()
-                nulls.append(int(free[0]) if free.numel() else None)
-            self.layers[layer] = _LayerMap(mask, tuple(nulls))
+        self.layers: dict[int, _LayerMap] = {layer: _layer_map(mask) for layer, mask in held.items()}
 
     def missing_experts(self) -> dict[int, list[int]]:
-        return {layer: (~m.holders.any(1)).nonzero().flatten().tolist() for layer, m in sorted(self.layers.items())}
+        return {layer: np.flatnonzero(~m.holders.any(1)).tolist() for layer, m in sorted(self.layers.items())}
 
 
-# -- planning (pure tensor code, shared by both clients) ------------------------------------
+# -- planning (numpy code, shared by both clients) -------------------------------------------
+#
+# A call is planned on small numpy arrays: a torch op on a tiny CPU tensor costs several
+# microseconds (and some wake torch's intra-op thread pool), a numpy op about one, and the
+# planning takes a few dozen of them per call, so it made the client's CPU the bottleneck of
+# expert-parallel serving. Torch tensors are made (``torch.from_numpy``, no copy) only where a
+# request is encoded or the outputs are combined.
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NO_NUMPY = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}  # known without a (slow) failed .numpy()
+_UNSIGNED = {np.dtype(np.int32): np.uint32, np.dtype(np.int64): np.uint64}
+
+
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when it is a CPU tensor outside autograd, else a detached CPU copy."""
+    return tensor if tensor.is_cpu and not tensor.requires_grad else tensor.detach().to("cpu")
+
+
+def _numpy_of(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (no copy); a dtype numpy lacks (bfloat16, float8) as signed ints of its bits."""
+    if tensor.dtype not in _NO_NUMPY:
+        try:
+            return tensor.numpy()
+        except TypeError:
+            pass
+    return tensor.view(_BITS[tensor.element_size()]).numpy()
+
+
+def _torch_of(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The ``dtype`` tensor over ``array`` (from :func:`_numpy_of`, or a gather of one), no copy."""
+    tensor = torch.from_numpy(array)
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
 @dataclass
 class _Sub:
-    """One request to one shard: its tokens, and where its routes came from."""
+    """One request to one shard: its tokens, and where its routes came from (numpy arrays)."""
 
     shard: int
-    rows: torch.Tensor  # int64 [T_s]: token indices
-    cols: torch.Tensor  # int64 [T_s, k_s]: original route index of each column
-    valid: torch.Tensor  # bool [T_s, k_s]: False on padding
-    ids: torch.Tensor  # [T_s, k_s]
-    weights: torch.Tensor  # float32 [T_s, k_s]
+    rows: np.ndarray  # int64 [T_s]: token indices, ascending
+    counts: np.ndarray  # int64 [T_s]: routes of each token computed here: its first counts[i] columns, the rest padding
+    ids: np.ndarray  # int [T_s, k_s]: expert ids (the null id on padding), the dtype of the call's ids
+    weights: np.ndarray  # [T_s, k_s]: the call's weights (0 on padding), their dtype
     whole: bool  # the caller's request unchanged
+    flat: np.ndarray  # int64 [R_s]: ``token * k + route`` of each computed route, row by row, in column order
+
+    @property
+    def valid(self) -> np.ndarray:
+        """bool ``[T_s, k_s]``: False on padding."""
+        return np.arange(self.ids.shape[1]) < self.counts[:, None]
+
+    @property
+    def routes(self) -> int:
+        """``(token, route)`` pairs this request computes (``R_s``)."""
+        return int(self.flat.size)
 
 
 def assign_routes(
-    holders: torch.Tensor, ids: torch.Tensor, pending: torch.Tensor, usable: torch.Tensor, rank: torch.Tensor
-) -> torch.Tensor:
+    holders: np.ndarray | torch.Tensor,
+    ids: np.ndarray | torch.Tensor,
+    pending: np.ndarray | torch.Tensor | None,
+    usable: np.ndarray | torch.Tensor | Sequence[bool],
+    rank: np.ndarray | torch.Tensor | Sequence[int],
+) -> np.ndarray:
     """Assign every pending ``(token, route)`` to one usable shard holding its expert.
+
+    Per token, each pending route goes to the usable shard holding its expert that can take
+    the most of the token's pending routes (counted once, before assigning); among equals
+    the lowest ``rank``.
 
     Args:
         holders: bool ``[E, S]``.
-        ids: int64 ``[T, k]`` expert ids.
-        pending: bool ``[T, k]``: routes to assign.
+        ids: int ``[T, k]`` expert ids in ``[0, E)``.
+        pending: bool ``[T, k]``: routes to assign (None: all of them).
         usable: bool ``[S]``: shards that may be used.
-        rank: int64 ``[S]``: preference among equals (lower first), a permutation of ``0..S-1``.
+        rank: int ``[S]``: preference among equals (lower first), a permutation of ``0..S-1``.
 
     Returns:
-        int64 ``[T, k]``: the shard of each pending route, -1 where not pending or where no
-        usable shard holds the expert.
+        int64 ``[T, k]`` (numpy): the shard of each pending route, -1 where not pending or
+        where no usable shard holds the expert. CPU tensors are accepted for every argument.
     """
-    shards = holders.shape[1]
-    can = holders[ids] & usable & pending.unsqueeze(-1)  # [T, k, S]
-    count = can.sum(1)  # [T, S]: routes of the token each shard can take
-    key = count * shards + (shards - 1 - rank)  # most routes first, then the preferred shard
-    score = torch.where(can, key.unsqueeze(1), torch.full_like(key.unsqueeze(1), -1))
-    assign = score.argmax(-1)
-    return torch.where(can.any(-1), assign, torch.full_like(assign, -1))
+    holders, ids = np.asarray(holders, dtype=bool), np.asarray(ids)
+    if holders.shape[1] == 0 or ids.size == 0:
+        return np.full(ids.shape, -1, dtype=np.int64)
+    return _best_shards((holders & np.asarray(usable, dtype=bool)).T, ids, pending, rank)
+
+
+def _best_shards(
+    usable_holders: np.ndarray,
+    ids: np.ndarray,
+    pending: np.ndarray | torch.Tensor | None,
+    rank: np.ndarray | torch.Tensor | Sequence[int],
+    every_expert_held: bool = False,
+) -> np.ndarray:
+    """:func:`assign_routes` on ``usable_holders`` (bool ``[S, E]``: usable shard s holds expert e).
+
+    ``every_expert_held``: the caller knows every expert has a usable holder and every route is
+    pending (``pending`` None), so no route can be left without a shard: the check is skipped.
+    """
+    shards = usable_holders.shape[0]
+    # laid out [S, k, T]: the reductions below run over outer axes, vectorized along the tokens
+    can = usable_holders[:, ids.T]
+    if pending is not None:
+        pending = np.asarray(pending, dtype=bool)
+        can &= pending.T
+    key = can.sum(1) * shards + (shards - np.asarray(rank, dtype=np.int64))[:, None]  # [S, T] >= 1: most routes, then preferred
+    assign = (can * key[:, None, :]).argmax(0).T  # [T, k]: the best shard that can take the route (score 0: cannot)
+    if every_expert_held and pending is None:
+        return assign
+    has = usable_holders.any(0)[ids]  # [T, k]: some usable shard holds the route's expert
+    if pending is not None:
+        has &= pending
+    return np.where(has, assign, -1)
+
+
+def assign_owned_routes(
+    owner: np.ndarray, ids: np.ndarray, pending: np.ndarray | None = None, usable: np.ndarray | None = None
+) -> np.ndarray:
+    """:func:`assign_routes` for a placement without replicas (every expert on at most one shard): a gather.
+
+    With one candidate per route, the per-token rule has nothing to choose: a route goes to
+    its expert's holder if that shard is usable.
+
+    Args:
+        owner: int64 ``[E]``: the shard holding each expert, -1 where none does.
+        ids: int ``[T, k]`` expert ids in ``[0, E)``.
+        pending: bool ``[T, k]``: routes to assign (all when None).
+        usable: bool ``[S]``: shards that may be used (all when None).
+
+    Returns:
+        int64 ``[T, k]``: the shard of each pending route, -1 where not pending or where its
+        expert's holder is not usable or does not exist.
+    """
+    assign = owner[ids]
+    if usable is not None and not bool(np.all(usable)):
+        usable_or_none = np.append(np.asarray(usable, dtype=bool), False)  # index -1 (no holder): False
+        assign = np.where(usable_or_none[assign], assign, -1)
+    if pending is not None:
+        assign = np.where(pending, assign, -1)
+    return assign
 
 
 def build_subrequests(
-    assign: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, null_ids: Sequence[int | None]
+    assign: np.ndarray | torch.Tensor,
+    ids: np.ndarray | torch.Tensor,
+    weights: np.ndarray | torch.Tensor,
+    null_ids: Sequence[int | None],
 ) -> list[_Sub]:
-    """The requests that compute every assigned route once (see the module docstring, step 3)."""
-    tokens, k = ids.shape
+    """The requests that compute every assigned route once (see the module docstring, step 3).
+
+    Args:
+        assign: int ``[T, k]``: the shard of each route, -1 for routes not to compute now.
+        ids: int ``[T, k]`` expert ids (the sub-requests keep their dtype).
+        weights: ``[T, k]`` router weights, any dtype (padding gets zero bits: 0.0).
+        null_ids: per shard (``S`` of them), an expert id it does not hold, None if it holds all.
+
+    Returns:
+        One :class:`_Sub` per request, shards ascending. A shard with a null id gets one
+        request, each token's routes there packed left in their original order and padded to
+        ``k`` columns with the null id and weight 0; a shard holding every expert gets one
+        request per route count ``c`` (``k_s = c``, no padding). When one shard takes every
+        route, its request is ``whole``: the caller's own ``ids`` and ``weights``.
+    """
+    assign, ids, weights = np.asarray(assign), np.asarray(ids), np.asarray(weights)
+    tokens, k = assign.shape
+    shards = len(null_ids)
+    if assign.size == 0 or shards == 0:
+        return []
+    # Group the routes by (shard s, token t) -- group g = s * T + t, unassigned routes (-1) in the
+    # groups past the last shard's -- each group's routes in their original order: one stable sort.
+    group = ((assign % (shards + 1)) * tokens + np.arange(tokens)[:, None]).ravel()  # [T * k]
+    counts = np.bincount(group, minlength=(shards + 1) * tokens)  # routes per group
+    ends = np.cumsum(counts)
+    shard_ends = ends[tokens - 1:shards * tokens:tokens].tolist()  # after each shard's routes, in sorted order
+    routes = shard_ends[-1]
+    if routes == tokens * k and shard_ends.count(routes) + shard_ends.count(0) == shards:  # one shard takes all
+        return [_Sub(shard_ends.index(routes), np.arange(tokens), np.full(tokens, k), ids, weights, True, np.arange(routes))]
+    order = np.argsort(group, kind="stable")[:routes]  # flat route index (t * k + route), by group
+    in_group = group[order]
+    # each route's place in an [S, T, k] layout: its group's row, packed left
+    place = in_group * k + (np.arange(routes) - (ends - counts)[in_group])
+    sub_ids = np.repeat(np.array([null or 0 for null in null_ids], dtype=ids.dtype), tokens * k)
+    sub_ids[place] = ids.ravel()[order]
+    sub_w = np.zeros(shards * tokens * k, dtype=weights.dtype)
+    sub_w[place] = weights.ravel()[order]
+    counts = counts[:shards * tokens].reshape(shards, tokens)
+    sub_ids, sub_w = sub_ids.reshape(shards, tokens, k), sub_w.reshape(shards, tokens, k)
     subs: list[_Sub] = []
-    for s in torch.unique(assign[assign >= 0]).tolist():
-        mine = assign == s
-        rows = mine.any(1).nonzero().flatten()
-        m = mine[rows]
-        counts = m.sum(1)
-        if int(rows.numel()) == tokens and bool(m.all()):
-            cols = torch.arange(k).expand(tokens, k)
-            subs.append(_Sub(s, rows, cols, torch.ones_like(m), ids, weights, True))
+    start = 0
+    for s, end in enumerate(shard_ends):
+        if end == start:
             continue
-        null = null_ids[s]
-        groups = [(rows, m, counts)] if null is not None else [
-            (rows[counts == c], m[counts == c], counts[counts == c]) for c in counts.unique().tolist()
-        ]
-        for g_rows, g_m, g_counts in groups:
+        rows = counts[s].nonzero()[0]
+        row_counts = counts[s, rows]
+        if null_ids[s] is not None:
             # padded to the call's own k where a null id exists: the server then always sees one
             # top-k per deployment, the one its CUDA graphs and compiled kernels were made for at
             # start-up (a top-k first met under load costs a graph capture and, since top-k is a
             # kernel constant, Triton compiles of about a second each, per server process)
-            k_s = k if null is not None else int(g_counts.max())
-            cols = torch.sort((~g_m).to(torch.int8), dim=1, stable=True).indices[:, :k_s]
-            valid = torch.arange(k_s).unsqueeze(0) < g_counts.unsqueeze(1)
-            sub_ids = ids[g_rows].gather(1, cols)
-            sub_w = weights[g_rows].gather(1, cols)
-            if not bool(valid.all()):
-                sub_ids = sub_ids.masked_fill(~valid, int(null))  # type: ignore[arg-type]
-                sub_w = sub_w.masked_fill(~valid, 0.0)
-            subs.append(_Sub(s, g_rows, cols, valid, sub_ids, sub_w, False))
+            subs.append(_Sub(s, rows, row_counts, sub_ids[s].take(rows, 0), sub_w[s].take(rows, 0), False, order[start:end]))
+        else:  # the shard holds every expert: nothing to pad with, one request per route count
+            mine = order[start:end]
+            route_counts = np.repeat(row_counts, row_counts)  # each route's token's count
+            for c in np.unique(row_counts).tolist():
+                g = rows[row_counts == c]
+                subs.append(_Sub(s, g, np.full(g.size, c), sub_ids[s, g, :c], sub_w[s, g, :c], False,
+                                 mine[route_counts == c]))
+        start = end
     return subs
 
 
 class _Call:
-    """The state of one sharded forward: what is left to compute and what has come back."""
+    """The state of one sharded forward: what is left to compute and what has come back.
+
+    ``ids`` (int32 ``[T, k]``) and ``weights_np`` (``[T, k]``, the caller's dtype, as bits
+    where numpy lacks it) are numpy views (or converted copies) of the caller's tensors.
+    """
 
     def __init__(self, core: _ShardedCore, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  apply_router_weight_on_input: bool, output_mode: str) -> None:
@@ -287,25 +444,29 @@ class _Call:
                 grpc.StatusCode.NOT_FOUND, f"layer {layer} is not held by any shard; the shards hold layers {sorted(topo.layers)}")
         if output_mode not in ("combined", "route_major"):
             raise ExpertServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"output_mode: {output_mode!r} is not combined or route_major")
-        if x.dim() != 2 or x.shape[1] != topo.hidden_size:
+        x_shape, ids_shape = x.shape, ids.shape
+        if len(x_shape) != 2 or x_shape[1] != topo.hidden_size:
             raise ExpertServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"hidden_states: shape {list(x.shape)} does not match [T, {topo.hidden_size}]")
-        if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 2 or ids.shape[0] != x.shape[0] or ids.shape[1] < 1:
+                grpc.StatusCode.INVALID_ARGUMENT, f"hidden_states: shape {list(x_shape)} does not match [T, {topo.hidden_size}]")
+        if ids.dtype not in (torch.int32, torch.int64) or len(ids_shape) != 2 or ids_shape[0] != x_shape[0] or ids_shape[1] < 1:
             raise ExpertServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"topk_ids: {ids.dtype} shape {list(ids.shape)} is not int32/int64 [T, k] with T = {x.shape[0]} and k >= 1")
-        if weights.shape != ids.shape:
+                f"topk_ids: {ids.dtype} shape {list(ids_shape)} is not int32/int64 [T, k] with T = {x_shape[0]} and k >= 1")
+        if weights.shape != ids_shape:
             raise ExpertServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"topk_weights: shape {list(weights.shape)} does not match topk_ids shape {list(ids.shape)}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= topo.num_experts):
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+                grpc.StatusCode.INVALID_ARGUMENT, f"topk_weights: shape {list(weights.shape)} does not match topk_ids shape {list(ids_shape)}")
+        ids_np = _cpu(ids).numpy()
+        # one reduction: a negative id, seen unsigned, is out of range too
+        if ids_np.size and int(ids_np.view(_UNSIGNED[ids_np.dtype]).max()) >= topo.num_experts:
+            low, high = int(ids_np.min()), int(ids_np.max())
             raise ExpertServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"topk_ids: expert id {bad} outside the global range [0, {topo.num_experts})")
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"topk_ids: expert id {low if low < 0 else high} outside the global range [0, {topo.num_experts})")
         self.core = core
         self.layer = layer
         self.map = topo.layers[layer]
         self.dtype = topo.dtype
-        self.x = x.detach().to("cpu")
+        self.x = _cpu(x)
         if self.x.dtype in (torch.bfloat16, torch.float16, torch.float32) and self.x.dtype != self.dtype:
             self.x = self.x.to(self.dtype)  # what the server does first; less to send
         self.mxfp8: tuple[torch.Tensor, torch.Tensor] | None = None  # (e4m3 codes as uint8, E8M0 scales)
@@ -317,12 +478,12 @@ class _Call:
             except ValueError as exc:
                 raise ExpertServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"hidden_states: {exc}") from None
             self.mxfp8 = (q.view(torch.uint8), scales)
-        self.ids = ids.detach().to("cpu", torch.int64)
-        self.weights = weights.detach().to("cpu")
+        self.ids = ids_np.astype(np.int32, copy=False)  # in [0, E): the wire's dtype
+        self.weights = _cpu(weights)  # sent as given when one shard takes the whole call
+        self.weights_np = _numpy_of(self.weights)
         self.kw = {"apply_router_weight_on_input": apply_router_weight_on_input, "output_mode": output_mode}
         self.route_major = output_mode == "route_major"
-        tokens, k = self.ids.shape
-        self.pending = torch.ones(tokens, k, dtype=torch.bool)
+        self.remaining = int(ids_np.size)  # routes not computed yet
         self.excluded: set[int] = set()
         self.failed: dict[int, str] = {}
         self.parts: list[tuple[_Sub, torch.Tensor]] = []
@@ -331,36 +492,66 @@ class _Call:
 
     @property
     def done(self) -> bool:
-        return not bool(self.pending.any())
+        return self.remaining == 0
+
+    @property
+    def pending(self) -> np.ndarray:
+        """bool ``[T, k]``: the routes not computed yet."""
+        pending = np.ones(self.ids.shape, dtype=bool)
+        flat = pending.ravel()
+        for sub, _ in self.parts:
+            flat[sub.flat] = False
+        return pending
+
+    def _assign(self) -> np.ndarray:
+        """The shard of every pending route (int64 ``[T, k]``, -1 elsewhere); raises when one has no shard left."""
+        m = self.map
+        pending = self.pending if self.parts else None  # None: every route (the first round, or all failed)
+        if m.owner is not None and m.complete and pending is None and not self.excluded:
+            return m.owner[self.ids]  # the common case: no replicas, first round
+        not_excluded = [s not in self.excluded for s in range(m.holders.shape[1])]
+        if m.owner is not None:
+            # one holder per expert: nothing to choose, and a down holder would be used anyway (it is the only one)
+            assign = assign_owned_routes(m.owner, self.ids, pending, np.array(not_excluded))
+        else:
+            rank = self.core._rank()
+            up = [u and n for u, n in zip(self.core._up_mask(), not_excluded)]
+            if m.complete and pending is None and all(up):  # the common case with replicas: nothing can be stuck
+                return _best_shards(m.holders_t, self.ids, None, rank, every_expert_held=True)
+            assign = assign_routes(m.holders, self.ids, pending, up, rank)
+            if int(assign.min()) < 0:  # maybe only routes not pending
+                stuck = assign < 0 if pending is None else pending & (assign < 0)
+                if bool(stuck.any()):  # holders marked down may have recovered: better than failing
+                    fallback = assign_routes(m.holders, self.ids, stuck, not_excluded, rank)
+                    assign = np.where(stuck, fallback, assign)
+        if int(assign.min()) < 0:
+            stuck = assign < 0 if pending is None else pending & (assign < 0)
+            if bool(stuck.any()):
+                raise self._missing(sorted(set(self.ids[stuck].tolist())))
+        return assign
 
     def plan(self) -> list[tuple[_Sub, pb.ForwardRequest]]:
         """The next round of sub-requests (raises when a pending expert has no shard left)."""
-        core, holders = self.core, self.map.holders
-        shards = holders.shape[1]
-        not_excluded = torch.tensor([s not in self.excluded for s in range(shards)], dtype=torch.bool)
-        up = not_excluded & torch.tensor(core._up_mask(), dtype=torch.bool)
-        rank = core._rank()
-        assign = assign_routes(holders, self.ids, self.pending, up, rank)
-        stuck = self.pending & (assign < 0)
-        if bool(stuck.any()):  # holders marked down may have recovered: better than failing
-            fallback = assign_routes(holders, self.ids, stuck, not_excluded, rank)
-            assign = torch.where(stuck, fallback, assign)
-            stuck = self.pending & (assign < 0)
-        if bool(stuck.any()):
-            raise self._missing(sorted(set(self.ids[stuck].tolist())))
-        subs = build_subrequests(assign, self.ids, self.weights, self.map.null_ids)
+        subs = build_subrequests(self._assign(), self.ids, self.weights_np, self.map.null_ids)
+        tokens = self.ids.shape[0]
         out = []
         for sub in subs:
             scales = None
+            if sub.whole:
+                ids, weights = torch.from_numpy(self.ids), self.weights
+            else:
+                ids, weights = torch.from_numpy(sub.ids), _torch_of(sub.weights, self.weights.dtype)
+            every = sub.rows.size == tokens  # rows are ascending and distinct: every token, in order
             if self.mxfp8 is not None:
                 q, scales = self.mxfp8
-                if not sub.whole:
-                    q, scales = q.index_select(0, sub.rows), scales.index_select(0, sub.rows)
+                if not every:
+                    rows = torch.from_numpy(sub.rows)
+                    q, scales = q.index_select(0, rows), scales.index_select(0, rows)
                 x = q.view(torch.float8_e4m3fn)
             else:
-                x = self.x if sub.whole else self.x.index_select(0, sub.rows)
+                x = self.x if every else self.x.index_select(0, torch.from_numpy(sub.rows))
             request = build_request(
-                self.layer, x, sub.ids.to(torch.int32), sub.weights, request_id=next(core._ids), hidden_scales=scales, **self.kw)
+                self.layer, x, ids, weights, request_id=next(self.core._ids), hidden_scales=scales, **self.kw)
             out.append((sub, request))
         return out
 
@@ -388,10 +579,15 @@ class _Call:
             self.failed[sub.shard] = f"{result.code.name}: {result.message}"
             return
         output = parse_response(result).output
+        rows, width = sub.ids.shape
+        hidden = self.x.shape[1]
+        if output.shape != ((rows, width, hidden) if self.route_major else (rows, hidden)):
+            raise ExpertServiceError(
+                grpc.StatusCode.INTERNAL, f"layer {self.layer}: shard {self.core.targets[sub.shard]} answered an output of "
+                f"shape {list(output.shape)} to a request of {rows} tokens and top-{width}", result.request_id)
         self.parts.append((sub, output))
         self.used.add(sub.shard)
-        r = sub.rows.unsqueeze(1).expand_as(sub.cols)
-        self.pending[r[sub.valid], sub.cols[sub.valid]] = False
+        self.remaining -= sub.routes
 
     def end_round(self, deadline: float) -> None:
         if not self.done:
@@ -403,20 +599,28 @@ class _Call:
                     f"(failed: {'; '.join(f'{self.core.targets[s]}: {w}' for s, w in sorted(self.failed.items()))})")
 
     def result(self) -> ShardedForwardResult:
+        """The combined ``[T, H]`` or route-major ``[T, k, H]`` output, in the model dtype."""
         tokens, k = self.ids.shape
         hidden = self.x.shape[1]
         shards = tuple(self.core.targets[s] for s in sorted(self.used))
-        if self.route_major:
+        if len(self.parts) == 1 and self.parts[0][0].whole:  # one shard's answer, as is
+            y = self.parts[0][1]
+            return ShardedForwardResult(y.to(self.dtype) if self.route_major else y, shards, self.rounds)
+        if self.route_major:  # each computed row placed once: no sum, no rounding
             out = torch.zeros(tokens, k, hidden, dtype=self.dtype)
+            placed = out.view(tokens * k, hidden)
             for sub, y in self.parts:
-                r = sub.rows.unsqueeze(1).expand_as(sub.cols)
-                out[r[sub.valid], sub.cols[sub.valid]] = y[sub.valid].to(self.dtype)
+                src = y.reshape(-1, hidden)
+                if sub.routes != src.shape[0]:  # drop the padding columns' rows
+                    src = src.index_select(0, torch.from_numpy(np.flatnonzero(sub.valid)))
+                placed.index_copy_(0, torch.from_numpy(sub.flat), src.to(self.dtype))
             return ShardedForwardResult(out, shards, self.rounds)
-        if len(self.parts) == 1 and self.parts[0][0].whole:
-            return ShardedForwardResult(self.parts[0][1], shards, self.rounds)
         acc = torch.zeros(tokens, hidden, dtype=torch.float32)
         for sub, y in self.parts:
-            acc.index_add_(0, sub.rows, y.to(torch.float32))
+            if sub.rows.size == tokens:  # every token, in order
+                acc.add_(y)  # in float32 (type promotion), without a float32 copy of y
+            else:
+                acc.index_add_(0, torch.from_numpy(sub.rows), y.to(torch.float32))
         return ShardedForwardResult(acc.to(self.dtype), shards, self.rounds)
 
 
@@ -484,7 +688,7 @@ class _ShardedCore:
         out: dict[int, dict[int, list[str]]] = {}
         for layer, m in sorted(self._topo().layers.items()):
             out[layer] = {
-                e: [self.targets[s] for s in m.holders[e].nonzero().flatten().tolist()]
+                e: [self.targets[s] for s in np.flatnonzero(m.holders[e]).tolist()]
                 for e in range(m.holders.shape[0]) if bool(m.holders[e].any())
             }
         return out
@@ -501,18 +705,20 @@ class _ShardedCore:
     # bookkeeping --------------------------------------------------------------------------
 
     def _up_mask(self) -> list[bool]:
+        """Per shard: not marked down."""
         now = time.monotonic()
         with self._lock:
             return [c.down_until <= now for c in self._counters]
 
-    def _rank(self) -> torch.Tensor:
+    def _rank(self) -> list[int]:
         """Shards by outstanding requests, ties broken round-robin: ``rank[s]`` (0 = preferred)."""
         n = len(self.targets)
         start = next(self._rr) % n
         with self._lock:
-            order = sorted(range(n), key=lambda s: (self._counters[s].outstanding, (s - start) % n))
-        rank = torch.empty(n, dtype=torch.int64)
-        rank[torch.tensor(order)] = torch.arange(n)
+            outstanding = [c.outstanding for c in self._counters]
+        rank = [0] * n
+        for i, s in enumerate(sorted(range(n), key=lambda s: (outstanding[s], (s - start) % n))):
+            rank[s] = i
         return rank
 
     def _mark_down(self, shard: int) -> None:
@@ -534,8 +740,8 @@ class _ShardedCore:
             c = self._counters[sub.shard]
             c.requests += 1
             c.outstanding += 1
-            c.tokens += int(sub.rows.numel())
-            c.routes += int(sub.valid.sum())
+            c.tokens += int(sub.rows.size)
+            c.routes += sub.routes
         return time.perf_counter()
 
     def _answered(self, shard: int, started: float, response: Any) -> None:
