@@ -424,7 +424,7 @@ def breakdown(results: dict, shapes: list[str]) -> None:
                 cands["decoder=prmt"] = LutBGemmConfig(**{**base.__dict__, "decoder": "prmt"})
                 cands["prefetch"] = LutBGemmConfig(**{**base.__dict__, "prefetch": True})
                 cands["stages=4"] = LutBGemmConfig(**{**base.__dict__, "num_stages": 4})
-                for regs in (96, 80):  # the compiler's choice (127 at decode: 4 blocks per SM), 5 and 6 blocks
+                for regs in (None, 96, 80):  # the compiler's choice (127 at decode: 4 blocks per SM), 5 and 6 blocks
                     if regs != base.maxnreg:
                         cands[f"maxnreg={regs}"] = LutBGemmConfig(**{**base.__dict__, "maxnreg": regs})
                 tb = (w13_bytes if gname == "gemm1" else w2_bytes) * te

@@ -95,13 +95,14 @@ def default_decoder(device: torch.device) -> Decoder:
 # Split-K doubles while the grid holds fewer than ``waves`` programs per SM and every split keeps
 # at least MIN_TILES_PER_SPLIT K tiles. Update from ``bench/kernels.py --tune`` (tune.json's
 # "table_suggestion"); TUNED overrides one (route_block, N, K) exactly (split_k included).
-# maxnreg 96 at decode: the compiler's own choice there is 127 registers, which holds an SM to 4
-# blocks (Nsight Compute, bench/results/2026-12-02-ncu-gemm-h200.md: 1.2 of 3.3 warps eligible per
-# scheduler); 96 compiles to the same loop with no spills (bench/sass_offline.py) and fits 5.
+# maxnreg None everywhere: at decode the compiler takes 127 registers (4 blocks per SM; Nsight
+# Compute, bench/results/2026-12-02-ncu-gemm-h200.md). A cap of 96 compiles to the same loop with
+# no spills and fits 5 blocks, but on the H200 it made deepseek's decode ~5% faster and mixtral's
+# ~3-5% slower (its w2 GEMM up to 25%), bench/results/2026-12-02-kernels-maxnreg-h200.md.
 DEFAULT_TABLE: dict[int, tuple[int, int, int, int, int, int | None]] = {
-    16: (16, 128, 4, 3, 4, 96),
-    32: (32, 128, 4, 3, 4, 96),
-    64: (64, 128, 4, 3, 2, 96),
+    16: (16, 128, 4, 3, 4, None),
+    32: (32, 128, 4, 3, 4, None),
+    64: (64, 128, 4, 3, 2, None),
     128: (128, 128, 8, 3, 1, None),
     256: (128, 128, 8, 3, 1, None),
 }

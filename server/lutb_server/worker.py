@@ -73,7 +73,7 @@ class _Buffers:
         numel = 1
         for s in shape:
             numel *= int(s)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < nbytes:
             size = max(nbytes, 2 * buf.numel() if buf is not None else 0, 4096)
