@@ -12,6 +12,14 @@ Reported per (N, concurrency): requests, latency p50/p99/mean (ms), requests/s, 
 errors, and each shard's p50/p99 as the client saw it (the JSON holds the client's per-shard
 stats). The servers' logs go to ``OUT/servers.log``.
 
+The load comes from one client process by default. A sharded forward costs its client 2-4
+messages each way plus planning and a combine, so one asyncio process can be the limit
+(it was, on the H200: bench/results/2026-12-02-expert-parallel-5-h200.md);
+``--client-procs P`` spreads each row's concurrency over P spawned processes, each with its
+own client, started together (a barrier) and measured over the same window, as P attention
+nodes would. Latency percentiles are then over every process's requests; a shard's p50/p99
+and server-side medians are the median of the processes' values.
+
 Usage::
 
     python bench/expert_parallel.py --out bench/results/ep-h200 --backend auto --device cuda:0 \\
@@ -70,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=60.0, help="deadline of one forward in seconds (default 60)")
     p.add_argument("--transport", default="stream", choices=("stream", "unary"),
                    help="AsyncShardedExpertClient transport: one ForwardStream per shard (default) or a Forward call per sub-request")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="load-generator processes per row, each with its own client, sharing the concurrency (default 1)")
     p.add_argument("--client-threads", type=int,
                    help="torch intra-op threads of this (client) process (default: torch's, one per core); the "
                         "client's split and combine are small tensor ops, and a full OpenMP pool competing with "
@@ -131,6 +141,7 @@ async def _drive(targets: list[str], layer: int, batches: list[tuple[torch.Tenso
         "latency_p50_ms": _percentile(latencies, 50) * 1e3,
         "latency_p99_ms": _percentile(latencies, 99) * 1e3,
         "latency_mean_ms": (sum(latencies) / len(latencies) * 1e3) if latencies else float("nan"),
+        "latencies_s": latencies,
         "requests_per_s": len(latencies) / elapsed,
         "tokens_per_s": len(latencies) * tokens / elapsed,
         "shard_requests_per_call": sum(s.requests for s in stats.shards) / max(stats.calls, 1),
@@ -140,6 +151,80 @@ async def _drive(targets: list[str], layer: int, batches: list[tuple[torch.Tenso
              "server_total_p50_ms": s.server_total_p50_ms}
             for s in stats.shards
         ],
+    }
+
+
+def _child(drive_args: tuple[Any, ...], client_threads: int | None, barrier: Any, results: Any) -> None:
+    """One load-generator process of ``--client-procs``: waits for the others, then runs :func:`_drive`."""
+    if client_threads:
+        torch.set_num_threads(client_threads)
+    try:
+        barrier.wait(300)
+        results.put(asyncio.run(_drive(*drive_args)))
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent, which would otherwise wait
+        results.put({"failed": f"{type(exc).__name__}: {exc}"})
+
+
+def _drive_procs(procs: int, targets: list[str], layer: int, batches: list[tuple[torch.Tensor, ...]], concurrency: int,
+                 warmup: float, duration: float, timeout: float, transport: str, client_threads: int | None) -> dict[str, Any]:
+    """:func:`_drive` with ``concurrency`` spread over ``procs`` spawned processes (grpc and fork do not mix)."""
+    import multiprocessing as mp
+
+    shares = [concurrency // procs + (1 if j < concurrency % procs else 0) for j in range(procs)]
+    shares = [c for c in shares if c > 0]
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(len(shares))
+    results = ctx.Queue()
+    children = [ctx.Process(target=_child, args=((targets, layer, batches, c, warmup, duration, timeout, transport),
+                                                 client_threads, barrier, results), daemon=True) for c in shares]
+    for child in children:
+        child.start()
+    try:
+        parts = [results.get(timeout=300 + warmup + duration + timeout) for _ in children]
+    finally:
+        for child in children:
+            child.join(30)
+            if child.is_alive():
+                child.kill()
+    failed = [p["failed"] for p in parts if "failed" in p]
+    if failed:
+        raise RuntimeError(f"a load-generator process failed: {failed[0]}")
+    return _merge(parts, concurrency, int(batches[0][0].shape[0]))
+
+
+def _merge(parts: list[dict[str, Any]], concurrency: int, tokens: int) -> dict[str, Any]:
+    """One row from the rows of several load processes measured over the same window."""
+    def median(values: list[float]) -> float:
+        return _percentile(values, 50)
+
+    latencies = [x for p in parts for x in p["latencies_s"]]
+    elapsed = max(p["seconds"] for p in parts)
+    errors: dict[str, int] = {}
+    for p in parts:
+        for code, n in p["errors"].items():
+            errors[code] = errors.get(code, 0) + n
+    shard_stats = []
+    for per_shard in zip(*(p["shard_stats"] for p in parts)):
+        merged = {"target": per_shard[0]["target"], "requests": sum(s["requests"] for s in per_shard),
+                  "tokens": sum(s["tokens"] for s in per_shard)}
+        for key in ("p50_ms", "p99_ms", "server_queue_p50_ms", "server_compute_p50_ms", "server_total_p50_ms"):
+            merged[key] = median([s[key] for s in per_shard])
+        shard_stats.append(merged)
+    calls = sum(p["requests"] for p in parts)
+    return {
+        "concurrency": concurrency,
+        "client_procs": len(parts),
+        "requests": len(latencies),
+        "errors": errors,
+        "seconds": elapsed,
+        "latency_p50_ms": _percentile(latencies, 50) * 1e3,
+        "latency_p99_ms": _percentile(latencies, 99) * 1e3,
+        "latency_mean_ms": (sum(latencies) / len(latencies) * 1e3) if latencies else float("nan"),
+        "latencies_s": latencies,
+        "requests_per_s": len(latencies) / elapsed,
+        "tokens_per_s": len(latencies) * tokens / elapsed,
+        "shard_requests_per_call": sum(p["shard_requests_per_call"] * p["requests"] for p in parts) / max(calls, 1),
+        "shard_stats": shard_stats,
     }
 
 
@@ -230,8 +315,13 @@ def main(argv: list[str] | None = None) -> int:
                 starts = [len(p.lines) for p in procs]
                 targets = [p.address for p in procs]
                 for concurrency in args.concurrency:
-                    row = asyncio.run(_drive(targets, layer, batches, concurrency, args.warmup, args.duration, args.timeout,
-                                            args.transport))
+                    if args.client_procs > 1:
+                        row = _drive_procs(args.client_procs, targets, layer, batches, concurrency, args.warmup, args.duration,
+                                           args.timeout, args.transport, args.client_threads)
+                    else:
+                        row = asyncio.run(_drive(targets, layer, batches, concurrency, args.warmup, args.duration, args.timeout,
+                                                args.transport))
+                    row.pop("latencies_s")
                     row["shards"] = shards
                     rows.append(row)
                     print(f"shards {shards} concurrency {concurrency}: p50 {row['latency_p50_ms']:.2f} ms  "
@@ -261,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{config.activation}, {config.dtype})",
         "server threads": args.server_threads or "inherited",
         "client threads": torch.get_num_threads(),
+        "client processes": args.client_procs,
         "workload": f"layer {layer}, {args.tokens} tokens/request, top-{topk}, {args.duration:g} s per row after {args.warmup:g} s warm-up, "
                     f"AsyncShardedExpertClient (transport {args.transport})",
     }

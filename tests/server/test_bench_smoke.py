@@ -37,3 +37,25 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
     assert profile.exists() and any(tool in profile.read_text() for tool in ("cProfile", "py-spy"))  # py-spy where installed
     assert "| shape | wire | api | C | T |" in (out / "serving.md").read_text()
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| smoke |")  # the short table comes last
+
+
+def test_expert_parallel_bench_with_client_procs(tmp_path: Path) -> None:
+    """bench/expert_parallel.py spreads a row's concurrency over spawned client processes and merges their rows."""
+    out = tmp_path / "out"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / d) for d in ("kernels", "client", "server")] + [env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "expert_parallel.py"), "--out", str(out), "--backend", "reference", "--device", "cpu",
+         "--experts", "8", "--hidden", "128", "--intermediate", "128", "--shards", "2", "--concurrency", "3",
+         "--duration", "0.5", "--warmup", "0.2", "--server-threads", "1", "--client-threads", "1", "--client-procs", "2"],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "expert_parallel.json").read_text())
+    assert report["meta"]["client processes"] == 2
+    (row,) = report["rows"]
+    assert row["client_procs"] == 2 and row["concurrency"] == 3 and row["shards"] == 2
+    assert row["requests"] > 0 and not row["errors"]
+    assert row["shard_requests_per_call"] == 2.0  # top-8 of 8 experts: every forward needs both shards
+    assert [s["requests"] for s in row["shard_stats"]] == [row["requests"]] * 2  # summed over the processes
+    assert "latencies_s" not in row
