@@ -132,7 +132,19 @@ async def _drive(targets: list[str], layer: int, batches: list[tuple[torch.Tenso
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
         elapsed = time.perf_counter() - began
         stats = client.stats()
-    tokens = int(batches[0][0].shape[0])
+    shard_stats = [
+        {"target": s.target, "requests": s.requests, "tokens": s.tokens, "p50_ms": s.latency_p50_ms, "p99_ms": s.latency_p99_ms,
+         "server_queue_p50_ms": s.server_queue_p50_ms, "server_compute_p50_ms": s.server_compute_p50_ms,
+         "server_total_p50_ms": s.server_total_p50_ms}
+        for s in stats.shards
+    ]
+    return _row(concurrency, latencies, errors, elapsed, int(batches[0][0].shape[0]),
+                sum(s.requests for s in stats.shards) / max(stats.calls, 1), shard_stats)
+
+
+def _row(concurrency: int, latencies: list[float], errors: dict[str, int], elapsed: float, tokens: int,
+         shard_requests_per_call: float, shard_stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report row from a measurement window's forward latencies (seconds) and per-shard stats."""
     return {
         "concurrency": concurrency,
         "requests": len(latencies),
@@ -144,13 +156,8 @@ async def _drive(targets: list[str], layer: int, batches: list[tuple[torch.Tenso
         "latencies_s": latencies,
         "requests_per_s": len(latencies) / elapsed,
         "tokens_per_s": len(latencies) * tokens / elapsed,
-        "shard_requests_per_call": sum(s.requests for s in stats.shards) / max(stats.calls, 1),
-        "shard_stats": [
-            {"target": s.target, "requests": s.requests, "tokens": s.tokens, "p50_ms": s.latency_p50_ms, "p99_ms": s.latency_p99_ms,
-             "server_queue_p50_ms": s.server_queue_p50_ms, "server_compute_p50_ms": s.server_compute_p50_ms,
-             "server_total_p50_ms": s.server_total_p50_ms}
-            for s in stats.shards
-        ],
+        "shard_requests_per_call": shard_requests_per_call,
+        "shard_stats": shard_stats,
     }
 
 
@@ -211,21 +218,10 @@ def _merge(parts: list[dict[str, Any]], concurrency: int, tokens: int) -> dict[s
             merged[key] = median([s[key] for s in per_shard])
         shard_stats.append(merged)
     calls = sum(p["requests"] for p in parts)
-    return {
-        "concurrency": concurrency,
-        "client_procs": len(parts),
-        "requests": len(latencies),
-        "errors": errors,
-        "seconds": elapsed,
-        "latency_p50_ms": _percentile(latencies, 50) * 1e3,
-        "latency_p99_ms": _percentile(latencies, 99) * 1e3,
-        "latency_mean_ms": (sum(latencies) / len(latencies) * 1e3) if latencies else float("nan"),
-        "latencies_s": latencies,
-        "requests_per_s": len(latencies) / elapsed,
-        "tokens_per_s": len(latencies) * tokens / elapsed,
-        "shard_requests_per_call": sum(p["shard_requests_per_call"] * p["requests"] for p in parts) / max(calls, 1),
-        "shard_stats": shard_stats,
-    }
+    row = _row(concurrency, latencies, errors, elapsed, tokens,
+               sum(p["shard_requests_per_call"] * p["requests"] for p in parts) / max(calls, 1), shard_stats)
+    row["client_procs"] = len(parts)
+    return row
 
 
 def _shard_dirs(checkpoint: Checkpoint, shards: int, work: Path) -> list[Path]:
