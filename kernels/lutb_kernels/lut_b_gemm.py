@@ -107,6 +107,13 @@ DEFAULT_TABLE: dict[int, tuple[int, int, int, int, int, int | None]] = {
     256: (128, 128, 8, 3, 1, None),
 }
 MIN_TILES_PER_SPLIT = 4
+# Decode (16-row routing blocks, at most 256 routes): split K at least in two. On the H200 every
+# GEMM whose heuristic split was 1 ran faster at 2: mixtral T=8/32 w13 -12%/-8%, deepseek T=8/32
+# w13 -10%/-5% and w2 -2%/-4%, in two runs (bench/results/2026-12-02-kernels-maxnreg-h200.md, run B;
+# 2026-12-02-kernels-prmt2-h200.md's breakdown). Larger batches were not measured with it.
+# (:func:`expected_blocks` in place of min(E, routes) takes mixtral T=8 w2 from 2 to 4 splits:
+# -22% in the same runs.)
+DECODE_MIN_SPLIT_ROUTES = 256
 # Routing blocks from which the defaults keep the prmt decoder: on the H200 prmt2 made every
 # decode-sized forward faster (mixtral T=1 209 -> 120 us) but prefill ones slower (qwen3 T=2048
 # 933 -> 1025 us, T=8192 2598 -> 2917 us), bench/results/2026-12-02-kernels-prmt2-h200.md.
@@ -116,12 +123,26 @@ TUNED: dict[tuple[int, int, int], dict] = {
 }
 
 
+def expected_blocks(num_routes: int, num_experts: int, route_block: int) -> float:
+    """Routing blocks in use, expected for ``num_routes`` routes spread uniformly over ``num_experts``.
+
+    ``E * (1 - (1 - 1/E)**R)`` experts receive a route (skewed routing touches fewer), plus one
+    more block per ``route_block`` routes. A function of sizes only, so a CUDA graph captured for
+    a batch size keeps its config.
+    """
+    if num_experts <= 0 or num_routes <= 0:
+        return 0.0
+    touched = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** num_routes)
+    return touched + num_routes // route_block
+
+
 def default_config(num_routes: int, n: int, k: int, num_experts: int, route_block: int, device: torch.device) -> LutBGemmConfig:
     """A config keyed on the routing block (the batch) and the matrix shape (``DEFAULT_TABLE``).
 
     Every size uses swap-AB (decoded weights in registers as the MMA's M side) and the per-tile
     K loop (``tile_loop``); small batches (decode) split K until the grid holds ``waves``
-    programs per SM. ``TUNED`` entries replace the table for one exact shape.
+    programs per SM (:func:`expected_blocks` estimates the grid), and in at least two at decode
+    sizes (``DECODE_MIN_SPLIT_ROUTES``). ``TUNED`` entries replace the table for one exact shape.
     """
     decoder = default_decoder(device)
     if interpreting():
@@ -139,12 +160,13 @@ def default_config(num_routes: int, n: int, k: int, num_experts: int, route_bloc
                               num_warps=tuned.get("num_warps", warps), num_stages=tuned.get("num_stages", stages),
                               groups_per_step=1, tile_loop=tuned.get("tile_loop", True), prefetch=tuned.get("prefetch", False),
                               maxnreg=tuned.get("maxnreg", maxnreg))
-    active_blocks = min(num_experts, num_routes) + num_routes // route_block
-    programs = active_blocks * (route_block // block_m) * (n // block_n)
+    programs = expected_blocks(num_routes, num_experts, route_block) * (route_block // block_m) * (n // block_n)
     target = waves * sm_count(device)
     split_k = 1
     while programs * split_k < target and k_tiles // (split_k * 2) >= MIN_TILES_PER_SPLIT:
         split_k *= 2
+    if split_k == 1 and route_block == 16 and num_routes <= DECODE_MIN_SPLIT_ROUTES and k_tiles // 2 >= MIN_TILES_PER_SPLIT:
+        split_k = 2
     return LutBGemmConfig(block_m=block_m, block_n=block_n, split_k=split_k, swap_ab=True, decoder=decoder,
                           num_warps=warps, num_stages=stages, groups_per_step=1, tile_loop=True, maxnreg=maxnreg)
 

@@ -1,0 +1,62 @@
+"""lut_b_moe_gemm's default launch configs: a function of sizes, pinned to what the H200 measured.
+
+The split-K choices below are the fastest of the candidates timed on an H200 for the same GEMMs
+(bench/results/2026-12-02-kernels-maxnreg-h200.md, run B; the earlier breakdown in
+2026-12-02-kernels-prmt2-h200.md agrees). CPU only: the device is faked as 132 SMs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lutb_kernels.lut_b_gemm as op
+
+# name: (experts, hidden, intermediate, top_k)
+SHAPES = {"mixtral": (8, 4096, 14336, 2), "deepseek": (256, 7168, 2048, 8)}
+
+
+@pytest.fixture
+def h200(monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    monkeypatch.setattr(op, "sm_count", lambda device: 132)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return torch.device("cpu")
+
+
+@pytest.mark.parametrize("shape,tokens,gemm,split_k", [
+    ("mixtral", 1, "w13", 2), ("mixtral", 1, "w2", 16),
+    ("mixtral", 8, "w13", 2), ("mixtral", 8, "w2", 4),  # were 1 and 2: 185.6 -> 162.7 us, 112.8 -> 87.5 us
+    ("mixtral", 32, "w13", 2), ("mixtral", 32, "w2", 2),
+    ("deepseek", 1, "w13", 4), ("deepseek", 1, "w2", 2),
+    ("deepseek", 8, "w13", 2), ("deepseek", 8, "w2", 2),  # were 1: 425.4 -> 382.0 us, 218.7 -> 214.3 us
+    ("deepseek", 32, "w13", 2), ("deepseek", 32, "w2", 2),  # were 1: 1088.2 -> 1032.0 us, 578.6 -> 555.6 us
+])
+def test_decode_split_k_is_the_measured_best(h200: torch.device, shape: str, tokens: int, gemm: str, split_k: int) -> None:
+    experts, hidden, inter, top_k = SHAPES[shape]
+    n, k = (2 * inter, hidden) if gemm == "w13" else (hidden, inter)
+    config = op.default_config(tokens * top_k, n, k, experts, 16, h200)
+    assert config.split_k == split_k
+    assert config.tile_loop and config.swap_ab and config.maxnreg is None
+
+
+@pytest.mark.parametrize("tokens,route_block", [(128, 16), (512, 16), (2048, 64), (8192, 128)])
+def test_larger_batches_keep_one_split(h200: torch.device, tokens: int, route_block: int) -> None:
+    """The decode minimum of two splits stops at 256 routes: larger batches fill the GPU without it."""
+    experts, hidden, inter, top_k = SHAPES["deepseek"]
+    assert op.default_config(tokens * top_k, 2 * inter, hidden, experts, route_block, h200).split_k == 1
+
+
+@pytest.mark.parametrize("routes,experts,block,expected", [
+    (0, 8, 16, 0.0), (1, 8, 16, 1.0), (2, 8, 16, 1.875), (8, 1, 16, 1.0), (4096, 128, 32, 128.0 + 128),
+])
+def test_expected_blocks(routes: int, experts: int, block: int, expected: float) -> None:
+    assert op.expected_blocks(routes, experts, block) == pytest.approx(expected, rel=1e-6)
+
+
+def test_expected_blocks_against_sampling() -> None:
+    """The closed form against the mean over random uniform routings (an independent estimate)."""
+    gen = torch.Generator().manual_seed(0)
+    for routes, experts in ((16, 8), (64, 256), (256, 256)):
+        draws = torch.randint(0, experts, (4000, routes), generator=gen)
+        touched = torch.tensor([row.unique().numel() for row in draws], dtype=torch.float64).mean().item()
+        assert op.expected_blocks(routes, experts, 16) - routes // 16 == pytest.approx(touched, rel=0.02)
