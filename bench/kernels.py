@@ -422,6 +422,7 @@ def breakdown(results: dict, shapes: list[str]) -> None:
                         cands[f"split_k={sk}"] = LutBGemmConfig(**{**base.__dict__, "split_k": sk})
                 cands["block_n=64"] = LutBGemmConfig(**{**base.__dict__, "block_n": 64})
                 cands["decoder=prmt"] = LutBGemmConfig(**{**base.__dict__, "decoder": "prmt"})
+                cands["decoder=prmt2_imad"] = LutBGemmConfig(**{**base.__dict__, "decoder": "prmt2_imad"})
                 cands["prefetch"] = LutBGemmConfig(**{**base.__dict__, "prefetch": True})
                 cands["stages=4"] = LutBGemmConfig(**{**base.__dict__, "num_stages": 4})
                 for regs in (None, 96, 80):  # the compiler's choice (127 at decode: 4 blocks per SM), 5 and 6 blocks

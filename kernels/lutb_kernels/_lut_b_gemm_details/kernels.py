@@ -29,6 +29,11 @@ Three decoders produce the same values (constexpr ``DECODER``):
   3 LOP3 (:func:`prmt2_lookup`); and, in the tile loop, turns a row's 4 scale bytes into two
   bf16x2 words once per tile (:func:`e8m0_pairs_bf16x2`), read through HMUL2's half swizzle.
   Offline sm90 SASS, 16x128 tile loop: 498 instead of 638 loop instructions (3.9 per weight).
+- ``DECODER == 3`` ("prmt2_imad", an experiment: the same bits as 2): each plane's rotation in
+  the selector build is one ``mul.wide.u32`` (IMAD.WIDE, FMA pipe) by a per-thread power of two
+  instead of a funnel shift (ALU pipe), whose two result words OR-ed are the rotation. Offline
+  sm90 SASS: 244 instead of 276 ALU-pipe instructions per tile iteration, 514 instead of 498 in
+  all (bench/results/2026-12-02-sass-imad-selector-cpu.md); not yet timed on a GPU.
 - ``DECODER == 0`` (pure Triton, for the interpreter and other GPUs): shifts, masks and a
   3-level select over the LUT, float32 scale multiply.
 """
@@ -283,7 +288,18 @@ def selector_shifts(SHAPE: tl.constexpr):
 
 
 @triton.jit
-def prmt2_lookup(p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word):
+def selector_multipliers(SHAPE: tl.constexpr):
+    """``prmt2_imad``'s per-thread constants: ``2**((32 - r) % 32)`` for the rotations ``r`` of
+    :func:`selector_shifts`. The 64-bit product ``x * 2**(32 - r)`` holds ``x << (32 - r)`` in its
+    low word and ``x >> r`` in its high word, so low | high is ``rotr(x, r)``; for ``r = 0`` the
+    constant is 1 and the high word 0."""
+    r0, r1, r2 = selector_shifts(SHAPE)
+    one = tl.full(SHAPE, 1, tl.uint32)
+    return one << ((32 - r0) % 32), one << ((32 - r1) % 32), one << ((32 - r2) % 32)
+
+
+@triton.jit
+def prmt2_lookup(p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word, IMAD: tl.constexpr = False):
     """Selector, lookup and scale of 8 weights (``prmt2``): 4 bf16x2 words (as ``prmt_lookup``).
 
     ``p0..p2``: uint32 plane words of one (row, group); ``r0..r2``: :func:`selector_shifts`;
@@ -294,7 +310,51 @@ def prmt2_lookup(p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word):
     0x11111111`` (3 shifts + 3 LOP3 instead of 8 instructions). The looked-up bf16 entries are
     multiplied by the scale afterwards (``fma.rn.bf16x2`` with a -0 addend, the same rounding
     as scaling the LUT first), so the byte split of the LUT is done once per tile, not per row.
+    With ``IMAD`` (``prmt2_imad``), ``r0..r2`` are :func:`selector_multipliers` and each rotation
+    is a ``mul.wide.u32`` whose two words are OR-ed (the same selector).
     """
+    if IMAD:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 a0, a1, a2, s, s2, lo, hi, lo2, hi2, t0, t1, t2, t3, nz, x0, y0, x1, y1, x2, y2;
+            .reg .b64 w0, w1, w2;
+            mul.wide.u32 w0, $4, $7;
+            mul.wide.u32 w1, $5, $8;
+            mul.wide.u32 w2, $6, $9;
+            mov.b64 {x0, y0}, w0;
+            mov.b64 {x1, y1}, w1;
+            mov.b64 {x2, y2}, w2;
+            or.b32 a0, x0, y0;
+            or.b32 a1, x1, y1;
+            or.b32 a2, x2, y2;
+            and.b32 a0, a0, 0x11111111;
+            and.b32 a1, a1, 0x22222222;
+            and.b32 a2, a2, 0x44444444;
+            or.b32 s, a0, a1;
+            or.b32 s, s, a2;
+            shr.b32 s2, s, 16;
+            prmt.b32 lo, $10, $11, s;
+            prmt.b32 hi, $12, $13, s;
+            prmt.b32 lo2, $10, $11, s2;
+            prmt.b32 hi2, $12, $13, s2;
+            prmt.b32 t0, lo, hi, 0x5140;
+            prmt.b32 t1, lo, hi, 0x7362;
+            prmt.b32 t2, lo2, hi2, 0x5140;
+            prmt.b32 t3, lo2, hi2, 0x7362;
+            mov.b32 nz, 0x80008000;
+            fma.rn.bf16x2 $0, t0, $14, nz;
+            fma.rn.bf16x2 $1, t1, $14, nz;
+            fma.rn.bf16x2 $2, t2, $14, nz;
+            fma.rn.bf16x2 $3, t3, $14, nz;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r",
+            args=[p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            is_pure=True,
+            pack=1,
+        )
     return tl.inline_asm_elementwise(
         asm="""
         {
@@ -332,17 +392,20 @@ def prmt2_lookup(p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word):
 
 
 @triton.jit
-def decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N: tl.constexpr, G: tl.constexpr):
+def decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N: tl.constexpr, G: tl.constexpr, IMAD: tl.constexpr = False):
     """``prmt2`` decoder: the same bfloat16 ``[BLOCK_N, 32 G]`` as :func:`decode_prmt`, bit for bit.
 
     ``p0, p1, p2``: uint32 ``[BLOCK_N, G]`` plane words; ``sw``: uint32 ``[BLOCK_N, G]``, the
     bf16 scale of each (row, group) in both halves (:func:`e8m0_bf16x2` or a broadcast half of
     :func:`e8m0_pairs_bf16x2`); ``l0, l1, h0, h1``: the tile's :func:`lut_bytes`, shape
-    ``[BLOCK_N, G, 4]``.
+    ``[BLOCK_N, G, 4]``. ``IMAD``: the ``prmt2_imad`` selector build (same values).
     """
-    r0, r1, r2 = selector_shifts((BLOCK_N, G, 4))
+    if IMAD:
+        r0, r1, r2 = selector_multipliers((BLOCK_N, G, 4))
+    else:
+        r0, r1, r2 = selector_shifts((BLOCK_N, G, 4))
     o0, o1, o2, o3 = prmt2_lookup(p0[:, :, None], p1[:, :, None], p2[:, :, None], r0, r1, r2, l0, l1, h0, h1,
-                                  sw[:, :, None])
+                                  sw[:, :, None], IMAD)
     return words_to_decoder_order(o0, o1, o2, o3, BLOCK_N, G)
 
 
@@ -374,9 +437,9 @@ def _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg,
         p2 = tl.load(pw + 2).to(tl.uint32, bitcast=True)
         if DECODER == 1:
             w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
-        elif DECODER == 2:
+        elif DECODER == 2 or DECODER == 3:
             l0, l1, h0, h1 = lut_bytes(w0, w1, w2, w3, (BLOCK_N, G, 4))
-            w_op = decode_prmt2(p0, p1, p2, e8m0_bf16x2(sc), l0, l1, h0, h1, BLOCK_N, G)
+            w_op = decode_prmt2(p0, p1, p2, e8m0_bf16x2(sc), l0, l1, h0, h1, BLOCK_N, G, DECODER == 3)
         else:
             w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
 
@@ -513,7 +576,7 @@ def lut_b_moe_gemm_kernel(
             q4, q5, q6, q7 = split4(c1)  # words 4-7: g1 b1,b2; g2 b0,b1
             q8, q9, q10, q11 = split4(c2)  # words 8-11: g2 b2; g3 b0,b1,b2
             csu = cs.to(tl.uint32, bitcast=True)
-            if DECODER == 2:  # once per tile: the LUT's byte split and the 4 groups' bf16 scales
+            if DECODER == 2 or DECODER == 3:  # once per tile: the LUT's byte split and the 4 groups' bf16 scales
                 l0, l1, h0, h1 = lut_bytes(w0, w1, w2, w3, (BLOCK_N, 1, 4))
                 s02, s13 = e8m0_pairs_bf16x2(csu)
             for g in tl.static_range(4):
@@ -532,9 +595,9 @@ def lut_b_moe_gemm_kernel(
                 sc = sc[:, None]
                 if DECODER == 1:
                     w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
-                elif DECODER == 2:
+                elif DECODER == 2 or DECODER == 3:
                     sw = bf16x2_broadcast_half(s02 if g % 2 == 0 else s13, g // 2)[:, None]
-                    w_op = decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N, 1)
+                    w_op = decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N, 1, DECODER == 3)
                 else:
                     w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
                 step = t * 4 + g
