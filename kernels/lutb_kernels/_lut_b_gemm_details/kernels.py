@@ -298,6 +298,53 @@ def selector_multipliers(SHAPE: tl.constexpr):
     return one << ((32 - r0) % 32), one << ((32 - r1) % 32), one << ((32 - r2) % 32)
 
 
+# prmt2_lookup's PTX: the selector (two ways), then the same lookup, interleave and scale.
+# $0..$3 out; $4..$6 planes p0..p2; $7..$9 the per-thread shifts (or multipliers); $10..$13 the
+# LUT byte words l0, l1, h0, h1; $14 the bf16x2 scale.
+_SELECTOR_BY_SHIFTS = """
+    .reg .b32 a0, a1, a2, s, s2, lo, hi, lo2, hi2, t0, t1, t2, t3, nz;
+    shr.b32 a0, $4, $7;
+    shf.r.wrap.b32 a1, $5, $5, $8;
+    shf.r.wrap.b32 a2, $6, $6, $9;
+"""
+_SELECTOR_BY_IMAD = """
+    .reg .b32 a0, a1, a2, s, s2, lo, hi, lo2, hi2, t0, t1, t2, t3, nz, x0, y0, x1, y1, x2, y2;
+    .reg .b64 w0, w1, w2;
+    mul.wide.u32 w0, $4, $7;
+    mul.wide.u32 w1, $5, $8;
+    mul.wide.u32 w2, $6, $9;
+    mov.b64 {x0, y0}, w0;
+    mov.b64 {x1, y1}, w1;
+    mov.b64 {x2, y2}, w2;
+    or.b32 a0, x0, y0;
+    or.b32 a1, x1, y1;
+    or.b32 a2, x2, y2;
+"""
+_LOOKUP_AND_SCALE = """
+    and.b32 a0, a0, 0x11111111;
+    and.b32 a1, a1, 0x22222222;
+    and.b32 a2, a2, 0x44444444;
+    or.b32 s, a0, a1;
+    or.b32 s, s, a2;
+    shr.b32 s2, s, 16;
+    prmt.b32 lo, $10, $11, s;
+    prmt.b32 hi, $12, $13, s;
+    prmt.b32 lo2, $10, $11, s2;
+    prmt.b32 hi2, $12, $13, s2;
+    prmt.b32 t0, lo, hi, 0x5140;
+    prmt.b32 t1, lo, hi, 0x7362;
+    prmt.b32 t2, lo2, hi2, 0x5140;
+    prmt.b32 t3, lo2, hi2, 0x7362;
+    mov.b32 nz, 0x80008000;
+    fma.rn.bf16x2 $0, t0, $14, nz;
+    fma.rn.bf16x2 $1, t1, $14, nz;
+    fma.rn.bf16x2 $2, t2, $14, nz;
+    fma.rn.bf16x2 $3, t3, $14, nz;
+"""
+PRMT2_LOOKUP_ASM = tl.constexpr("{" + _SELECTOR_BY_SHIFTS + _LOOKUP_AND_SCALE + "}")
+PRMT2_LOOKUP_ASM_IMAD = tl.constexpr("{" + _SELECTOR_BY_IMAD + _LOOKUP_AND_SCALE + "}")
+
+
 @triton.jit
 def prmt2_lookup(p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word, IMAD: tl.constexpr = False):
     """Selector, lookup and scale of 8 weights (``prmt2``): 4 bf16x2 words (as ``prmt_lookup``).
@@ -314,75 +361,11 @@ def prmt2_lookup(p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word, IMAD: tl.co
     is a ``mul.wide.u32`` whose two words are OR-ed (the same selector).
     """
     if IMAD:
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 a0, a1, a2, s, s2, lo, hi, lo2, hi2, t0, t1, t2, t3, nz, x0, y0, x1, y1, x2, y2;
-            .reg .b64 w0, w1, w2;
-            mul.wide.u32 w0, $4, $7;
-            mul.wide.u32 w1, $5, $8;
-            mul.wide.u32 w2, $6, $9;
-            mov.b64 {x0, y0}, w0;
-            mov.b64 {x1, y1}, w1;
-            mov.b64 {x2, y2}, w2;
-            or.b32 a0, x0, y0;
-            or.b32 a1, x1, y1;
-            or.b32 a2, x2, y2;
-            and.b32 a0, a0, 0x11111111;
-            and.b32 a1, a1, 0x22222222;
-            and.b32 a2, a2, 0x44444444;
-            or.b32 s, a0, a1;
-            or.b32 s, s, a2;
-            shr.b32 s2, s, 16;
-            prmt.b32 lo, $10, $11, s;
-            prmt.b32 hi, $12, $13, s;
-            prmt.b32 lo2, $10, $11, s2;
-            prmt.b32 hi2, $12, $13, s2;
-            prmt.b32 t0, lo, hi, 0x5140;
-            prmt.b32 t1, lo, hi, 0x7362;
-            prmt.b32 t2, lo2, hi2, 0x5140;
-            prmt.b32 t3, lo2, hi2, 0x7362;
-            mov.b32 nz, 0x80008000;
-            fma.rn.bf16x2 $0, t0, $14, nz;
-            fma.rn.bf16x2 $1, t1, $14, nz;
-            fma.rn.bf16x2 $2, t2, $14, nz;
-            fma.rn.bf16x2 $3, t3, $14, nz;
-            }
-            """,
-            constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r",
-            args=[p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word],
-            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
-            is_pure=True,
-            pack=1,
-        )
+        asm: tl.constexpr = PRMT2_LOOKUP_ASM_IMAD
+    else:
+        asm: tl.constexpr = PRMT2_LOOKUP_ASM
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 a0, a1, a2, s, s2, lo, hi, lo2, hi2, t0, t1, t2, t3, nz;
-        shr.b32 a0, $4, $7;
-        shf.r.wrap.b32 a1, $5, $5, $8;
-        shf.r.wrap.b32 a2, $6, $6, $9;
-        and.b32 a0, a0, 0x11111111;
-        and.b32 a1, a1, 0x22222222;
-        and.b32 a2, a2, 0x44444444;
-        or.b32 s, a0, a1;
-        or.b32 s, s, a2;
-        shr.b32 s2, s, 16;
-        prmt.b32 lo, $10, $11, s;
-        prmt.b32 hi, $12, $13, s;
-        prmt.b32 lo2, $10, $11, s2;
-        prmt.b32 hi2, $12, $13, s2;
-        prmt.b32 t0, lo, hi, 0x5140;
-        prmt.b32 t1, lo, hi, 0x7362;
-        prmt.b32 t2, lo2, hi2, 0x5140;
-        prmt.b32 t3, lo2, hi2, 0x7362;
-        mov.b32 nz, 0x80008000;
-        fma.rn.bf16x2 $0, t0, $14, nz;
-        fma.rn.bf16x2 $1, t1, $14, nz;
-        fma.rn.bf16x2 $2, t2, $14, nz;
-        fma.rn.bf16x2 $3, t3, $14, nz;
-        }
-        """,
+        asm=asm,
         constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r",
         args=[p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word],
         dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
