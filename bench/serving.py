@@ -163,6 +163,8 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         latencies: list[float] = []
         batch_tokens: list[int] = []
         compute_us: list[int] = []
+        queue_us: list[int] = []
+        total_us: list[int] = []
         sizes = {"request": len(payloads[0]), "response": 0}
         errors: list[str] = []
         done_tokens = 0
@@ -206,6 +208,8 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                             errors.append(response.status.message)
                         batch_tokens.append(int(response.timing.batch_tokens))
                         compute_us.append(int(response.timing.compute_us))
+                        queue_us.append(int(response.timing.queue_us))
+                        total_us.append(int(response.timing.total_us))
                 sizes["response"] = len(raw)
             if duplex is not None:
                 await duplex.done_writing()
@@ -215,7 +219,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
 
         await asyncio.gather(*(caller(spec["first_index"] + j) for j in range(spec["concurrency"])))
     return {"latencies": latencies, "tokens": done_tokens, "window_s": spec["duration_s"], "batch_tokens": batch_tokens,
-            "compute_us": compute_us, "sizes": sizes, "errors": errors[:5]}
+            "compute_us": compute_us, "queue_us": queue_us, "total_us": total_us, "sizes": sizes, "errors": errors[:5]}
 
 
 def _load_worker(conn: Any, load_fn: Any = None) -> None:
@@ -269,6 +273,11 @@ class LoadPool:
         latencies = [v for p in parts for v in p["latencies"]]
         batch = [v for p in parts for v in p["batch_tokens"]]
         compute = [v for p in parts for v in p["compute_us"]]
+
+        def median_of(key: str) -> float | None:  # a server-side timing, over every process's responses
+            values = [float(v) for p in parts for v in p.get(key, [])]
+            return _pct(values, 0.5) if values else None
+
         return {
             "requests": len(latencies),
             "p50_us": _pct(latencies, 0.5) * 1e6,
@@ -278,6 +287,8 @@ class LoadPool:
             "batch_tokens_p50": _pct([float(b) for b in batch], 0.5) if batch else None,
             "batch_tokens_mean": statistics.fmean(batch) if batch else None,
             "server_compute_us_p50": _pct([float(c) for c in compute], 0.5) if compute else None,
+            "server_queue_us_p50": median_of("queue_us"),
+            "server_total_us_p50": median_of("total_us"),
             "request_bytes": parts[0]["sizes"]["request"],
             "response_bytes": max(p["sizes"]["response"] for p in parts),
             "errors": [e for p in parts for e in p["errors"]][:5],
@@ -644,6 +655,24 @@ def short_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def time_split_table(rows: list[Row]) -> str:
+    """Where a request's time goes, from the responses' ``timing`` (medians, us; each column its own median).
+
+    server total: from the servicer receiving the request to its response being ready (decode,
+    validation, queue, compute, encode); handler: total - queue - compute; outside: the end-to-end
+    p50 minus the server total (gRPC on both sides, the transport, the load generator).
+    """
+    head = "| shape | wire | api | C | T | p50 us | server total | queue | compute | handler | outside | in-proc us |"
+    lines = [head, "|" + "|".join("---" for _ in range(12)) + "|"]
+    for r in rows:
+        total, queue, compute = (r.server.get(k) for k in ("server_total_us_p50", "server_queue_us_p50", "server_compute_us_p50"))
+        handler = total - queue - compute if None not in (total, queue, compute) else None
+        outside = r.server["p50_us"] - total if total is not None else None
+        lines.append(f"| {r.shape} | {r.wire} | {r.api} | {r.concurrency} | {r.tokens} | {_fmt(r.server['p50_us'])} | {_fmt(total)} "
+                     f"| {_fmt(queue)} | {_fmt(compute)} | {_fmt(handler)} | {_fmt(outside)} | {_fmt(r.inproc.get('us'))} |")
+    return "\n".join(lines)
+
+
 def write_report(out: Path, args: argparse.Namespace, infos: dict[str, Any], rows: list[Row], began: float) -> str:
     """Write serving.json and serving.md (after every shape, so a run cut short keeps what it measured); returns the short table."""
     import torch
@@ -665,7 +694,9 @@ def write_report(out: Path, args: argparse.Namespace, infos: dict[str, Any], row
            "stream: a message on the caller's open ForwardStream, one in flight); batch: median "
            "`timing.batch_tokens`; in-proc: the same experts and compute worker in-process on a batch of that size; "
            f"echo: bare gRPC of the same payload sizes. Targets: C=1, T=16: p50 <= in-proc + echo + {TARGET_SLACK_US:.0f} us; "
-           f"C=64: tok/s >= {TARGET_THROUGHPUT:.0%} of in-proc tok/s.", "", table, ""]
+           f"C=64: tok/s >= {TARGET_THROUGHPUT:.0%} of in-proc tok/s.", "", table, "",
+           "## Where the time goes", "", (time_split_table.__doc__ or "").split("\n\n")[1].replace("\n    ", " ").strip(), "",
+           time_split_table(rows), ""]
     (out / "serving.md").write_text("\n".join(md))
     return table
 
@@ -756,6 +787,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n[bench] wrote {out / 'serving.json'} and {out / 'serving.md'} in {time.perf_counter() - began:.1f}s")
     for name, info in infos.items():
         print(f"[bench] {name}: tokens/s vs concurrency: {info.get('saturation')}; profile: {info.get('profile')}")
+    print()
+    print(time_split_table(all_rows))
     print()
     print(table, flush=True)
     return 0

@@ -28,6 +28,10 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
     for r in rows:
         assert r["server"]["requests"] > 0 and not r["server"]["errors"], r
         assert r["server"]["p50_us"] > 0 and r["server"]["tokens_per_s"] > 0
+        # the server's own timing: per request total >= compute (so their medians too), below the end-to-end latency
+        s = r["server"]
+        assert s["server_total_us_p50"] >= s["server_compute_us_p50"] and s["server_queue_us_p50"] >= 0
+        assert 0 < s["server_total_us_p50"] < s["p50_us"]
         assert r["echo"]["requests"] > 0 and r["echo"]["request_bytes"] == r["server"]["request_bytes"]
         assert r["inproc"]["us"] > 0 and r["inproc"]["batch_tokens"] >= 4
     by_wire = {r["wire"]: r["server"]["request_bytes"] for r in rows}
@@ -36,6 +40,7 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
     profile = Path(report["servers"]["smoke"]["profile"])
     assert profile.exists() and any(tool in profile.read_text() for tool in ("cProfile", "py-spy"))  # py-spy where installed
     assert "| shape | wire | api | C | T |" in (out / "serving.md").read_text()
+    assert "## Where the time goes" in (out / "serving.md").read_text()
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| smoke |")  # the short table comes last
 
 
