@@ -171,7 +171,6 @@ class _LayerMap:
     """One layer's placement, as numpy arrays (planning runs on them, never on torch tensors)."""
 
     holders: np.ndarray  # bool [E, S]: shard s holds expert e
-    holders_t: np.ndarray  # bool [S, E]: the same, transposed (contiguous)
     null_ids: tuple[int | None, ...]  # per shard: an expert id it does not hold (None if it holds all)
     owner: np.ndarray | None  # int64 [E]: the one shard holding each expert (-1: none); None when an expert has replicas
     complete: bool  # every expert is held by some shard
@@ -185,7 +184,7 @@ def _layer_map(holders: np.ndarray) -> _LayerMap:
         nulls.append(int(free[0]) if free.size else None)
     held = holders.any(1)
     owner = np.where(held, holders.argmax(1), -1).astype(np.int64) if bool((holders.sum(1) <= 1).all()) else None
-    return _LayerMap(holders, np.ascontiguousarray(holders.T), tuple(nulls), owner, bool(held.all()))
+    return _LayerMap(holders, tuple(nulls), owner, bool(held.all()))
 
 
 class _Topology:
@@ -310,13 +309,8 @@ def _best_shards(
     ids: np.ndarray,
     pending: np.ndarray | torch.Tensor | None,
     rank: np.ndarray | torch.Tensor | Sequence[int],
-    every_expert_held: bool = False,
 ) -> np.ndarray:
-    """:func:`assign_routes` on ``usable_holders`` (bool ``[S, E]``: usable shard s holds expert e).
-
-    ``every_expert_held``: the caller knows every expert has a usable holder and every route is
-    pending (``pending`` None), so no route can be left without a shard: the check is skipped.
-    """
+    """:func:`assign_routes` on ``usable_holders`` (bool ``[S, E]``: usable shard s holds expert e)."""
     shards = usable_holders.shape[0]
     # laid out [S, k, T]: the reductions below run over outer axes, vectorized along the tokens
     can = usable_holders[:, ids.T]
@@ -325,8 +319,6 @@ def _best_shards(
         can &= pending.T
     key = can.sum(1) * shards + (shards - np.asarray(rank, dtype=np.int64))[:, None]  # [S, T] >= 1: most routes, then preferred
     assign = (can * key[:, None, :]).argmax(0).T  # [T, k]: the best shard that can take the route (score 0: cannot)
-    if every_expert_held and pending is None:
-        return assign
     has = usable_holders.any(0)[ids]  # [T, k]: some usable shard holds the route's expert
     if pending is not None:
         has &= pending
@@ -429,6 +421,14 @@ def build_subrequests(
     return subs
 
 
+def _stuck(assign: np.ndarray, pending: np.ndarray | None) -> np.ndarray | None:
+    """bool ``[T, k]``: the pending routes ``assign`` left without a shard (-1), or None when there are none."""
+    if int(assign.min()) >= 0:  # the common case: one reduction
+        return None
+    stuck = assign < 0 if pending is None else pending & (assign < 0)
+    return stuck if bool(stuck.any()) else None
+
+
 class _Call:
     """The state of one sharded forward: what is left to compute and what has come back.
 
@@ -516,18 +516,13 @@ class _Call:
         else:
             rank = self.core._rank()
             up = [u and n for u, n in zip(self.core._up_mask(), not_excluded)]
-            if m.complete and pending is None and all(up):  # the common case with replicas: nothing can be stuck
-                return _best_shards(m.holders_t, self.ids, None, rank, every_expert_held=True)
             assign = assign_routes(m.holders, self.ids, pending, up, rank)
-            if int(assign.min()) < 0:  # maybe only routes not pending
-                stuck = assign < 0 if pending is None else pending & (assign < 0)
-                if bool(stuck.any()):  # holders marked down may have recovered: better than failing
-                    fallback = assign_routes(m.holders, self.ids, stuck, not_excluded, rank)
-                    assign = np.where(stuck, fallback, assign)
-        if int(assign.min()) < 0:
-            stuck = assign < 0 if pending is None else pending & (assign < 0)
-            if bool(stuck.any()):
-                raise self._missing(sorted(set(self.ids[stuck].tolist())))
+            stuck = _stuck(assign, pending)
+            if stuck is not None:  # holders marked down may have recovered: better than failing
+                assign = np.where(stuck, assign_routes(m.holders, self.ids, stuck, not_excluded, rank), assign)
+        stuck = _stuck(assign, pending)
+        if stuck is not None:
+            raise self._missing(sorted(set(self.ids[stuck].tolist())))
         return assign
 
     def plan(self) -> list[tuple[_Sub, pb.ForwardRequest]]:
