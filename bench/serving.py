@@ -655,13 +655,13 @@ def short_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def time_split_table(rows: list[Row]) -> str:
-    """Where a request's time goes, from the responses' ``timing`` (medians, us; each column its own median).
+TIME_SPLIT_NOTE = ("Medians in us, each column its own. server total: from the servicer receiving the request to its "
+                   "response being ready (decode, validation, queue, compute, encode); handler: total - queue - compute; "
+                   "outside: the end-to-end p50 minus the server total (gRPC on both sides, the transport, the load generator).")
 
-    server total: from the servicer receiving the request to its response being ready (decode,
-    validation, queue, compute, encode); handler: total - queue - compute; outside: the end-to-end
-    p50 minus the server total (gRPC on both sides, the transport, the load generator).
-    """
+
+def time_split_table(rows: list[Row]) -> str:
+    """Where a request's time goes, from the responses' ``timing`` (see ``TIME_SPLIT_NOTE``)."""
     head = "| shape | wire | api | C | T | p50 us | server total | queue | compute | handler | outside | in-proc us |"
     lines = [head, "|" + "|".join("---" for _ in range(12)) + "|"]
     for r in rows:
@@ -695,7 +695,7 @@ def write_report(out: Path, args: argparse.Namespace, infos: dict[str, Any], row
            "`timing.batch_tokens`; in-proc: the same experts and compute worker in-process on a batch of that size; "
            f"echo: bare gRPC of the same payload sizes. Targets: C=1, T=16: p50 <= in-proc + echo + {TARGET_SLACK_US:.0f} us; "
            f"C=64: tok/s >= {TARGET_THROUGHPUT:.0%} of in-proc tok/s.", "", table, "",
-           "## Where the time goes", "", (time_split_table.__doc__ or "").split("\n\n")[1].replace("\n    ", " ").strip(), "",
+           "## Where the time goes", "", TIME_SPLIT_NOTE, "",
            time_split_table(rows), ""]
     (out / "serving.md").write_text("\n".join(md))
     return table
