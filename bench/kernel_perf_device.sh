@@ -2,12 +2,13 @@
 # ONE device call (~8 min cold on an H200) for the packed-kernel performance work, from the repo root:
 #
 #   OUT=/some/dir bash bench/kernel_perf_device.sh
+#   OUT=/some/dir STAGES="tests breakdown bench sass" bash bench/kernel_perf_device.sh   # a subset
 #
 # Stages, each under its own timeout so one slow stage cannot eat the call (shared Triton cache):
-#   1. GPU smoke tests guarding the numbers (selectors, experts; -x)        <= 150 s
+#   1. GPU smoke tests guarding the numbers (dequant, selectors, experts; -x) <= 150 s
 #      (the full GPU kernel suite is `bash bench/device_check.sh tests`, a call of its own)
 #   2. breakdown: per-stage times of the packed forward, T 1/8/32          <= 120 s
-#   3. full bench: bench/kernels.py, all shapes, all T                      <= 140 s
+#   3. full bench: bench/kernels.py, all shapes, all T (+ prefill path A/B) <= 170 s
 #   4. tune sweep: GEMM alone, decode + large T, mixtral/deepseek           <= 80 s (stops starting shapes at 50 s)
 #   5. SASS counts of the compiled packed kernels (from the Triton cache)  <= 20 s
 # Files under $OUT (8): gpu_tests.log breakdown.log breakdown.json bench.log results.json results.md tune.log tune.json
@@ -20,6 +21,8 @@ WORK="$(mktemp -d)"
 export PYTHONPATH="kernels:client:server${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/lutb-triton-cache}"
 PY="${PYTHON:-python3}"
+STAGES="${STAGES:-tests breakdown bench tune sass}"
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
 stamp() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
 
@@ -27,26 +30,37 @@ stamp "versions"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader 2>&1 | head -2
 "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())"
 
-stamp "1. GPU kernel tests"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/kernels/test_lut_b_gemm_selectors.py tests/kernels/test_experts_gpu.py \
-  > "$OUT/gpu_tests.log" 2>&1; echo "rc=$?" >> "$OUT/gpu_tests.log"
-tail -4 "$OUT/gpu_tests.log"
+if want tests; then
+  stamp "1. GPU kernel tests"
+  timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/kernels/test_lut_b_dequant.py \
+    tests/kernels/test_lut_b_gemm_selectors.py tests/kernels/test_experts_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  echo "rc=$?" >> "$OUT/gpu_tests.log"
+  tail -4 "$OUT/gpu_tests.log"
+fi
 
-stamp "2. breakdown"
-timeout 120 "$PY" bench/kernels.py --breakdown --out "$WORK/bd" > "$OUT/breakdown.log" 2>&1; echo "rc=$?" >> "$OUT/breakdown.log"
-cp "$WORK/bd/breakdown.json" "$OUT/" 2>/dev/null
+if want breakdown; then
+  stamp "2. breakdown"
+  timeout 120 "$PY" bench/kernels.py --breakdown --out "$WORK/bd" > "$OUT/breakdown.log" 2>&1; echo "rc=$?" >> "$OUT/breakdown.log"
+  cp "$WORK/bd/breakdown.json" "$OUT/" 2>/dev/null
+fi
 
-stamp "3. full bench"
-timeout 140 "$PY" bench/kernels.py --out "$WORK/bench" > "$OUT/bench.log" 2>&1; echo "rc=$?" >> "$OUT/bench.log"
-cp "$WORK/bench/results.json" "$WORK/bench/results.md" "$OUT/" 2>/dev/null || cp "$WORK/bench/results.partial.json" "$OUT/results.json" 2>/dev/null
+if want bench; then
+  stamp "3. full bench"
+  timeout 170 "$PY" bench/kernels.py --out "$WORK/bench" > "$OUT/bench.log" 2>&1; echo "rc=$?" >> "$OUT/bench.log"
+  cp "$WORK/bench/results.json" "$WORK/bench/results.md" "$OUT/" 2>/dev/null || cp "$WORK/bench/results.partial.json" "$OUT/results.json" 2>/dev/null
+fi
 
-stamp "4. tune sweep"
-timeout 80 "$PY" bench/kernels.py --tune-only --tune-budget 50 --out "$WORK/tune" > "$OUT/tune.log" 2>&1; echo "rc=$?" >> "$OUT/tune.log"
-cp "$WORK/tune/tune.json" "$OUT/" 2>/dev/null
+if want tune; then
+  stamp "4. tune sweep"
+  timeout 80 "$PY" bench/kernels.py --tune-only --tune-budget 50 --out "$WORK/tune" > "$OUT/tune.log" 2>&1; echo "rc=$?" >> "$OUT/tune.log"
+  cp "$WORK/tune/tune.json" "$OUT/" 2>/dev/null
+fi
 
-stamp "5. SASS counts (appended to bench.log)"
-{ echo "== SASS (bench/sass_summary.py)"; timeout 20 "$PY" bench/sass_summary.py --out "$WORK/sass" 2>&1 | tail -30; } >> "$OUT/bench.log"
-tail -31 "$OUT/bench.log" | head -30
+if want sass; then
+  stamp "5. SASS counts (appended to bench.log)"
+  { echo "== SASS (bench/sass_summary.py)"; timeout 20 "$PY" bench/sass_summary.py --out "$WORK/sass" 2>&1 | tail -30; } >> "$OUT/bench.log"
+  tail -31 "$OUT/bench.log" | head -30
+fi
 
 stamp "done; summary"
 echo

@@ -235,6 +235,25 @@ def make_backends(name: str, experts: int, hidden: int, inter: int) -> tuple[dic
     return fns, info, (packed, emulated)
 
 
+PREFILL_AB_FROM = 2048
+
+
+def prefill_paths(packed, x: torch.Tensor, rot: list, weights: torch.Tensor) -> dict:  # noqa: ANN001
+    """us per packed forward with tiles decoded in the GEMM ("in_kernel") and dequantized first ("dense")."""
+    import copy
+
+    times: dict = {}
+    outs = []
+    for label, rows in (("in_kernel", None), ("dense", 0)):
+        variant = copy.copy(packed)  # shares the weights
+        variant.dense_from_rows_per_expert = rows
+        outs.append(variant.forward_unchecked(x, rot[0], weights).float())
+        times[label], _ = time_graph_rot([lambda r=r, v=variant: v.forward_unchecked(x, r, weights) for r in rot])
+    times["default"] = "dense" if packed.uses_dense_weights(rot[0].numel()) else "in_kernel"
+    times["dense_vs_in_kernel_rel_l2"] = float((outs[1] - outs[0]).norm() / outs[0].norm())
+    return times
+
+
 def bench_shape(name: str, tokens_list: tuple[int, ...], results: dict) -> None:
     experts, hidden, inter, top_k = SHAPES[name]
     fns, info, (packed, emulated) = make_backends(name, experts, hidden, inter)
@@ -261,6 +280,9 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], results: dict) -> None:
                 us, method = float("nan"), f"OOM: {exc}"[:100]
                 torch.cuda.empty_cache()
             run[backend] = {"us": us, "method": method}
+        if tokens >= PREFILL_AB_FROM:
+            run["packed_paths"] = prefill_paths(packed, x, rot, weights)
+            log(f"[{name}] T={tokens:5d} packed paths: {run['packed_paths']}")
         packed_us = run["packed"]["us"]
         run["packed_touched_TBps"] = run["touched_packed_bytes"] / packed_us / 1e6
         peers = [run[p]["us"] for p in PEERS if p in run and not math.isnan(run[p]["us"])]
@@ -593,6 +615,15 @@ def markdown(results: dict, targets: list[dict]) -> str:
             lines.append(f"| {name} | {tokens} | {cell('packed')} | {cell('emulated')} | {cell('bf16_grouped_mm')} | "
                          f"{cell('bf16_triton')} | {run['packed_touched_TBps']:.2f}{' (L2)' if run.get('l2_resident') else ''} | "
                          f"{run['fastest_peer_us'] / run['packed']['us']:.2f}x |")
+    paths = [(name, tokens, run["packed_paths"]) for name, sh in results["shapes"].items()
+             for tokens, run in sh["runs"].items() if "packed_paths" in run]
+    if paths:
+        lines += ["", "Packed prefill paths (us per forward): tiles decoded in every GEMM block vs dequantized once per "
+                  "forward into a bf16 scratch, then the dense grouped GEMM (`LutBPackedExperts.dense_from_rows_per_expert`).",
+                  "", "| shape | T | in-kernel decode | dense | default picks | rel-L2 dense vs in-kernel |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {n} | {t} | {p['in_kernel']:.1f} | {p['dense']:.1f} | {p['default']} | {p['dense_vs_in_kernel_rel_l2']:.1e} |"
+                  for n, t, p in paths]
     lines += ["", "| shape | backend | weight GB | bits/weight |", "| --- | --- | --- | --- |"]
     for name, sh in results["shapes"].items():
         for b, v in sh["memory_bytes"].items():
@@ -648,6 +679,12 @@ def short_table(results: dict, targets: list[dict]) -> str:
             lines.append(f"{name:15s} {int(tokens):5d} {f('packed')} {f('emulated')} {f('bf16_grouped_mm')} {f('bf16_triton')} "
                          f"{run['packed_touched_TBps']:7.2f} {run['fastest_peer_us'] / run['packed']['us']:6.2f}x"
                          + (" L2" if run.get("l2_resident") else ""))
+    for name, sh in results["shapes"].items():
+        for tokens, run in sh["runs"].items():
+            if "packed_paths" in run:
+                p = run["packed_paths"]
+                lines.append(f"  packed paths {name} T={tokens}: in-kernel {p['in_kernel']:.1f} us, dense {p['dense']:.1f} us"
+                             f" (default: {p['default']}; rel-L2 between them {p['dense_vs_in_kernel_rel_l2']:.1e})")
     met = sum(t["met"] for t in targets)
     lines.append(f"targets met: {met}/{len(targets)}")
     lines += [f"  NOT MET: {t['target']} ({t['value']})" for t in targets if not t["met"]]

@@ -17,7 +17,16 @@ def _backend(name: str):  # noqa: ANN202
     from lutb_kernels.experts.emulated import LutBEmulationTritonExperts
     from lutb_kernels.experts.packed import LutBPackedExperts
 
-    return {"packed": LutBPackedExperts, "emulated": LutBEmulationTritonExperts}[name]
+    return {"packed": LutBPackedExperts, "packed_dense": LutBPackedExperts, "emulated": LutBEmulationTritonExperts}[name]
+
+
+def _make(name: str, cfg: CheckpointConfig, layer):  # noqa: ANN001, ANN202
+    """The backend; "packed_dense": packed forced onto its prefill path, 2 experts per scratch chunk."""
+    experts = _backend(name)(cfg, layer, "cuda")
+    if name == "packed_dense":
+        experts.dense_from_rows_per_expert = 0
+        experts.dense_scratch_bytes = 2 * (cfg.hidden_size * cfg.intermediate_size * 2) * 2  # 2 experts of W13
+    return experts
 
 
 _LAYERS: dict = {}
@@ -36,7 +45,7 @@ def _run(backend: str, h: int, i: int, experts: int, held: tuple[int, ...], acti
          tokens: int, top_k: int, *, on_input: bool = False, mode: str = "combined") -> None:
     cfg, layer, ref, cache = _layer(h, i, experts, held, activation, dtype)
     if backend not in cache:
-        cache[backend] = _backend(backend)(cfg, layer, "cuda")
+        cache[backend] = _make(backend, cfg, layer)
         assert _backend(backend).supports(cfg, torch.device("cuda")).ok
     x, ids, w = make_batch(tokens, top_k, experts, h, cfg.torch_dtype, device="cuda", seed=tokens)
     got = cache[backend].forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
@@ -46,7 +55,7 @@ def _run(backend: str, h: int, i: int, experts: int, held: tuple[int, ...], acti
     assert rel_l2(got, want) <= TOL[cfg.torch_dtype], (backend, tokens, activation)
 
 
-@pytest.mark.parametrize("backend", ["packed", "emulated"])
+@pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
 @pytest.mark.parametrize("tokens", [1, 2, 7, 64, 255, 1024, 4096])
 def test_batch_sizes(backend: str, tokens: int) -> None:
     _run(backend, 256, 384, 8, tuple(range(8)), "silu", "bfloat16", tokens, 2)
@@ -58,28 +67,28 @@ def test_activations(backend: str, activation: str) -> None:
     _run(backend, 256, 256, 8, tuple(range(8)), activation, "bfloat16", 64, 2)
 
 
-@pytest.mark.parametrize("backend", ["packed", "emulated"])
+@pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
 @pytest.mark.parametrize("tokens", [7, 1024])
 def test_qwen_like_shape_expert_subset(backend: str, tokens: int) -> None:
     _run(backend, 2048, 768, 16, (0, 3, 4, 9, 15), "silu", "bfloat16", tokens, 8)
 
 
-@pytest.mark.parametrize("backend", ["packed", "emulated"])
+@pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_other_model_dtypes(backend: str, dtype: str) -> None:
     _run(backend, 256, 256, 4, (0, 1, 2, 3), "silu", dtype, 64, 2)
 
 
-@pytest.mark.parametrize("backend", ["packed", "emulated"])
+@pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
 def test_weights_on_input_and_route_major(backend: str) -> None:
     _run(backend, 256, 256, 4, (1, 2), "gelu", "bfloat16", 100, 1, on_input=True)
     _run(backend, 256, 256, 4, (1, 2), "swigluoai", "bfloat16", 100, 2, mode="route_major")
 
 
-@pytest.mark.parametrize("backend", ["packed", "emulated"])
+@pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
 def test_cuda_graph_capture(backend: str) -> None:
     cfg, layer, ref, cache = _layer(256, 384, 8, tuple(range(8)), "silu", "bfloat16")
-    ex = _backend(backend)(cfg, layer, "cuda")
+    ex = _make(backend, cfg, layer)
     x, ids, w = make_batch(32, 2, 8, 256, torch.bfloat16, device="cuda", seed=5)
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     ex.forward_unchecked(x, ids, w, nonfinite=flag)  # compile outside the capture

@@ -8,6 +8,15 @@ W13 (tiles decoded in registers), the activation fused with the second MXFP8 qua
 Routing blocks: 16/32/64/128 rows by the batch's average rows per held expert
 (:func:`~lutb_kernels.experts._triton_common.choose_route_block`), not the seed's fixed 128:
 at decode one route per expert pads to 16 rows instead of 128.
+
+Prefill (``dense_from_rows_per_expert``): when the batch averages that many routes per held
+expert, each expert's tiles would be decoded again by every one of its 128-row blocks. Then the
+GEMMs decode each expert once into a bf16 scratch of at most ``dense_scratch_bytes``
+(:func:`lutb_kernels.lut_b_dequant.lut_b_dequantize`, a chunk of experts at a time) and run the
+dense grouped GEMM of the ``emulated`` backend on it, with the same MXFP8 activations in bf16.
+The values are the same (a decoded weight and an MXFP8 activation are exact in bf16, products
+are exact, sums are float32); only the summation order differs. The choice depends on shapes
+only, so CUDA graphs stay valid.
 """
 
 from __future__ import annotations
@@ -40,6 +49,13 @@ class LutBPackedExperts(RoutedTritonExperts):
     (about 0.5 instruction per weight at decode in the sm90 SASS). None: always e4m3 + scales
     (the native op's contract)."""
 
+    dense_from_rows_per_expert: int | None = 1024
+    """Average routes per held expert from which the GEMMs run on dequantized weights (see the
+    module docstring); None: never. Mixtral-8x7b at T=8192 has 2048: bench/kernels.py times both."""
+    dense_scratch_bytes: int = 2 << 30
+    """Most bytes of dequantized weights held at once on the prefill path (a chunk of experts;
+    at least one expert). Transient: allocated per GEMM from torch's caching allocator."""
+
     def __init__(self, config: CheckpointConfig, weights: LayerWeights, device: torch.device | str) -> None:
         super().__init__(config, weights, device)
         self.w13 = weights.w13.to(self.device).contiguous()
@@ -68,6 +84,30 @@ class LutBPackedExperts(RoutedTritonExperts):
         lut_b_moe_gemm(a, a_scales, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k,
                        block_m=route_block, a_k_order=self.a_k_order)  # type: ignore[arg-type]
 
+    def uses_dense_weights(self, num_routes: int) -> bool:
+        """True when a batch of ``num_routes`` routes takes the prefill path (dequantized weights)."""
+        if self.dense_from_rows_per_expert is None:
+            return False
+        return num_routes / max(1, min(self.num_local_experts, num_routes)) >= self.dense_from_rows_per_expert
+
+    def _dense_gemm(self, a, w_packed, out, topk_weights, routing, top_k, route_block):  # noqa: ANN001
+        """The dense grouped GEMM on ``w_packed`` dequantized to ``a.dtype``, a chunk of experts at a time."""
+        from lutb_kernels.grouped_gemm import grouped_gemm
+        from lutb_kernels.lut_b_dequant import lut_b_dequantize
+
+        sorted_ids, expert_ids, ntpp = routing
+        experts, nt, kt, _ = w_packed.shape
+        per_expert = nt * kt * 128 * 128 * a.element_size()
+        chunk = max(1, min(experts, self.dense_scratch_bytes // per_expert))
+        scratch = torch.empty((chunk, nt * 128, kt * 128), dtype=a.dtype, device=self.device)
+        for first in range(0, experts, chunk):
+            last = min(experts, first + chunk)
+            dense = lut_b_dequantize(w_packed[first:last], out=scratch[: last - first])
+            ids = expert_ids
+            if chunk < experts:  # blocks of other chunks' experts are skipped (id -1)
+                ids = torch.where((expert_ids >= first) & (expert_ids < last), expert_ids - first, -1)
+            grouped_gemm(a, dense, out, topk_weights, sorted_ids, ids, ntpp, top_k, block_m=route_block, allow_tf32=True)
+
     def _routed_forward(self, x, topk_weights, held, routing, top_k, route_block, nonfinite, *,  # noqa: ANN001
                         weight_on_input, weight_on_output):
         from lutb_kernels.mxfp8_triton import act_mxfp8_qdq, act_mxfp8_quantize, interpreting, mxfp8_qdq, mxfp8_quantize
@@ -75,9 +115,18 @@ class LutBPackedExperts(RoutedTritonExperts):
         mode = self.config.mxfp8_scale_mode
         routes = held.numel()
         row_weight = topk_weights[:, 0].contiguous() if weight_on_input else None
+        a_dtype = torch.float32 if interpreting() else torch.bfloat16  # the interpreter mishandles bf16
+        if self.uses_dense_weights(routes):
+            a1 = mxfp8_qdq(x, mode, out_dtype=a_dtype, row_weight=row_weight, nonfinite=nonfinite)  # type: ignore[arg-type]
+            h = torch.empty((routes, self.w13.shape[1] * 128), dtype=x.dtype, device=self.device)
+            self._dense_gemm(a1, self.w13, h, None, routing, top_k, route_block)
+            a2 = act_mxfp8_qdq(h, self.config.activation, mode, row_mask=held.reshape(-1), out_dtype=a_dtype,  # type: ignore[arg-type]
+                               nonfinite=nonfinite)
+            y = torch.empty((routes, self.config.hidden_size), dtype=x.dtype, device=self.device)
+            self._dense_gemm(a2, self.w2, y, topk_weights if weight_on_output else None, routing, 1, route_block)
+            return y
         order = self.a_k_order
         dequantized = self.dequantized_a_from_block is not None and route_block >= self.dequantized_a_from_block
-        a_dtype = torch.float32 if interpreting() else torch.bfloat16  # the interpreter mishandles bf16
         if dequantized:
             a1, s1 = mxfp8_qdq(x, mode, k_order=order, out_dtype=a_dtype, row_weight=row_weight, nonfinite=nonfinite), None  # type: ignore[arg-type]
         else:

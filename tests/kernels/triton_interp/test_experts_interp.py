@@ -15,7 +15,16 @@ from lutb_kernels.experts.sm107 import NATIVE_OP_SCHEMA, LutBSm107Experts
 from lutb_kernels.lut_b_gemm import lut_b_moe_gemm_reference
 
 TOL = {torch.float32: 2e-3, torch.float16: 1e-2}
-BACKENDS = {"packed": LutBPackedExperts, "emulated": LutBEmulationTritonExperts}
+BACKENDS = {"packed": LutBPackedExperts, "packed_dense": LutBPackedExperts, "emulated": LutBEmulationTritonExperts}
+
+
+def _make(backend: str, cfg: CheckpointConfig, layer):  # noqa: ANN001, ANN202
+    """The backend; "packed_dense": packed forced onto its prefill path, one expert per scratch chunk."""
+    experts = BACKENDS[backend](cfg, layer, "cpu")
+    if backend == "packed_dense":
+        experts.dense_from_rows_per_expert = 0
+        experts.dense_scratch_bytes = 1
+    return experts
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # triton interpreter
 
@@ -26,7 +35,7 @@ def _check(backend: str, activation: str, dtype: str, tokens: int, top_k: int, h
     cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=experts, activation=activation, dtype=dtype)
     layer = make_layer(cfg, held, seed=tokens)
     x, ids, w = make_batch(tokens, top_k, experts, 128, cfg.torch_dtype, seed=tokens + 1)
-    got = BACKENDS[backend](cfg, layer, "cpu").forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
+    got = _make(backend, cfg, layer).forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
     want = ReferenceExperts(cfg, layer, "cpu").forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert not got.isnan().any()
@@ -39,32 +48,32 @@ def test_packed_every_activation(activation: str) -> None:
     _check("packed", activation, "float32", 9, 2, [0, 1, 2, 3])
 
 
-@pytest.mark.parametrize("backend", ["packed", "emulated"])
+@pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_expert_subset_and_odd_batch(backend: str, dtype: str) -> None:
     _check(backend, "silu", dtype, 33, 2, [1, 3])
 
 
-@pytest.mark.parametrize("backend", ["packed", "emulated"])
+@pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
 def test_weights_on_input(backend: str) -> None:
     _check(backend, "gelu", "float32", 7, 1, [0, 2, 3], on_input=True)
 
 
-@pytest.mark.parametrize("backend", ["packed", "emulated"])
+@pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
 def test_route_major(backend: str) -> None:
     _check(backend, "swigluoai", "float32", 5, 2, [0, 3], mode="route_major")
 
 
-@pytest.mark.parametrize("backend", ["packed", "emulated"])
+@pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
 def test_single_token_and_empty_batch(backend: str) -> None:
     _check(backend, "relu2_no_mul", "float16", 1, 2, [0, 1, 2, 3])
     _check(backend, "silu", "float32", 0, 2, [0, 1])
 
 
-@pytest.mark.parametrize("backend", ["packed", "emulated"])
+@pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
 def test_nonfinite_and_bad_input_refused(backend: str) -> None:
     cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=2, dtype="float32")
-    ex = BACKENDS[backend](cfg, make_layer(cfg, [0, 1]), "cpu")
+    ex = _make(backend, cfg, make_layer(cfg, [0, 1]))
     x, ids, w = make_batch(3, 1, 2, 128, torch.float32)
     x[1, 7] = float("nan")
     with pytest.raises(NonFiniteInputError):
@@ -75,6 +84,17 @@ def test_nonfinite_and_bad_input_refused(backend: str) -> None:
     with pytest.raises(ValueError):
         ex.forward(x[:, :64], ids, w)
     assert ex.weight_bytes > 0
+
+
+def test_packed_takes_the_dense_path_by_rows_per_expert() -> None:
+    cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=8)
+    ex = LutBPackedExperts(cfg, make_layer(cfg, [0, 1, 2, 3]), "cpu")  # 4 held experts
+    limit = ex.dense_from_rows_per_expert
+    assert limit is not None
+    assert not ex.uses_dense_weights(4 * limit - 1) and ex.uses_dense_weights(4 * limit)
+    assert not ex.uses_dense_weights(1)
+    ex.dense_from_rows_per_expert = None
+    assert not ex.uses_dense_weights(1 << 30)
 
 
 def test_supports_refuses_cpu() -> None:
