@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Why the server's compute time at concurrency 1 exceeds the in-process baseline (issue 5).
+
+bench/serving.py measured, for the same ``ComputeWorker.run`` on the same 16-token batch, 293 us
+in a tight in-process loop but a 578 us median ``timing.compute_us`` inside the server at
+concurrency 1 (bench/results/2026-12-02-serving-5-h200.md). This separates the suspects, all in
+one process, no gRPC:
+
+- ``direct``: ``worker.run`` back to back on this thread (the serving bench's in-process baseline);
+- ``direct+gap``: the same with an idle gap between calls, as between the requests of one client
+  at concurrency 1 (the GPU and the CPU core idle in between: clocks, sleep states, caches);
+- ``thread``: each batch submitted to the worker thread, this thread blocking on its future;
+- ``asyncio``: submitted from an asyncio loop awaiting ``asyncio.wrap_future`` (the server's path);
+- ``asyncio+busy``: the same while another task keeps the loop always busy with small Python steps
+  (what gRPC's callbacks do under load), competing for the GIL.
+
+Columns: the median of ``run``'s own seconds (what the server reports as compute) and of the
+round trip seen by the submitter, in microseconds. Usage (GPU):
+
+    python bench/worker_pacing.py --out DIR [--shape qwen3-30b-a3b] [--tokens 1 16] [--seconds 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import SHAPES, make_checkpoint  # noqa: E402
+
+GAPS_US = (300, 1000, 3000)
+
+
+def _median_us(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e6 if xs else float("nan")
+
+
+def run_direct(worker, prepared, seconds: float, gap_s: float) -> dict:  # noqa: ANN001
+    compute, trip = [], []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        if gap_s:
+            time.sleep(gap_s)
+        t0 = time.perf_counter()
+        _, s = worker.run(prepared)
+        trip.append(time.perf_counter() - t0)
+        compute.append(s)
+    return {"compute_us": _median_us(compute), "round_trip_us": _median_us(trip), "calls": len(compute)}
+
+
+def run_thread(worker, prepared, seconds: float) -> dict:  # noqa: ANN001
+    compute, trip = [], []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        _, s = worker.submit(prepared).result()
+        trip.append(time.perf_counter() - t0)
+        compute.append(s)
+    return {"compute_us": _median_us(compute), "round_trip_us": _median_us(trip), "calls": len(compute)}
+
+
+async def _asyncio(worker, prepared, seconds: float, busy_tasks: int) -> dict:  # noqa: ANN001
+    stop = False
+
+    async def busy() -> None:  # small Python steps with yields, like gRPC callbacks under load
+        while not stop:
+            sum(range(200))
+            await asyncio.sleep(0)
+
+    others = [asyncio.ensure_future(busy()) for _ in range(busy_tasks)]
+    compute, trip = [], []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        _, s = await asyncio.wrap_future(worker.submit(prepared))
+        trip.append(time.perf_counter() - t0)
+        compute.append(s)
+    stop = True
+    await asyncio.gather(*others)
+    return {"compute_us": _median_us(compute), "round_trip_us": _median_us(trip), "calls": len(compute)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--seconds", type=float, default=1.0, help="per mode")
+    p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run: --shape smoke --backend reference)")
+    p.add_argument("--backend", default="packed")
+    p.add_argument("--switch-interval-us", type=int, default=200, help="sys.setswitchinterval, as the server sets it on CUDA")
+    args = p.parse_args()
+
+    import torch
+
+    from lutb_kernels.checkpoint import Checkpoint
+    from lutb_server.backends import choose_backend, resolve_device
+    from lutb_server.engine import ExpertEngine
+    from lutb_server.worker import ComputeWorker
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench/worker_pacing.py needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    sys.setswitchinterval(args.switch_interval_us / 1e6)
+    torch.set_num_threads(1)  # as the server on a CUDA device
+    args.out.mkdir(parents=True, exist_ok=True)
+    shape = SHAPES[args.shape]
+    ckpt = make_checkpoint(args.out / "checkpoints", args.shape, dtype="bfloat16", scale_mode="rceil", device=args.device)
+    checkpoint = Checkpoint(ckpt)
+    device = resolve_device(args.device)
+    engine = ExpertEngine(checkpoint, choose_backend(args.backend, checkpoint.config, device), validate_tiles=False)
+    worker = ComputeWorker(engine, cuda_graph_max_tokens=512, cuda_graph_top_k=shape["top_k"])
+    worker.capture_graphs()
+    worker.start()
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for tokens in args.tokens:
+        x = torch.randn(tokens, shape["hidden"], generator=gen).to(torch.bfloat16)
+        ids = torch.rand(tokens, shape["experts"], generator=gen).topk(shape["top_k"], dim=1).indices.to(torch.int32)
+        w = torch.softmax(torch.randn(tokens, shape["top_k"], generator=gen), dim=1)
+        prepared = [engine.prepare(0, x, ids, w)]
+        for _ in range(20):
+            worker.run(prepared)
+        modes = {"direct": lambda: run_direct(worker, prepared, args.seconds, 0.0)}
+        for gap in GAPS_US:
+            modes[f"direct+gap {gap}us"] = lambda gap=gap: run_direct(worker, prepared, args.seconds, gap / 1e6)
+        modes["thread"] = lambda: run_thread(worker, prepared, args.seconds)
+        modes["asyncio"] = lambda: asyncio.run(_asyncio(worker, prepared, args.seconds, 0))
+        modes["asyncio+busy"] = lambda: asyncio.run(_asyncio(worker, prepared, args.seconds, 1))
+        for mode, fn in modes.items():
+            r = fn()
+            rows.append({"tokens": tokens, "mode": mode, **r})
+            print(f"T={tokens:3d} {mode:20s} compute {r['compute_us']:7.1f} us  round trip {r['round_trip_us']:7.1f} us  ({r['calls']} calls)",
+                  flush=True)
+    worker.close()
+    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "backend": args.backend, "torch": torch.__version__, "shape": args.shape,
+            "switch_interval_us": args.switch_interval_us, "threads": threading.active_count()}
+    (args.out / "worker_pacing.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print("\n| T | mode | compute us (run's own) | round trip us |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['tokens']} | {r['mode']} | {r['compute_us']:.1f} | {r['round_trip_us']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
