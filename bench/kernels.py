@@ -444,7 +444,6 @@ def breakdown(results: dict, shapes: list[str]) -> None:
                         cands[f"split_k={sk}"] = LutBGemmConfig(**{**base.__dict__, "split_k": sk})
                 cands["block_n=64"] = LutBGemmConfig(**{**base.__dict__, "block_n": 64})
                 cands["decoder=prmt"] = LutBGemmConfig(**{**base.__dict__, "decoder": "prmt"})
-                cands["decoder=prmt2_imad"] = LutBGemmConfig(**{**base.__dict__, "decoder": "prmt2_imad"})
                 cands["prefetch"] = LutBGemmConfig(**{**base.__dict__, "prefetch": True})
                 cands["stages=4"] = LutBGemmConfig(**{**base.__dict__, "num_stages": 4})
                 for regs in (None, 96, 80):  # the compiler's choice (127 at decode: 4 blocks per SM), 5 and 6 blocks
@@ -500,6 +499,72 @@ def routing_prefill(results: dict, name: str, experts: int, top_k: int, emap: to
         out[f"{name} T={tokens}"] = rec
         log(f"[routing] {name} T={tokens} block={block}: torch {rec['torch_us']:.1f} us, triton {rec['triton_us']:.1f} us, "
             f"equal={rec['equal']}")
+
+
+GROUPED_TUNE_SHAPES = (("mixtral-8x7b", 8192), ("mixtral-8x7b", 2048), ("qwen3-30b-a3b", 8192))
+
+
+def grouped_candidates(block: int):  # noqa: ANN201
+    """Dense grouped-GEMM tiles for large batches (block_m must divide the routing block)."""
+    from lutb_kernels.grouped_gemm import GroupedGemmConfig
+
+    c = []
+    for bm, bn, bk, w, s in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
+                             (128, 128, 64, 4, 4), (256, 128, 64, 8, 3), (128, 256, 32, 8, 4), (64, 256, 64, 4, 4)):
+        if block % bm == 0:
+            c.append(GroupedGemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s))
+    return c
+
+
+def tune_grouped(results: dict, budget_s: float = 1e9) -> None:
+    """Sweep the dense grouped GEMM's tile at large T (the emulated backend and packed's prefill path)."""
+    from lutb_kernels.experts._triton_common import choose_route_block
+    from lutb_kernels.grouped_gemm import default_config, grouped_gemm
+    from lutb_kernels.routing import moe_align_block_size
+
+    t0 = time.time()
+    recs = results.setdefault("tune_grouped", [])
+    for name, tokens in GROUPED_TUNE_SHAPES:
+        if time.time() - t0 > budget_s:
+            log(f"[tune-grouped] budget {budget_s:.0f} s spent; stopping before {name} T={tokens}")
+            break
+        experts, hidden, inter, top_k = SHAPES[name]
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        w13 = torch.randn((experts, 2 * inter, hidden), device="cuda", generator=gen, dtype=torch.bfloat16) * hidden**-0.5
+        w2 = torch.randn((experts, hidden, inter), device="cuda", generator=gen, dtype=torch.bfloat16) * inter**-0.5
+        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        g = torch.randn(tokens * top_k, inter, device="cuda", generator=gen).to(torch.bfloat16)
+        ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
+        block = choose_route_block(tokens * top_k, experts)
+        routing = moe_align_block_size(ids, block, experts)
+        for label, a, w, out_n, k in (("w13", x, w13, 2 * inter, top_k), ("w2", g, w2, hidden, 1)):
+            out = torch.empty((tokens * top_k, out_n), dtype=torch.bfloat16, device="cuda")
+            base = default_config(tokens * top_k, out_n, a.shape[1], experts, block, torch.device("cuda"))
+            for cfg in [base] + [c for c in grouped_candidates(block) if c != base]:
+                try:
+                    us, _ = time_graph(lambda cfg=cfg, a=a, w=w, out=out, k=k: grouped_gemm(
+                        a, w, out, None, *routing, k, block_m=block, config=cfg), replays=3, rounds=3)
+                except Exception as exc:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
+                    us = float("nan")
+                    log(f"[tune-grouped] {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+                flops = 2 * tokens * top_k * out_n * a.shape[1]
+                recs.append({"shape": name, "tokens": tokens, "gemm": label, "route_block": block, "default": cfg == base,
+                             "config": {f: getattr(cfg, f) for f in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")},
+                             "us": us, "tflops": flops / us / 1e6})
+                log(f"[tune-grouped] {name} T={tokens} {label} {'DEFAULT ' if cfg == base else ''}{cfg}: {us:.1f} us "
+                    f"{flops / us / 1e6:.0f} TFLOP/s")
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
+def tune_grouped_table(results: dict) -> str:
+    lines = ["tune-grouped: us (TFLOP/s) per dense grouped GEMM, default first"]
+    for r in results.get("tune_grouped", []):
+        c = r["config"]
+        lines.append(f"  {r['shape']:14s} T={r['tokens']:5d} {r['gemm']:3s} rb{r['route_block']} {'*' if r['default'] else ' '}"
+                     f" bm{c['block_m']} bn{c['block_n']} bk{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
+                     f" {r['us']:9.1f} us ({r['tflops']:.0f})")
+    return "\n".join(lines)
 
 
 def tune_candidates(block: int, tokens: int):  # noqa: ANN201
@@ -701,6 +766,7 @@ def main() -> int:
     parser.add_argument("--tune-only", action="store_true", help="only the tune sweep (writes tune.json)")
     parser.add_argument("--tune-budget", type=float, default=1e9, help="seconds after which the sweep stops starting shapes")
     parser.add_argument("--breakdown", action="store_true", help="only the per-stage breakdown of the packed forward (T 1/8/32)")
+    parser.add_argument("--tune-grouped", action="store_true", help="only the dense grouped GEMM's tile sweep at large T")
     parser.add_argument("--breakdown-shapes", nargs="*", default=["mixtral-8x7b", "deepseek-v3"], choices=list(SHAPES))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -717,6 +783,11 @@ def main() -> int:
     }
     results["hbm"] = hbm_bandwidth()
     log(f"HBM: {results['hbm']}")
+    if args.tune_grouped:
+        tune_grouped(results, args.tune_budget)
+        (args.out / "tune_grouped.json").write_text(json.dumps(results, indent=1, default=str))
+        print(tune_grouped_table(results))
+        return 0
     if args.breakdown or args.tune_only:
         if args.breakdown:
             breakdown(results, args.breakdown_shapes)

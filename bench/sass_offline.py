@@ -101,8 +101,6 @@ VARIANTS = {
 # the same tile-loop variants with the "prmt2" decoder (DECODER=2)
 VARIANTS.update({f"{name} prmt2": (bm, bn, w, g, dict(kw, decoder=2))
                  for name, (bm, bn, w, g, kw) in list(VARIANTS.items()) if kw.get("tile_loop")})
-# the prmt2_imad experiment (DECODER=3) on the decode default
-VARIANTS["16,128,w4 tile loop prmt2_imad"] = (16, 128, 4, 1, dict(tile_loop=True, prefetch=False, decoder=3))
 # register caps on the decode default (ncu: 127 registers hold an SM to 4 blocks of 4 warps)
 VARIANTS.update({f"16,128,w4 tile loop prmt2 maxnreg={r}": (16, 128, 4, 1, dict(tile_loop=True, prefetch=False, decoder=2, maxnreg=r))
                  for r in (96, 80, 64)})

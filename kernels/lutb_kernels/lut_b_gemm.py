@@ -44,9 +44,9 @@ from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize
 from lutb_kernels.mxfp8_triton import decoder_column_order
 from lutb_kernels.tiles import TILE, TILE_BYTES, tiles_to_dense
 
-Decoder = Literal["prmt", "prmt2", "prmt2_imad", "triton"]
-# the kernel's constexpr DECODER for each decoder name ("prmt2_imad": an experiment, see the kernel module)
-DECODER_IDS: dict[str, int] = {"triton": 0, "prmt": 1, "prmt2": 2, "prmt2_imad": 3}
+Decoder = Literal["prmt", "prmt2", "triton"]
+# the kernel's constexpr DECODER for each decoder name
+DECODER_IDS: dict[str, int] = {"triton": 0, "prmt": 1, "prmt2": 2}
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class LutBGemmConfig:
     ``block_m``: rows per program (divides the routing block); ``block_n``: output columns per
     program (16..128, divides 128); ``split_k``: programs sharing one output tile along K;
     ``swap_ab``: compute ``W @ A^T`` so the weights fill the MMA's M side; ``decoder``: "prmt",
-    "prmt2", "prmt2_imad" (NVIDIA sm80+, identical results; the last one not yet timed) or "triton"; ``groups_per_step``: 32-column groups
+    "prmt2" (NVIDIA sm80+, identical results) or "triton"; ``groups_per_step``: 32-column groups
     decoded per K step (4 = a whole tile; 2 or 1 hold fewer decoded weights in registers, for
     large ``block_m``).
     """

@@ -42,18 +42,6 @@ def selector_prmt2(p0: int, p1: int, p2: int, i: int) -> int:
     return ((p0 >> i) & 0x11111111) | (_rotr(p1, i + 31) & 0x22222222) | (_rotr(p2, i + 30) & 0x44444444)
 
 
-def _rotr_imad(x: int, r: int) -> int:
-    """``mul.wide.u32`` by ``2**((32 - r) % 32)``, then the low and high words OR-ed."""
-    wide = x * (1 << ((32 - r) % 32))
-    return (wide & M32) | (wide >> 32)
-
-
-def selector_prmt2_imad(p0: int, p1: int, p2: int, i: int) -> int:
-    """``prmt2_imad``'s selector: the rotations of ``selector_prmt2`` as IMAD.WIDE products."""
-    return ((_rotr_imad(p0, i) & 0x11111111) | (_rotr_imad(p1, (i + 31) % 32) & 0x22222222)
-            | (_rotr_imad(p2, (i + 30) % 32) & 0x44444444))
-
-
 def selector_pre_rotated(p0: int, p1: int, p2: int, i: int) -> int:
     """The variant for a thread that owns all 4 selectors of a group (compile-time ``i``, immediate
     masks): ``B = rotl(p1, 1)``, ``C = rotl(p2, 2)`` once per group, then two bit-selects and one
@@ -63,7 +51,7 @@ def selector_pre_rotated(p0: int, p1: int, p2: int, i: int) -> int:
     return _rotr((p0 & m0) | (b & m1) | (c & m2), i)
 
 
-@pytest.mark.parametrize("selector", [selector_prmt2, selector_prmt2_imad, selector_pre_rotated])
+@pytest.mark.parametrize("selector", [selector_prmt2, selector_pre_rotated])
 def test_selectors_match_prmt(selector: Callable[[int, int, int, int], int]) -> None:
     words = _edge_words()
     rng = random.Random(1)
@@ -148,7 +136,7 @@ def test_scale_words_match_prmt() -> None:
                                                                (False, 2, 64, 128)])
 def test_prmt2_equals_prmt_edge_values_gpu(tile_loop: bool, groups: int, block_m: int, block_n: int) -> None:
     """Edge scales (0 = the subnormal 2**-127, 1, 2, ...) and LUTs (+-0, bf16 subnormals, the
-    smallest normal) read back through one-hot activations: ``prmt2`` == ``prmt2_imad`` == ``prmt`` bit for bit."""
+    smallest normal) read back through one-hot activations: ``prmt2`` == ``prmt`` bit for bit."""
     from lutb_kernels import mxfp8_triton as mt
     from lutb_kernels.lut_b_gemm import LutBGemmConfig, lut_b_moe_gemm, random_tiles
     from lutb_kernels.routing import moe_align_block_size
@@ -164,15 +152,14 @@ def test_prmt2_equals_prmt_edge_values_gpu(tile_loop: bool, groups: int, block_m
     ids = torch.zeros(128, 1, dtype=torch.int32, device="cuda")
     sorted_ids, expert_ids, ntpp = moe_align_block_size(ids, 128, 1)
     outs = []
-    for decoder in ("prmt", "prmt2", "prmt2_imad"):
+    for decoder in ("prmt", "prmt2"):
         out = torch.full((128, 256), float("nan"), device="cuda")
         cfg = LutBGemmConfig(block_m=block_m, block_n=block_n, swap_ab=True, decoder=decoder, groups_per_step=groups,
                              tile_loop=tile_loop)
         lut_b_moe_gemm(q, s, w, out, None, sorted_ids, expert_ids, ntpp, 1, block_m=128, a_k_order="decoder", config=cfg)
         outs.append(out)
     assert not outs[0].isnan().any()
-    for other in outs[1:]:  # prmt2 and prmt2_imad
-        assert torch.equal(outs[0].view(torch.int32), other.view(torch.int32))
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
 
 
 @pytest.mark.parametrize("route_block,expected", [(16, "prmt2"), (32, "prmt2"), (64, "prmt2"), (128, "prmt"), (256, "prmt")])

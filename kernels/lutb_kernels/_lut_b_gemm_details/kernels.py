@@ -29,11 +29,6 @@ Three decoders produce the same values (constexpr ``DECODER``):
   3 LOP3 (:func:`prmt2_lookup`); and, in the tile loop, turns a row's 4 scale bytes into two
   bf16x2 words once per tile (:func:`e8m0_pairs_bf16x2`), read through HMUL2's half swizzle.
   Offline sm90 SASS, 16x128 tile loop: 498 instead of 638 loop instructions (3.9 per weight).
-- ``DECODER == 3`` ("prmt2_imad", an experiment: the same bits as 2): each plane's rotation in
-  the selector build is one ``mul.wide.u32`` (IMAD.WIDE, FMA pipe) by a per-thread power of two
-  instead of a funnel shift (ALU pipe), whose two result words OR-ed are the rotation. Offline
-  sm90 SASS: 244 instead of 276 ALU-pipe instructions per tile iteration, 514 instead of 498 in
-  all (bench/results/2026-12-02-sass-imad-selector-cpu.md); not yet timed on a GPU.
 - ``DECODER == 0`` (pure Triton, for the interpreter and other GPUs): shifts, masks and a
   3-level select over the LUT, float32 scale multiply.
 """
@@ -287,40 +282,14 @@ def selector_shifts(SHAPE: tl.constexpr):
     return ii, ii + 31, ii + 30
 
 
-@triton.jit
-def selector_multipliers(SHAPE: tl.constexpr):
-    """``prmt2_imad``'s per-thread constants: ``2**((32 - r) % 32)`` for the rotations ``r`` of
-    :func:`selector_shifts`. The 64-bit product ``x * 2**(32 - r)`` holds ``x << (32 - r)`` in its
-    low word and ``x >> r`` in its high word, so low | high is ``rotr(x, r)``; for ``r = 0`` the
-    constant is 1 and the high word 0."""
-    r0, r1, r2 = selector_shifts(SHAPE)
-    one = tl.full(SHAPE, 1, tl.uint32)
-    return one << ((32 - r0) % 32), one << ((32 - r1) % 32), one << ((32 - r2) % 32)
-
-
-# prmt2_lookup's PTX: the selector (two ways), then the same lookup, interleave and scale.
-# $0..$3 out; $4..$6 planes p0..p2; $7..$9 the per-thread shifts (or multipliers); $10..$13 the
+# prmt2_lookup's PTX: the selector, then the lookup, interleave and scale.
+# $0..$3 out; $4..$6 planes p0..p2; $7..$9 the per-thread shifts; $10..$13 the
 # LUT byte words l0, l1, h0, h1; $14 the bf16x2 scale.
-_SELECTOR_BY_SHIFTS = """
+PRMT2_LOOKUP_ASM = tl.constexpr("""{
     .reg .b32 a0, a1, a2, s, s2, lo, hi, lo2, hi2, t0, t1, t2, t3, nz;
     shr.b32 a0, $4, $7;
     shf.r.wrap.b32 a1, $5, $5, $8;
     shf.r.wrap.b32 a2, $6, $6, $9;
-"""
-_SELECTOR_BY_IMAD = """
-    .reg .b32 a0, a1, a2, s, s2, lo, hi, lo2, hi2, t0, t1, t2, t3, nz, x0, y0, x1, y1, x2, y2;
-    .reg .b64 w0, w1, w2;
-    mul.wide.u32 w0, $4, $7;
-    mul.wide.u32 w1, $5, $8;
-    mul.wide.u32 w2, $6, $9;
-    mov.b64 {x0, y0}, w0;
-    mov.b64 {x1, y1}, w1;
-    mov.b64 {x2, y2}, w2;
-    or.b32 a0, x0, y0;
-    or.b32 a1, x1, y1;
-    or.b32 a2, x2, y2;
-"""
-_LOOKUP_AND_SCALE = """
     and.b32 a0, a0, 0x11111111;
     and.b32 a1, a1, 0x22222222;
     and.b32 a2, a2, 0x44444444;
@@ -340,13 +309,11 @@ _LOOKUP_AND_SCALE = """
     fma.rn.bf16x2 $1, t1, $14, nz;
     fma.rn.bf16x2 $2, t2, $14, nz;
     fma.rn.bf16x2 $3, t3, $14, nz;
-"""
-PRMT2_LOOKUP_ASM = tl.constexpr("{" + _SELECTOR_BY_SHIFTS + _LOOKUP_AND_SCALE + "}")
-PRMT2_LOOKUP_ASM_IMAD = tl.constexpr("{" + _SELECTOR_BY_IMAD + _LOOKUP_AND_SCALE + "}")
+}""")
 
 
 @triton.jit
-def prmt2_lookup(p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word, IMAD: tl.constexpr = False):
+def prmt2_lookup(p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word):
     """Selector, lookup and scale of 8 weights (``prmt2``): 4 bf16x2 words (as ``prmt_lookup``).
 
     ``p0..p2``: uint32 plane words of one (row, group); ``r0..r2``: :func:`selector_shifts`;
@@ -357,15 +324,9 @@ def prmt2_lookup(p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word, IMAD: tl.co
     0x11111111`` (3 shifts + 3 LOP3 instead of 8 instructions). The looked-up bf16 entries are
     multiplied by the scale afterwards (``fma.rn.bf16x2`` with a -0 addend, the same rounding
     as scaling the LUT first), so the byte split of the LUT is done once per tile, not per row.
-    With ``IMAD`` (``prmt2_imad``), ``r0..r2`` are :func:`selector_multipliers` and each rotation
-    is a ``mul.wide.u32`` whose two words are OR-ed (the same selector).
     """
-    if IMAD:
-        asm: tl.constexpr = PRMT2_LOOKUP_ASM_IMAD
-    else:
-        asm: tl.constexpr = PRMT2_LOOKUP_ASM
     return tl.inline_asm_elementwise(
-        asm=asm,
+        asm=PRMT2_LOOKUP_ASM,
         constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r",
         args=[p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word],
         dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
@@ -375,20 +336,17 @@ def prmt2_lookup(p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word, IMAD: tl.co
 
 
 @triton.jit
-def decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N: tl.constexpr, G: tl.constexpr, IMAD: tl.constexpr = False):
+def decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N: tl.constexpr, G: tl.constexpr):
     """``prmt2`` decoder: the same bfloat16 ``[BLOCK_N, 32 G]`` as :func:`decode_prmt`, bit for bit.
 
     ``p0, p1, p2``: uint32 ``[BLOCK_N, G]`` plane words; ``sw``: uint32 ``[BLOCK_N, G]``, the
     bf16 scale of each (row, group) in both halves (:func:`e8m0_bf16x2` or a broadcast half of
     :func:`e8m0_pairs_bf16x2`); ``l0, l1, h0, h1``: the tile's :func:`lut_bytes`, shape
-    ``[BLOCK_N, G, 4]``. ``IMAD``: the ``prmt2_imad`` selector build (same values).
+    ``[BLOCK_N, G, 4]``.
     """
-    if IMAD:
-        r0, r1, r2 = selector_multipliers((BLOCK_N, G, 4))
-    else:
-        r0, r1, r2 = selector_shifts((BLOCK_N, G, 4))
+    r0, r1, r2 = selector_shifts((BLOCK_N, G, 4))
     o0, o1, o2, o3 = prmt2_lookup(p0[:, :, None], p1[:, :, None], p2[:, :, None], r0, r1, r2, l0, l1, h0, h1,
-                                  sw[:, :, None], IMAD)
+                                  sw[:, :, None])
     return words_to_decoder_order(o0, o1, o2, o3, BLOCK_N, G)
 
 
@@ -420,9 +378,9 @@ def _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg,
         p2 = tl.load(pw + 2).to(tl.uint32, bitcast=True)
         if DECODER == 1:
             w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
-        elif DECODER == 2 or DECODER == 3:
+        elif DECODER == 2:
             l0, l1, h0, h1 = lut_bytes(w0, w1, w2, w3, (BLOCK_N, G, 4))
-            w_op = decode_prmt2(p0, p1, p2, e8m0_bf16x2(sc), l0, l1, h0, h1, BLOCK_N, G, DECODER == 3)
+            w_op = decode_prmt2(p0, p1, p2, e8m0_bf16x2(sc), l0, l1, h0, h1, BLOCK_N, G)
         else:
             w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
 
@@ -559,7 +517,7 @@ def lut_b_moe_gemm_kernel(
             q4, q5, q6, q7 = split4(c1)  # words 4-7: g1 b1,b2; g2 b0,b1
             q8, q9, q10, q11 = split4(c2)  # words 8-11: g2 b2; g3 b0,b1,b2
             csu = cs.to(tl.uint32, bitcast=True)
-            if DECODER == 2 or DECODER == 3:  # once per tile: the LUT's byte split and the 4 groups' bf16 scales
+            if DECODER == 2:  # once per tile: the LUT's byte split and the 4 groups' bf16 scales
                 l0, l1, h0, h1 = lut_bytes(w0, w1, w2, w3, (BLOCK_N, 1, 4))
                 s02, s13 = e8m0_pairs_bf16x2(csu)
             for g in tl.static_range(4):
@@ -578,9 +536,9 @@ def lut_b_moe_gemm_kernel(
                 sc = sc[:, None]
                 if DECODER == 1:
                     w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
-                elif DECODER == 2 or DECODER == 3:
+                elif DECODER == 2:
                     sw = bf16x2_broadcast_half(s02 if g % 2 == 0 else s13, g // 2)[:, None]
-                    w_op = decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N, 1, DECODER == 3)
+                    w_op = decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N, 1)
                 else:
                     w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
                 step = t * 4 + g
