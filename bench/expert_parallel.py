@@ -80,10 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="AsyncShardedExpertClient transport: one ForwardStream per shard (default) or a Forward call per sub-request")
     p.add_argument("--client-procs", type=int, default=1,
                    help="load-generator processes per row, each with its own client, sharing the concurrency (default 1)")
-    p.add_argument("--client-threads", type=int,
-                   help="torch intra-op threads of this (client) process (default: torch's, one per core); the "
-                        "client's split and combine are small tensor ops, and a full OpenMP pool competing with "
-                        "several server processes for the cores is one suspect for the multi-shard stalls")
+    p.add_argument("--client-threads", type=int, default=1,
+                   help="torch intra-op threads of each load-generator process (default 1; 0: torch's, one per core). "
+                        "The client's split and combine are small tensor ops; full OpenMP pools in several load "
+                        "processes spin on the cores the shard servers need (H200, 2 shards, C=8, 4 load processes: "
+                        "447 tokens/s with torch's default, 49k with 1; bench/results/2026-12-02-expert-parallel-6-h200.md)")
     p.add_argument("--server-threads", type=int, help="OMP_NUM_THREADS of each server process (default: inherited); "
                    "on a small CPU machine use 1, or the processes' spinning threads starve each other")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `lutb serve` flag (repeatable), e.g. --serve-arg=--max-wait-us=200")

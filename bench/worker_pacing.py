@@ -12,7 +12,9 @@ one process, no gRPC:
 - ``thread``: each batch submitted to the worker thread, this thread blocking on its future;
 - ``asyncio``: submitted from an asyncio loop awaiting ``asyncio.wrap_future`` (the server's path);
 - ``asyncio+busy``: the same while another task keeps the loop always busy with small Python steps
-  (what gRPC's callbacks do under load), competing for the GIL.
+  (what gRPC's callbacks do under load), competing for the GIL; once per GIL switch interval in
+  ``--busy-switch-intervals-us`` (each torch call of the worker releases and retakes the GIL, and
+  a thread asking for it back waits up to one interval while the loop holds it).
 
 Columns: the median of ``run``'s own seconds (what the server reports as compute) and of the
 round trip seen by the submitter, in microseconds. Usage (GPU):
@@ -86,6 +88,15 @@ async def _asyncio(worker, prepared, seconds: float, busy_tasks: int) -> dict:  
     return {"compute_us": _median_us(compute), "round_trip_us": _median_us(trip), "calls": len(compute)}
 
 
+def _with_switch_interval(interval_us: int, fn):  # noqa: ANN001, ANN202
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(interval_us / 1e6)
+    try:
+        return fn()
+    finally:
+        sys.setswitchinterval(before)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -95,6 +106,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run: --shape smoke --backend reference)")
     p.add_argument("--backend", default="packed")
     p.add_argument("--switch-interval-us", type=int, default=200, help="sys.setswitchinterval, as the server sets it on CUDA")
+    p.add_argument("--busy-switch-intervals-us", type=int, nargs="+", default=[200, 50, 20, 5],
+                   help="switch intervals of the asyncio+busy mode")
     args = p.parse_args()
 
     import torch
@@ -132,7 +145,9 @@ def main() -> int:
             modes[f"direct+gap {gap}us"] = lambda gap=gap: run_direct(worker, prepared, args.seconds, gap / 1e6)
         modes["thread"] = lambda: run_thread(worker, prepared, args.seconds)
         modes["asyncio"] = lambda: asyncio.run(_asyncio(worker, prepared, args.seconds, 0))
-        modes["asyncio+busy"] = lambda: asyncio.run(_asyncio(worker, prepared, args.seconds, 1))
+        for interval in args.busy_switch_intervals_us:
+            modes[f"asyncio+busy si={interval}us"] = lambda interval=interval: _with_switch_interval(
+                interval, lambda: asyncio.run(_asyncio(worker, prepared, args.seconds, 1)))
         for mode, fn in modes.items():
             r = fn()
             rows.append({"tokens": tokens, "mode": mode, **r})

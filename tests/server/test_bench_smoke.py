@@ -64,3 +64,21 @@ def test_expert_parallel_bench_with_client_procs(tmp_path: Path) -> None:
     assert row["shard_requests_per_call"] == 2.0  # top-8 of 8 experts: every forward needs both shards
     assert [s["requests"] for s in row["shard_stats"]] == [row["requests"]] * 2  # summed over the processes
     assert "latencies_s" not in row
+
+
+def test_worker_pacing_bench_smoke(tmp_path: Path) -> None:
+    """bench/worker_pacing.py runs every mode on the CPU (reference backend) and writes its table."""
+    out = tmp_path / "out"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / d) for d in ("kernels", "client", "server")] + [env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "worker_pacing.py"), "--out", str(out), "--device", "cpu", "--backend", "reference",
+         "--shape", "smoke", "--tokens", "2", "--seconds", "0.05", "--busy-switch-intervals-us", "200", "20"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "worker_pacing.json").read_text())["rows"]
+    modes = [r["mode"] for r in rows]
+    assert modes == ["direct", "direct+gap 300us", "direct+gap 1000us", "direct+gap 3000us", "thread", "asyncio",
+                     "asyncio+busy si=200us", "asyncio+busy si=20us"]
+    assert all(r["calls"] >= 1 and 0 < r["compute_us"] <= r["round_trip_us"] for r in rows)

@@ -28,6 +28,18 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_optin(index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0))
+
+
+def shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on ``device`` (227 KiB on an H200); 0 off CUDA."""
+    if device.type != "cuda" or interpreting():
+        return 0
+    return _smem_optin(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def is_nvidia(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and not interpreting()
 
