@@ -247,6 +247,7 @@ def prefill_paths(packed, x: torch.Tensor, rot: list, weights: torch.Tensor) -> 
     for label, rows in (("in_kernel", None), ("dense", 0)):
         variant = copy.copy(packed)  # shares the weights
         variant.dense_from_rows_per_expert = rows
+        variant.dense_scratch_bytes = 1 << 62  # "dense" even where the default's scratch limit says no
         outs.append(variant.forward_unchecked(x, rot[0], weights).float())
         times[label], _ = time_graph_rot([lambda r=r, v=variant: v.forward_unchecked(x, r, weights) for r in rot])
     times["default"] = "dense" if packed.uses_dense_weights(rot[0].numel()) else "in_kernel"

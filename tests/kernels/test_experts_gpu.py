@@ -21,11 +21,10 @@ def _backend(name: str):  # noqa: ANN202
 
 
 def _make(name: str, cfg: CheckpointConfig, layer):  # noqa: ANN001, ANN202
-    """The backend; "packed_dense": packed forced onto its prefill path, 2 experts per scratch chunk."""
+    """The backend; "packed_dense": packed forced onto its prefill path (dequantized weights)."""
     experts = _backend(name)(cfg, layer, "cuda")
     if name == "packed_dense":
         experts.dense_from_rows_per_expert = 0
-        experts.dense_scratch_bytes = 2 * (cfg.hidden_size * cfg.intermediate_size * 2) * 2  # 2 experts of W13
     return experts
 
 

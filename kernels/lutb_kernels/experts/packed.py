@@ -10,13 +10,13 @@ Routing blocks: 16/32/64/128 rows by the batch's average rows per held expert
 at decode one route per expert pads to 16 rows instead of 128.
 
 Prefill (``dense_from_rows_per_expert``): when the batch averages that many routes per held
-expert, each expert's tiles would be decoded again by every one of its 128-row blocks. Then the
-GEMMs decode each expert once into a bf16 scratch of at most ``dense_scratch_bytes``
-(:func:`lutb_kernels.lut_b_dequant.lut_b_dequantize`, a chunk of experts at a time) and run the
-dense grouped GEMM of the ``emulated`` backend on it, with the same MXFP8 activations in bf16.
-The values are the same (a decoded weight and an MXFP8 activation are exact in bf16, products
-are exact, sums are float32); only the summation order differs. The choice depends on shapes
-only, so CUDA graphs stay valid.
+expert, each expert's tiles would be decoded again by every one of its 128-row blocks. Then,
+if each GEMM's weights fit dequantized in ``dense_scratch_bytes``, the GEMMs decode them once
+into a bf16 scratch (:func:`lutb_kernels.lut_b_dequant.lut_b_dequantize`) and run the dense
+grouped GEMM of the ``emulated`` backend on it, with the same MXFP8 activations in bf16. The
+values are the same (a decoded weight and an MXFP8 activation are exact in bf16, products are
+exact, sums are float32); on the H200 the outputs were bit for bit equal. The choice depends on
+shapes only, so CUDA graphs stay valid.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from lutb_kernels.experts._triton_common import (
     triton_present,
 )
 from lutb_kernels.experts.base import Support, all_of
+from lutb_kernels.tiles import TILE, TILE_BYTES
 
 
 class LutBPackedExperts(RoutedTritonExperts):
@@ -49,12 +50,15 @@ class LutBPackedExperts(RoutedTritonExperts):
     (about 0.5 instruction per weight at decode in the sm90 SASS). None: always e4m3 + scales
     (the native op's contract)."""
 
-    dense_from_rows_per_expert: int | None = 1024
+    dense_from_rows_per_expert: int | None = 512
     """Average routes per held expert from which the GEMMs run on dequantized weights (see the
-    module docstring); None: never. Mixtral-8x7b at T=8192 has 2048: bench/kernels.py times both."""
+    module docstring); None: never. On the H200 (bench/results/2026-12-02-kernels-prefill-h200.md)
+    that path won at 512 (qwen3 T=8192: 2286 vs 2569 us; mixtral T=2048: 4260 vs 4326) and 2048
+    (mixtral T=8192: 12324 vs 17066) and lost at 64-256 (deepseek, qwen3 T=2048)."""
     dense_scratch_bytes: int = 2 << 30
-    """Most bytes of dequantized weights held at once on the prefill path (a chunk of experts;
-    at least one expert). Transient: allocated per GEMM from torch's caching allocator."""
+    """Most bytes the dequantized weights of one GEMM may take (transient, from torch's caching
+    allocator); larger layers keep decoding in the GEMM. Deepseek-v3's W13 (15 GB in bf16) does:
+    there the dense pass cost more than the decode it saves at every batch measured."""
 
     def __init__(self, config: CheckpointConfig, weights: LayerWeights, device: torch.device | str) -> None:
         super().__init__(config, weights, device)
@@ -84,29 +88,24 @@ class LutBPackedExperts(RoutedTritonExperts):
         lut_b_moe_gemm(a, a_scales, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k,
                        block_m=route_block, a_k_order=self.a_k_order)  # type: ignore[arg-type]
 
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of the larger GEMM's weights dequantized to bf16 (the prefill path's scratch)."""
+        return max(self.w13.numel(), self.w2.numel()) // TILE_BYTES * TILE * TILE * 2
+
     def uses_dense_weights(self, num_routes: int) -> bool:
         """True when a batch of ``num_routes`` routes takes the prefill path (dequantized weights)."""
-        if self.dense_from_rows_per_expert is None:
+        if self.dense_from_rows_per_expert is None or self.dense_bytes > self.dense_scratch_bytes:
             return False
         return num_routes / max(1, min(self.num_local_experts, num_routes)) >= self.dense_from_rows_per_expert
 
     def _dense_gemm(self, a, w_packed, out, topk_weights, routing, top_k, route_block):  # noqa: ANN001
-        """The dense grouped GEMM on ``w_packed`` dequantized to ``a.dtype``, a chunk of experts at a time."""
+        """The dense grouped GEMM on ``w_packed`` dequantized to ``a.dtype`` (a transient scratch)."""
         from lutb_kernels.grouped_gemm import grouped_gemm
         from lutb_kernels.lut_b_dequant import lut_b_dequantize
 
-        sorted_ids, expert_ids, ntpp = routing
-        experts, nt, kt, _ = w_packed.shape
-        per_expert = nt * kt * 128 * 128 * a.element_size()
-        chunk = max(1, min(experts, self.dense_scratch_bytes // per_expert))
-        scratch = torch.empty((chunk, nt * 128, kt * 128), dtype=a.dtype, device=self.device)
-        for first in range(0, experts, chunk):
-            last = min(experts, first + chunk)
-            dense = lut_b_dequantize(w_packed[first:last], out=scratch[: last - first])
-            ids = expert_ids
-            if chunk < experts:  # blocks of other chunks' experts are skipped (id -1)
-                ids = torch.where((expert_ids >= first) & (expert_ids < last), expert_ids - first, -1)
-            grouped_gemm(a, dense, out, topk_weights, sorted_ids, ids, ntpp, top_k, block_m=route_block, allow_tf32=True)
+        dense = lut_b_dequantize(w_packed, dtype=a.dtype)
+        grouped_gemm(a, dense, out, topk_weights, *routing, top_k, block_m=route_block, allow_tf32=True)
 
     def _routed_forward(self, x, topk_weights, held, routing, top_k, route_block, nonfinite, *,  # noqa: ANN001
                         weight_on_input, weight_on_output):

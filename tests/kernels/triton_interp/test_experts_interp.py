@@ -19,11 +19,10 @@ BACKENDS = {"packed": LutBPackedExperts, "packed_dense": LutBPackedExperts, "emu
 
 
 def _make(backend: str, cfg: CheckpointConfig, layer):  # noqa: ANN001, ANN202
-    """The backend; "packed_dense": packed forced onto its prefill path, one expert per scratch chunk."""
+    """The backend; "packed_dense": packed forced onto its prefill path (dequantized weights)."""
     experts = BACKENDS[backend](cfg, layer, "cpu")
     if backend == "packed_dense":
         experts.dense_from_rows_per_expert = 0
-        experts.dense_scratch_bytes = 1
     return experts
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # triton interpreter
@@ -93,6 +92,11 @@ def test_packed_takes_the_dense_path_by_rows_per_expert() -> None:
     assert limit is not None
     assert not ex.uses_dense_weights(4 * limit - 1) and ex.uses_dense_weights(4 * limit)
     assert not ex.uses_dense_weights(1)
+    assert ex.dense_bytes == 4 * 256 * 128 * 2  # W13 of 4 experts (2I x H) in bf16
+    ex.dense_scratch_bytes = ex.dense_bytes - 1  # a layer too large for the scratch keeps decoding in the GEMM
+    assert not ex.uses_dense_weights(1 << 30)
+    ex.dense_scratch_bytes = ex.dense_bytes
+    assert ex.uses_dense_weights(1 << 30)
     ex.dense_from_rows_per_expert = None
     assert not ex.uses_dense_weights(1 << 30)
 
