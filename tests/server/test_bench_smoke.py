@@ -11,16 +11,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_serving_bench_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "out"
+def _run_bench(script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``bench/<script>`` with the source tree importable; fail with its output tails when it fails."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / d) for d in ("kernels", "client", "server")] + [env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "serving.py"), "--smoke", "--out", str(out), "--concurrency", "1,2",
-         "--tokens", "4", "--duration-s", "0.2", "--warmup-s", "0.05", "--profile"],
-        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
-    )
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_serving_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _run_bench("serving.py", ["--smoke", "--out", str(out), "--concurrency", "1,2", "--tokens", "4", "--duration-s", "0.2",
+                                     "--warmup-s", "0.05", "--profile"], timeout=120)
     report = json.loads((out / "serving.json").read_text())
     rows = report["rows"]
     assert sorted((r["wire"], r["api"], r["concurrency"], r["tokens"]) for r in rows) == sorted(
@@ -47,15 +51,10 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
 def test_expert_parallel_bench_with_client_procs(tmp_path: Path) -> None:
     """bench/expert_parallel.py spreads a row's concurrency over spawned client processes and merges their rows."""
     out = tmp_path / "out"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / d) for d in ("kernels", "client", "server")] + [env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "expert_parallel.py"), "--out", str(out), "--backend", "reference", "--device", "cpu",
-         "--experts", "8", "--hidden", "128", "--intermediate", "128", "--shards", "2", "--concurrency", "3",
-         "--duration", "0.5", "--warmup", "0.2", "--server-threads", "1", "--client-threads", "1", "--client-procs", "2"],
-        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run_bench("expert_parallel.py", ["--out", str(out), "--backend", "reference", "--device", "cpu", "--experts", "8", "--hidden", "128",
+                                      "--intermediate", "128", "--shards", "2", "--concurrency", "3", "--duration", "0.5",
+                                      "--warmup", "0.2", "--server-threads", "1", "--client-threads", "1", "--client-procs", "2"],
+               timeout=240)
     report = json.loads((out / "expert_parallel.json").read_text())
     assert report["meta"]["client processes"] == 2
     (row,) = report["rows"]
@@ -69,14 +68,8 @@ def test_expert_parallel_bench_with_client_procs(tmp_path: Path) -> None:
 def test_worker_pacing_bench_smoke(tmp_path: Path) -> None:
     """bench/worker_pacing.py runs every mode on the CPU (reference backend) and writes its table."""
     out = tmp_path / "out"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / d) for d in ("kernels", "client", "server")] + [env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "worker_pacing.py"), "--out", str(out), "--device", "cpu", "--backend", "reference",
-         "--shape", "smoke", "--tokens", "2", "--seconds", "0.05", "--busy-switch-intervals-us", "200", "20"],
-        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run_bench("worker_pacing.py", ["--out", str(out), "--device", "cpu", "--backend", "reference", "--shape", "smoke", "--tokens", "2",
+                                    "--seconds", "0.05", "--busy-switch-intervals-us", "200", "20"], timeout=120)
     rows = json.loads((out / "worker_pacing.json").read_text())["rows"]
     modes = [r["mode"] for r in rows]
     assert modes == ["direct", "direct+gap 300us", "direct+gap 1000us", "direct+gap 3000us", "thread", "asyncio",
