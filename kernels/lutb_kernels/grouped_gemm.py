@@ -42,7 +42,7 @@ class GroupedGemmConfig:
 
 
 # The 128 x 256 tile of large batches: 4 stages of A (128 x 64) and W (64 x 256) bf16 take 192 KiB
-# of shared memory. On the H200 it ran 16-26% faster than 128 x 128 (3 stages) on every large-T
+# of shared memory. On the H200 it ran 11-25% faster than 128 x 128 (3 stages) on every large-T
 # GEMM swept (mixtral T=2048/8192, qwen3 T=8192; bench/results/2026-12-02-kernels-prefill-h200.md).
 WIDE_TILE_SMEM = 4 * (128 * 64 + 64 * 256) * 2
 
