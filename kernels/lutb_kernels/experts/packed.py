@@ -9,7 +9,7 @@ Routing blocks: 16/32/64/128 rows by the batch's average rows per held expert
 (:func:`~lutb_kernels.experts._triton_common.choose_route_block`), not the seed's fixed 128:
 at decode one route per expert pads to 16 rows instead of 128.
 
-Prefill (``dense_from_rows_per_expert``): when the batch averages that many routes per held
+Prefill (``dense_from_rows_per_expert``): when the batch averages that many routes per
 expert, each expert's tiles would be decoded again by every one of its 128-row blocks. Then,
 if each GEMM's weights fit dequantized in ``dense_scratch_bytes``, the GEMMs decode them once
 into a bf16 scratch (:func:`lutb_kernels.lut_b_dequant.lut_b_dequantize`) and run the dense
@@ -51,7 +51,7 @@ class LutBPackedExperts(RoutedTritonExperts):
     (the native op's contract)."""
 
     dense_from_rows_per_expert: int | None = 512
-    """Average routes per held expert from which the GEMMs run on dequantized weights (see the
+    """Average routes per held expert (expected under uniform routing) from which the GEMMs run on dequantized weights (see the
     module docstring); None: never. On the H200 (bench/results/2026-12-02-kernels-prefill-h200.md)
     that path won at 512 (qwen3 T=8192: 2286 vs 2569 us; mixtral T=2048: 4260 vs 4326) and 2048
     (mixtral T=8192: 12324 vs 17066) and lost at 64-256 (deepseek, qwen3 T=2048)."""
@@ -94,10 +94,12 @@ class LutBPackedExperts(RoutedTritonExperts):
         return max(self.w13.numel(), self.w2.numel()) // TILE_BYTES * TILE * TILE * 2
 
     def uses_dense_weights(self, num_routes: int) -> bool:
-        """True when a batch of ``num_routes`` routes takes the prefill path (dequantized weights)."""
+        """True when a batch of ``num_routes`` routes (``tokens * top_k``) takes the prefill path (dequantized weights)."""
         if self.dense_from_rows_per_expert is None or self.dense_bytes > self.dense_scratch_bytes:
             return False
-        return num_routes / max(1, min(self.num_local_experts, num_routes)) >= self.dense_from_rows_per_expert
+        # Rows per held expert under uniform routing: a shard holding some experts sees the
+        # routes to the others too (as padding), so divide by all experts, not the held ones.
+        return num_routes / self.config.num_experts >= self.dense_from_rows_per_expert
 
     def _dense_gemm(self, a, w_packed, out, topk_weights, routing, top_k, route_block):  # noqa: ANN001
         """The dense grouped GEMM on ``w_packed`` dequantized to ``a.dtype`` (a transient scratch)."""

@@ -87,10 +87,11 @@ def test_nonfinite_and_bad_input_refused(backend: str) -> None:
 
 def test_packed_takes_the_dense_path_by_rows_per_expert() -> None:
     cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=8)
-    ex = LutBPackedExperts(cfg, make_layer(cfg, [0, 1, 2, 3]), "cpu")  # 4 held experts
+    ex = LutBPackedExperts(cfg, make_layer(cfg, [0, 1, 2, 3]), "cpu")  # a shard: 4 of 8 experts held
     limit = ex.dense_from_rows_per_expert
     assert limit is not None
-    assert not ex.uses_dense_weights(4 * limit - 1) and ex.uses_dense_weights(4 * limit)
+    # half the routes go to experts held elsewhere: 8 * limit routes give the held ones `limit` each
+    assert not ex.uses_dense_weights(8 * limit - 1) and ex.uses_dense_weights(8 * limit)
     assert not ex.uses_dense_weights(1)
     assert ex.dense_bytes == 4 * 256 * 128 * 2  # W13 of 4 experts (2I x H) in bf16
     ex.dense_scratch_bytes = ex.dense_bytes - 1  # a layer too large for the scratch keeps decoding in the GEMM
