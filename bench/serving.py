@@ -555,6 +555,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         "max_batch_tokens": args.max_batch_tokens, "max_tokens_per_request": max(args.tokens),
         "cuda_graph_max_tokens": args.cuda_graph_max_tokens, "cuda_graph_top_k": shape["top_k"], "shutdown_grace_s": 5,
         "max_queue_requests": 4096, "gil_switch_interval_us": args.gil_switch_interval_us,
+        "compute_worker": args.compute_worker,
     }
     profiler = Profiler(out, shape_name) if args.profile else None
     if profiler is not None and not profiler.py_spy:
@@ -721,6 +722,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="server pooling wait (0: never wait; closed-loop callers pool while a batch runs anyway)")
     p.add_argument("--max-batch-tokens", type=int, default=8192)
     p.add_argument("--cuda-graph-max-tokens", type=int, default=512)
+    p.add_argument("--compute-worker", default="thread", choices=("thread", "process"),
+                   help="the server's compute_worker: a thread of the serving process, or a child process")
     p.add_argument("--gil-switch-interval-us", type=int, default=0,
                    help="server setting (default 0: the server's default, 200 us on a CUDA device; 5000 is Python's)")
     p.add_argument("--load-procs", type=int, default=4, help="most load-generator processes")

@@ -14,7 +14,10 @@ one process, no gRPC:
 - ``asyncio+busy``: the same while another task keeps the loop always busy with small Python steps
   (what gRPC's callbacks do under load), competing for the GIL; once per GIL switch interval in
   ``--busy-switch-intervals-us`` (each torch call of the worker releases and retakes the GIL, and
-  a thread asking for it back waits up to one interval while the loop holds it).
+  a thread asking for it back waits up to one interval while the loop holds it);
+- ``process`` and ``process+busy``: the same two through a
+  :class:`~lutb_server.worker_process.ProcessComputeWorker` (``compute_worker = "process"``): the
+  batch runs in a child process, whose GIL nothing else wants.
 
 Columns: the median of ``run``'s own seconds (what the server reports as compute) and of the
 round trip seen by the submitter, in microseconds. Usage (GPU):
@@ -57,6 +60,7 @@ def run_direct(worker, prepared, seconds: float, gap_s: float) -> dict:  # noqa:
 
 
 def run_thread(worker, prepared, seconds: float) -> dict:  # noqa: ANN001
+    """``worker.submit`` (a ComputeWorker or ProcessComputeWorker), this thread blocking on the future."""
     compute, trip = [], []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -116,6 +120,7 @@ def main() -> int:
     from lutb_server.backends import choose_backend, resolve_device
     from lutb_server.engine import ExpertEngine
     from lutb_server.worker import ComputeWorker
+    from lutb_server.worker_process import ProcessComputeWorker, WorkerSpec
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/worker_pacing.py needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
@@ -131,6 +136,8 @@ def main() -> int:
     worker = ComputeWorker(engine, cuda_graph_max_tokens=512, cuda_graph_top_k=shape["top_k"])
     worker.capture_graphs()
     worker.start()
+    child = ProcessComputeWorker(WorkerSpec(str(ckpt), args.backend, args.device, validate_tiles=False, cuda_graph_max_tokens=512,
+                                            cuda_graph_top_k=shape["top_k"])).start()
     rows = []
     gen = torch.Generator().manual_seed(0)
     for tokens in args.tokens:
@@ -148,12 +155,15 @@ def main() -> int:
         for interval in args.busy_switch_intervals_us:
             modes[f"asyncio+busy si={interval}us"] = lambda interval=interval: _with_switch_interval(
                 interval, lambda: asyncio.run(_asyncio(worker, prepared, args.seconds, 1)))
+        modes["process"] = lambda: run_thread(child, prepared, args.seconds)
+        modes["process+busy"] = lambda: asyncio.run(_asyncio(child, prepared, args.seconds, 1))
         for mode, fn in modes.items():
             r = fn()
             rows.append({"tokens": tokens, "mode": mode, **r})
             print(f"T={tokens:3d} {mode:20s} compute {r['compute_us']:7.1f} us  round trip {r['round_trip_us']:7.1f} us  ({r['calls']} calls)",
                   flush=True)
     worker.close()
+    child.close(30)
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "backend": args.backend, "torch": torch.__version__, "shape": args.shape,
             "switch_interval_us": args.switch_interval_us, "threads": threading.active_count()}
     (args.out / "worker_pacing.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

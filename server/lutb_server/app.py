@@ -41,7 +41,8 @@ from lutb_server.metrics import ServerMetrics
 from lutb_server.scheduler import BatchScheduler
 from lutb_server.servicer import ExpertServicer
 from lutb_server.settings import ServerSettings
-from lutb_server.worker import ComputeWorker
+from lutb_server.worker import BatchWorker, ComputeWorker
+from lutb_server.worker_process import ProcessComputeWorker, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +104,26 @@ def plan_engine(settings: ServerSettings) -> EnginePlan:
 
 
 def load_engine(plan: EnginePlan, settings: ServerSettings) -> ExpertEngine:
-    """Load every layer of the planned checkpoint on the planned backend (slow; call off the event loop)."""
+    """Load every layer of the planned checkpoint on the planned backend (slow; call off the event loop).
+
+    With ``compute_worker = "process"`` only the held experts' ids are read: the compute process
+    loads the weights (:func:`worker_spec`).
+    """
     return ExpertEngine(
         plan.checkpoint, plan.backend,
         max_tokens_per_request=settings.max_tokens_per_request, validate_tiles=settings.validate_checkpoint,
+        load_experts=settings.compute_worker == "thread",
+    )
+
+
+def worker_spec(plan: EnginePlan, settings: ServerSettings) -> WorkerSpec:
+    """What the compute process of ``compute_worker = "process"`` loads, and how."""
+    return WorkerSpec(
+        checkpoint=str(plan.checkpoint.path), backend=plan.backend.name, device=str(plan.backend.device),
+        max_tokens_per_request=settings.max_tokens_per_request, validate_tiles=settings.validate_checkpoint,
+        cuda_graph_max_tokens=settings.cuda_graph_max_tokens, cuda_graph_top_k=settings.cuda_graph_top_k,
+        warm_up_tokens=settings.max_batch_tokens, intra_op_threads=settings.intra_op_threads,
+        gil_switch_interval_us=settings.gil_switch_interval_us,
     )
 
 
@@ -187,10 +204,13 @@ class ExpertServer:
         """Bind, start, load; returns once the server is SERVING (see the module docstring)."""
         s = self.settings
         loader = self._engine_loader
+        plan: EnginePlan | None = None
         if loader is None:
             plan = await asyncio.to_thread(plan_engine, s)
             log.info("backend %s on %s: %s", plan.backend.name, plan.backend.device, plan.backend.reason)
             loader = functools.partial(load_engine, plan, s)
+        elif s.compute_worker == "process":
+            raise ValueError("compute_worker = 'process' loads the checkpoint in the compute process; it takes no engine_loader")
         if s.metrics_port:
             self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
         options = [
@@ -221,28 +241,38 @@ class ExpertServer:
         await server.start()
         log.info("gRPC on %s (NOT_SERVING while loading)%s", _address(s.host, port),
                  f", metrics on http://{_address(s.host, self.metrics_port)}/metrics" if self.metrics_port else ", metrics off")
+        worker: BatchWorker | None = None
         try:
             engine = await asyncio.to_thread(loader)
             threads = apply_intra_op_threads(s.intra_op_threads, engine.device)
             switch = apply_gil_switch_interval(s.gil_switch_interval_us, engine.device)
             log.info("torch intra-op threads: %d; GIL switch interval %.0f us", threads, switch * 1e6)
-            worker = ComputeWorker(engine, cuda_graph_max_tokens=s.cuda_graph_max_tokens, cuda_graph_top_k=s.cuda_graph_top_k)
+            if plan is not None and s.compute_worker == "process":
+                worker = ProcessComputeWorker(worker_spec(plan, s))
+                await asyncio.to_thread(worker.start)  # loads, captures graphs, warms up: before SERVING
+                weight_bytes = worker.weight_bytes
+            else:
+                worker = ComputeWorker(engine, cuda_graph_max_tokens=s.cuda_graph_max_tokens, cuda_graph_top_k=s.cuda_graph_top_k)
+                worker.start()
+                await asyncio.wrap_future(worker.call(worker.capture_graphs))  # logs the time; before SERVING
+                await asyncio.wrap_future(worker.call(worker.warm_up, s.max_batch_tokens))  # compiles, before SERVING
+                weight_bytes = engine.weight_bytes
             scheduler = BatchScheduler(
                 engine, max_batch_tokens=s.max_batch_tokens, max_wait_us=s.max_wait_us,
                 max_queue_requests=s.max_queue_requests, metrics=self.metrics, backend_name=engine.backend.name,
                 worker=worker,
             )
             await scheduler.start()
-            await asyncio.wrap_future(worker.call(worker.capture_graphs))  # logs the time; before SERVING
-            await asyncio.wrap_future(worker.call(worker.warm_up, s.max_batch_tokens))  # compiles, before SERVING
         except BaseException:
+            if worker is not None and self.scheduler is None:
+                await asyncio.to_thread(worker.close)
             await self.stop(0)
             raise
         self.engine, self.scheduler = engine, scheduler
         self.metrics.describe_backend(
             backend=engine.backend.name, device=str(engine.device), compute_capability=compute_capability(engine.device),
             dtype=engine.config.dtype, activation=engine.config.activation, content_hash=engine.content_hash,
-            weight_bytes=engine.weight_bytes,
+            weight_bytes=weight_bytes,
         )
         self.servicer.bind(engine, scheduler)
         if self.gate.state == "loading":
@@ -311,4 +341,4 @@ async def serve(
     return 0
 
 
-__all__ = ["DEMO_NAME", "SERVICE_NAME", "EnginePlan", "ExpertServer", "apply_gil_switch_interval", "apply_intra_op_threads", "ensure_demo_checkpoint", "load_engine", "plan_engine", "serve"]
+__all__ = ["DEMO_NAME", "SERVICE_NAME", "EnginePlan", "ExpertServer", "apply_gil_switch_interval", "apply_intra_op_threads", "ensure_demo_checkpoint", "load_engine", "plan_engine", "serve", "worker_spec"]

@@ -76,6 +76,10 @@ class ExpertEngine:
         max_tokens_per_request: requests with more tokens are refused.
         validate_tiles: check every tile of every layer before loading it.
         progress: optional wrapper around the layer iteration (e.g. tqdm).
+        load_experts: False reads only which experts each layer holds (no weights): enough to
+            validate requests and describe the model, for a process whose compute runs in another
+            (:class:`~lutb_server.worker_process.ProcessComputeWorker`); :meth:`forward`,
+            :meth:`layer_experts` and :attr:`weight_bytes` need the experts.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class ExpertEngine:
         max_tokens_per_request: int = 4096,
         validate_tiles: bool = True,
         progress: Callable[[list[int]], object] | None = None,
+        load_experts: bool = True,
     ) -> None:
         self.checkpoint = checkpoint
         self.config: CheckpointConfig = checkpoint.config
@@ -96,16 +101,22 @@ class ExpertEngine:
         self.model_dtype = self.config.torch_dtype
         start = time.perf_counter()
         self._layers: dict[int, LayerExperts] = {}
+        self._expert_ids: dict[int, list[int]] = {}
         layers = checkpoint.layers
         for layer in progress(layers) if progress else layers:  # type: ignore[union-attr]
+            if not load_experts:
+                self._expert_ids[layer] = checkpoint.expert_ids(layer).tolist()
+                continue
             weights = checkpoint.layer(layer)
             if validate_tiles:
                 check_layer(self.config, layer, weights, tiles=True, where=str(checkpoint.path))
             self._layers[layer] = backend.cls(self.config, weights, self.device)
-        log.info(
-            "loaded %d layer(s) of %s on %s with backend %s in %.2fs",
-            len(self._layers), checkpoint.path, self.device, backend.name, time.perf_counter() - start,
-        )
+            self._expert_ids[layer] = self._layers[layer].expert_ids.tolist()
+        if load_experts:
+            log.info(
+                "loaded %d layer(s) of %s on %s with backend %s in %.2fs",
+                len(self._layers), checkpoint.path, self.device, backend.name, time.perf_counter() - start,
+            )
 
     @classmethod
     def open(cls, path: str | Path, backend: BackendChoice, **kwargs: object) -> ExpertEngine:
@@ -114,11 +125,11 @@ class ExpertEngine:
 
     @property
     def layer_ids(self) -> list[int]:
-        return sorted(self._layers)
+        return sorted(self._expert_ids)
 
     def expert_ids(self, layer: int) -> list[int]:
         """Global ids of the experts held in ``layer``, ascending."""
-        return self._layers[layer].expert_ids.tolist()
+        return self._expert_ids[layer]
 
     def layer_experts(self, layer: int) -> LayerExperts:
         """The backend object running ``layer`` (the compute worker calls it directly)."""
@@ -194,7 +205,7 @@ class ExpertEngine:
             LayerNotFound: ``layer`` is not held here.
             InvalidArgument: anything else wrong; the message names the field.
         """
-        if layer not in self._layers:
+        if layer not in self._expert_ids:
             raise LayerNotFound(f"layer {layer} is not held by this server; it holds layers {self.layer_ids}")
         x, ids, w = hidden_states, topk_ids, topk_weights
         hidden = self.config.hidden_size

@@ -46,7 +46,7 @@ from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
 from lutb_server.errors import DeadlineExpired, QueueFull, Unavailable
 from lutb_server.metrics import ServerMetrics
-from lutb_server.worker import BatchOutput, ComputeWorker
+from lutb_server.worker import BatchOutput, BatchWorker, ComputeWorker
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ class BatchScheduler:
         max_queue_requests: most requests waiting (not yet in a batch).
         metrics: where to record queue wait, compute, batch sizes; none if None.
         backend_name: the ``backend`` label of those metrics.
-        worker: runs the batches; default ``ComputeWorker(engine)`` (started and closed with the scheduler).
+        worker: runs the batches (a :class:`~lutb_server.worker.BatchWorker`); default ``ComputeWorker(engine)``
+            (started and closed with the scheduler).
     """
 
     def __init__(
@@ -119,7 +120,7 @@ class BatchScheduler:
         max_queue_requests: int = 1024,
         metrics: ServerMetrics | None = None,
         backend_name: str = "",
-        worker: ComputeWorker | None = None,
+        worker: BatchWorker | None = None,
     ) -> None:
         self._engine = engine
         self.worker = worker if worker is not None else ComputeWorker(engine)

@@ -81,6 +81,11 @@ class ServerSettings(BaseSettings):
         "on a CUDA device (the compute worker waits for the GIL between its launches and copies while the event loop "
         "runs; Python's 5000 us default lets each wait last up to 5 ms), Python's default on the CPU",
     )
+    compute_worker: Literal["thread", "process"] = Field(
+        "thread", description="where the experts run: thread (a worker thread of the serving process) or process (a "
+        "child process that loads the weights and owns the device; the serving process keeps gRPC, validation and "
+        "batching, and its event loop no longer holds up the compute's GIL hand-overs; not yet measured on a GPU)",
+    )
     expert_metrics: bool = Field(
         False, description="export lutb_expert_tokens_total{layer,expert}: tokens per held expert (E x layers series; for `lutb load`)"
     )

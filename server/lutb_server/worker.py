@@ -51,6 +51,15 @@ BatchOutput = tuple[list[torch.Tensor], float]
 """Per-request outputs (CPU, model dtype) and the seconds the batch took on the worker."""
 
 
+class BatchWorker(Protocol):
+    """What the scheduler needs of a compute worker: :class:`ComputeWorker` (a thread) or
+    :class:`~lutb_server.worker_process.ProcessComputeWorker` (a child process)."""
+
+    def start(self) -> Any: ...
+    def submit(self, requests: list[PreparedRequest]) -> Future[BatchOutput]: ...
+    def close(self, timeout: float | None = None) -> None: ...
+
+
 class ForwardEngine(Protocol):
     """The least a worker needs of an engine: one blocking experts call on CPU tensors."""
 
@@ -363,4 +372,4 @@ def _generic_forward(engine: ForwardEngine, requests: list[PreparedRequest]) -> 
     return _split(out, requests)
 
 
-__all__ = ["BatchOutput", "ComputeWorker", "ForwardEngine"]
+__all__ = ["BatchOutput", "BatchWorker", "ComputeWorker", "ForwardEngine"]

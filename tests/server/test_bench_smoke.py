@@ -65,6 +65,18 @@ def test_expert_parallel_bench_with_client_procs(tmp_path: Path) -> None:
     assert "latencies_s" not in row
 
 
+def test_serving_bench_smoke_on_a_compute_process(tmp_path: Path) -> None:
+    """bench/serving.py --compute-worker process: the server's batches run in its child process."""
+    out = tmp_path / "out"
+    _run_bench("serving.py", ["--smoke", "--out", str(out), "--concurrency", "1", "--tokens", "4", "--wires", "bf16",
+                              "--apis", "stream", "--duration-s", "0.2", "--warmup-s", "0.05", "--compute-worker", "process"],
+               timeout=120)
+    report = json.loads((out / "serving.json").read_text())
+    (row,) = report["rows"]
+    assert row["server"]["requests"] > 0 and not row["server"]["errors"]
+    assert report["settings"]["compute_worker"] == "process"
+
+
 def test_worker_pacing_bench_smoke(tmp_path: Path) -> None:
     """bench/worker_pacing.py runs every mode on the CPU (reference backend) and writes its table."""
     out = tmp_path / "out"
@@ -73,5 +85,5 @@ def test_worker_pacing_bench_smoke(tmp_path: Path) -> None:
     rows = json.loads((out / "worker_pacing.json").read_text())["rows"]
     modes = [r["mode"] for r in rows]
     assert modes == ["direct", "direct+gap 300us", "direct+gap 1000us", "direct+gap 3000us", "thread", "asyncio",
-                     "asyncio+busy si=200us", "asyncio+busy si=20us"]
+                     "asyncio+busy si=200us", "asyncio+busy si=20us", "process", "process+busy"]
     assert all(r["calls"] >= 1 and 0 < r["compute_us"] <= r["round_trip_us"] for r in rows)

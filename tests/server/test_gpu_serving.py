@@ -1,4 +1,4 @@
-"""The server on a GPU: compute worker (pinned staging, one stream), CUDA graphs captured before SERVING, MXFP8 wire.
+"""The server on a GPU: compute worker (pinned staging, one stream; thread or process), CUDA graphs captured before SERVING, MXFP8 wire.
 
 Run on the device (``bench/serving_device.sh``); every test here skips without CUDA.
 """
@@ -117,3 +117,18 @@ def test_mxfp8_wire_on_gpu(servers: tuple[ServerThread, ServerThread], reference
     # Equal inputs after the server's dequantization; bit-equal unless the kernels' split-K atomics reorder.
     assert _rel_l2(got, plain) <= 1e-2
     assert _rel_l2(got, reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2
+
+
+@pytest.mark.parametrize("backend", ["packed", "emulated"])
+def test_compute_process_serves_like_the_thread(checkpoint: Path, reference: ReferenceExperts, backend: str) -> None:
+    """compute_worker = "process": the child owns the GPU (graphs captured there before SERVING), same outputs."""
+    common = dict(checkpoint=checkpoint, backend=backend, device="cuda", max_wait_us=0, cuda_graph_max_tokens=64, cuda_graph_top_k=4)
+    with ServerThread(compute_worker="process", **common) as process, ServerThread(**common) as thread:
+        assert process.server.engine.weight_bytes == 0  # no weights in the serving process
+        for tokens, k in ((1, 4), (17, 4), (100, 2)):
+            x, ids, w = _batch(tokens, k, seed=tokens + 1000)
+            with ExpertClient(process.address) as p, ExpertClient(thread.address) as t:
+                out_p, out_t = p.forward(0, x, ids, w), t.forward(0, x, ids, w)
+            want = reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()
+            assert torch.equal(out_p, out_t), (backend, tokens)
+            assert _rel_l2(out_p, want) <= 1e-2

@@ -1,0 +1,151 @@
+"""The compute worker in a child process: same outputs as the thread, errors and a dead child handled, a server on it."""
+
+from __future__ import annotations
+
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from lutb_client import ExpertClient, ExpertServiceError
+from lutb_kernels.checkpoint import Checkpoint
+from lutb_kernels.experts import ReferenceExperts
+from lutb_server.backends import choose_backend, resolve_device
+from lutb_server.engine import ExpertEngine, PreparedRequest
+from lutb_server.errors import to_status
+from lutb_server.testing import ServerThread
+from lutb_server.worker import ComputeWorker
+from lutb_server.worker_process import ComputeWorkerGone, ProcessComputeWorker, WorkerSpec, pack_tensor, unpack_tensor
+
+
+def _engines(path: Path) -> tuple[ExpertEngine, ExpertEngine]:
+    """(the serving process's engine: expert ids only, a full engine to compare with)."""
+    checkpoint = Checkpoint(path)
+    choice = choose_backend("reference", checkpoint.config, resolve_device("cpu"))
+    return ExpertEngine(checkpoint, choice, load_experts=False), ExpertEngine(checkpoint, choice)
+
+
+def _requests(engine: ExpertEngine, layer: int, sizes: tuple[int, ...], seed: int) -> list[PreparedRequest]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for tokens in sizes:
+        x = torch.randn(tokens, 128, generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)]).to(torch.int32)
+        weights = torch.softmax(torch.randn(tokens, 2, generator=gen), dim=1)
+        out.append(engine.prepare(layer, x, ids, weights))
+    return out
+
+
+@pytest.fixture(scope="module")
+def process_worker(tiny_checkpoint: Path):  # noqa: ANN201
+    worker = ProcessComputeWorker(WorkerSpec(str(tiny_checkpoint), "reference", "cpu", validate_tiles=False)).start()
+    yield worker
+    worker.close(10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int32, torch.uint8])
+@pytest.mark.parametrize("shape", [(0, 4), (1,), (3, 5)])
+def test_tensors_cross_the_pipe_unchanged(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    t = (torch.randn(shape) * 100).to(dtype)
+    back = unpack_tensor(pack_tensor(t))
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+    if back.numel():
+        back.view(-1)[0] = 1  # writable, and not the original's memory
+        assert back.data_ptr() != t.data_ptr()
+
+
+def test_outputs_equal_the_thread_worker(process_worker: ProcessComputeWorker, tiny_checkpoint: Path) -> None:
+    catalog, full = _engines(tiny_checkpoint)
+    assert process_worker.weight_bytes == full.weight_bytes > 0
+    assert catalog.layer_ids == full.layer_ids and catalog.expert_ids(1) == full.expert_ids(1)
+    for layer, sizes in ((0, (3, 5)), (1, (1,)), (1, (7, 2, 4))):
+        requests = _requests(catalog, layer, sizes, seed=layer * 10 + len(sizes))
+        got, seconds = process_worker.submit(requests).result(60)
+        want, _ = ComputeWorker(full).run(requests)
+        assert seconds > 0 and len(got) == len(sizes)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def test_a_failing_batch_fails_alone(process_worker: ProcessComputeWorker, tiny_checkpoint: Path) -> None:
+    catalog, _ = _engines(tiny_checkpoint)
+    good = _requests(catalog, 0, (2,), seed=3)
+    r = good[0]
+    unknown_layer = PreparedRequest(9, r.x, r.topk_ids, r.topk_weights, False, "combined")  # bypasses validation
+    failed = process_worker.submit([unknown_layer])
+    assert isinstance(failed.exception(60), KeyError)
+    outputs, _ = process_worker.submit(good).result(60)  # the child carries on
+    assert outputs[0].shape == (2, 128)
+
+
+def test_many_batches_in_flight_complete_in_any_interleaving(process_worker: ProcessComputeWorker, tiny_checkpoint: Path) -> None:
+    catalog, full = _engines(tiny_checkpoint)
+    batches = [_requests(catalog, i % 2, (1 + i % 5,), seed=100 + i) for i in range(24)]
+    with ThreadPoolExecutor(4) as pool:
+        futures = list(pool.map(process_worker.submit, batches))
+    for batch, future in zip(batches, futures):
+        got, _ = future.result(60)
+        assert torch.equal(got[0], ComputeWorker(full).run(batch)[0][0])
+
+
+def test_a_dead_child_fails_pending_and_later_batches(tiny_checkpoint: Path) -> None:
+    catalog, _ = _engines(tiny_checkpoint)
+    worker = ProcessComputeWorker(WorkerSpec(str(tiny_checkpoint), "reference", "cpu", validate_tiles=False)).start()
+    try:
+        worker.submit(_requests(catalog, 0, (2,), seed=1)).result(60)
+        worker._process.kill()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                worker.submit(_requests(catalog, 0, (2,), seed=2)).result(10)
+            except ComputeWorkerGone as exc:
+                assert "exited" in str(exc) or "gone" in str(exc)
+                break
+        else:
+            pytest.fail("batches kept succeeding after the compute process was killed")
+        with pytest.raises(ComputeWorkerGone):
+            worker.submit(_requests(catalog, 0, (2,), seed=3))
+        assert to_status(ComputeWorkerGone("x"))[0] == grpc.StatusCode.UNAVAILABLE  # clients fail over
+    finally:
+        worker.close(5)
+
+
+def test_a_child_that_cannot_start_raises_its_error(tmp_path: Path) -> None:
+    worker = ProcessComputeWorker(WorkerSpec(str(tmp_path / "missing"), "reference", "cpu"))
+    with pytest.raises(Exception, match="missing"):
+        worker.start()
+
+
+def test_server_on_a_compute_process(tiny_checkpoint: Path) -> None:
+    ckpt = Checkpoint(tiny_checkpoint)
+    local = ReferenceExperts(ckpt.config, ckpt.layer(1), "cpu")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 128, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(6)]).to(torch.int32)
+    weights = torch.softmax(torch.randn(6, 2, generator=gen), dim=1)
+    with ServerThread(checkpoint=tiny_checkpoint, compute_worker="process", validate_checkpoint=False) as server:
+        with ExpertClient(server.address) as client:
+            info = client.model_info()
+            assert [layer.layer for layer in info.layers] == [0, 1] and list(info.layers[1].expert_ids) == list(range(8))
+            results = [functools.partial(client.forward_detailed, 1, x, ids, weights)() for _ in range(3)]
+        running = server.server
+        assert running is not None and running.engine is not None
+        assert running.engine.weight_bytes == 0  # the serving process holds no weights; the child does
+        assert running.metrics.registry.get_sample_value("lutb_weight_bytes") == _engines(tiny_checkpoint)[1].weight_bytes
+        running.scheduler.worker._process.kill()  # the compute process dies: requests get UNAVAILABLE, the server stays up
+        deadline = time.monotonic() + 10
+        with ExpertClient(server.address, retries=0) as client:
+            while True:
+                try:
+                    client.forward(1, x, ids, weights)
+                except ExpertServiceError as exc:
+                    assert exc.code == grpc.StatusCode.UNAVAILABLE, exc
+                    break
+                assert time.monotonic() < deadline, "requests kept succeeding after the compute process was killed"
+    for result in results:
+        assert result.timing.compute_us > 0
+        assert torch.equal(result.output, local.forward(x, ids, weights))
