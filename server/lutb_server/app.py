@@ -191,6 +191,8 @@ class ExpertServer:
         self._engine_loader = engine_loader
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
+        self.failed = asyncio.Event()
+        """Set when the server can no longer compute (its compute process died); :func:`serve` then stops it."""
 
     @property
     def address(self) -> str:
@@ -248,7 +250,9 @@ class ExpertServer:
             switch = apply_gil_switch_interval(s.gil_switch_interval_us, engine.device)
             log.info("torch intra-op threads: %d; GIL switch interval %.0f us", threads, switch * 1e6)
             if plan is not None and s.compute_worker == "process":
-                worker = ProcessComputeWorker(worker_spec(plan, s))
+                loop = asyncio.get_running_loop()
+                worker = ProcessComputeWorker(worker_spec(plan, s),
+                                              on_gone=lambda err: loop.call_soon_threadsafe(self._compute_gone, err))
                 await asyncio.to_thread(worker.start)  # loads, captures graphs, warms up: before SERVING
                 weight_bytes = worker.weight_bytes
             else:
@@ -281,6 +285,15 @@ class ExpertServer:
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("SERVING %s (%d layer(s), %s, backend %s on %s)", engine.checkpoint.path, len(engine.layer_ids),
                  engine.content_hash[:19], engine.backend.name, engine.device)
+
+    def _compute_gone(self, error: Exception) -> None:
+        """The compute process died (on the loop): out of service now; :func:`serve` drains and exits 1."""
+        if self.gate.state == "serving":
+            self.gate.state = "draining"
+            for name in ("", SERVICE_NAME):
+                asyncio.ensure_future(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+        log.error("out of service: %s", error)
+        self.failed.set()
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop: NOT_SERVING, UNAVAILABLE for new calls, ``grace`` s for calls in flight."""
@@ -315,6 +328,9 @@ async def serve(
 ) -> int:
     """Run a server until SIGTERM or SIGINT, then drain within ``settings.shutdown_grace_s``; returns 0.
 
+    Returns 1 instead when the server stopped because it could no longer compute (its compute
+    process died), so that a supervisor (Kubernetes) restarts it.
+
     ``engine_loader`` is passed to :class:`ExpertServer` (benchmarks serve fake backends with it).
     """
     loop = asyncio.get_running_loop()
@@ -324,18 +340,25 @@ async def serve(
     server = ExpertServer(settings, engine_loader=engine_loader)
     starting = asyncio.create_task(server.start())
     stop_wait = asyncio.create_task(stop_requested.wait())
+    failed_wait = asyncio.create_task(server.failed.wait())
     done, _ = await asyncio.wait({starting, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
     if starting in done:
         starting.result()  # raise startup errors
         if on_ready is not None:
             on_ready(server)
-        await stop_wait
+        await asyncio.wait({stop_wait, failed_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if server.failed.is_set():
+            stop_wait.cancel()
+            log.error("stopping: the server can no longer compute")
+            await server.stop(settings.shutdown_grace_s)
+            return 1
     else:
         starting.cancel()
         try:
             await starting
         except (asyncio.CancelledError, Exception):
             pass
+    failed_wait.cancel()
     log.info("signal received: draining (grace %.1fs)", settings.shutdown_grace_s)
     await server.stop(settings.shutdown_grace_s)
     return 0

@@ -30,7 +30,7 @@ import logging
 import multiprocessing as mp
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -147,10 +147,14 @@ class ProcessComputeWorker:
 
     Args:
         spec: what the child loads and how (see :class:`WorkerSpec`).
+        on_gone: called once, from one of this object's threads, if the child dies (or its pipe
+            breaks) while the worker is not being closed: the server takes itself out of service.
     """
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, *, on_gone: Callable[[ComputeWorkerGone], None] | None = None) -> None:
         self.spec = spec
+        self._on_gone = on_gone
+        self._closing = False
         self.info: dict[str, Any] = {}
         self.batches = 0
         self._process: Any = None
@@ -217,6 +221,7 @@ class ProcessComputeWorker:
         """Let the child finish the queued batches, then stop it (terminated after ``timeout`` seconds)."""
         if self._process is None:
             return
+        self._closing = True
         self._outbox.put(None)
         self._process.join(timeout)
         if self._process.is_alive():
@@ -267,12 +272,17 @@ class ProcessComputeWorker:
 
     def _fail_pending(self, error: ComputeWorkerGone) -> None:
         with self._lock:
-            if self._gone is None:
+            first = self._gone is None
+            if first:
                 self._gone = error
             pending, self._pending = self._pending, {}
         for future in pending.values():
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
+        if first and not self._closing:
+            log.error("%s", error)
+            if self._on_gone is not None:
+                self._on_gone(error)
 
 
 __all__ = ["ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec", "pack_tensor", "unpack_tensor"]

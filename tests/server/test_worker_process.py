@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -10,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lutb_client import ExpertClient, ExpertServiceError
 from lutb_kernels.checkpoint import Checkpoint
@@ -17,7 +21,7 @@ from lutb_kernels.experts import ReferenceExperts
 from lutb_server.backends import choose_backend, resolve_device
 from lutb_server.engine import ExpertEngine, PreparedRequest
 from lutb_server.errors import to_status
-from lutb_server.testing import ServerThread
+from lutb_server.testing import ServerThread, ServeProcess
 from lutb_server.worker import ComputeWorker
 from lutb_server.worker_process import ComputeWorkerGone, ProcessComputeWorker, WorkerSpec, pack_tensor, unpack_tensor
 
@@ -136,16 +140,32 @@ def test_server_on_a_compute_process(tiny_checkpoint: Path) -> None:
         assert running is not None and running.engine is not None
         assert running.engine.weight_bytes == 0  # the serving process holds no weights; the child does
         assert running.metrics.registry.get_sample_value("lutb_weight_bytes") == _engines(tiny_checkpoint)[1].weight_bytes
-        running.scheduler.worker._process.kill()  # the compute process dies: requests get UNAVAILABLE, the server stays up
+        # The compute process dies: the server takes itself out of service (health NOT_SERVING, requests
+        # UNAVAILABLE so clients fail over) and flags the failure, on which `serve()` drains and exits 1.
+        running.scheduler.worker._process.kill()
         deadline = time.monotonic() + 10
-        with ExpertClient(server.address, retries=0) as client:
-            while True:
-                try:
-                    client.forward(1, x, ids, weights)
-                except ExpertServiceError as exc:
-                    assert exc.code == grpc.StatusCode.UNAVAILABLE, exc
-                    break
-                assert time.monotonic() < deadline, "requests kept succeeding after the compute process was killed"
+        while not running.failed.is_set():
+            assert time.monotonic() < deadline, "the server did not notice its compute process die"
+            time.sleep(0.05)
+        with grpc.insecure_channel(server.address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with ExpertClient(server.address, retries=0) as client, pytest.raises(ExpertServiceError) as refused:
+            client.forward(1, x, ids, weights)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
     for result in results:
         assert result.timing.compute_us > 0
         assert torch.equal(result.output, local.forward(x, ids, weights))
+
+
+def test_lutb_serve_exits_1_when_its_compute_process_dies(tiny_checkpoint: Path) -> None:
+    """So that a supervisor (Kubernetes) restarts a server that can no longer compute."""
+    serving = ServeProcess("--checkpoint", str(tiny_checkpoint), "--compute-worker", "process", "--no-validate-checkpoint").wait_ready()
+    try:
+        ready = [line for line in serving.lines if "compute process" in line and "ready" in line]
+        assert ready, "".join(serving.lines)
+        child = int(re.search(r"compute process (\d+) ready", ready[0]).group(1))  # type: ignore[union-attr]
+        os.kill(child, signal.SIGKILL)
+        assert serving.proc.wait(60) == 1, "".join(serving.lines)
+    finally:
+        serving.kill()
