@@ -440,7 +440,7 @@ class Profiler:
     def attach(self, pid: int) -> None:
         if self.py_spy:
             self.proc = subprocess.Popen([self.py_spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
-                                          "--threads", "--output", str(self.raw)],
+                                          "--threads", "--subprocesses", "--output", str(self.raw)],  # the compute process too
                                          stdout=subprocess.DEVNULL, stderr=open(self.out / f"profile-{self.tag}.pyspy.log", "wb"))
 
     def detach(self) -> str | None:
@@ -467,7 +467,7 @@ class Profiler:
                 inclusive[f] = inclusive.get(f, 0) + int(n)
         top = self.out / f"profile-{self.tag}.top.txt"
         with open(top, "w") as fh:
-            fh.write(f"py-spy, server process, {total} samples\n\n== top 40 by own samples ==\n")
+            fh.write(f"py-spy, server process (and its compute process, if any), {total} samples\n\n== top 40 by own samples ==\n")
             for f, n in sorted(counts.items(), key=lambda kv: -kv[1])[:40]:
                 fh.write(f"{100 * n / max(total, 1):6.2f}%  {f}\n")
             fh.write("\n== top 40 inclusive ==\n")
