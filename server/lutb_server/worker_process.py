@@ -29,6 +29,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import queue
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -98,7 +99,8 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 def _child_main(spec: WorkerSpec, conn: Connection) -> None:
-    """The compute process: build, announce, then run batches until told to stop."""
+    """The compute process: build, announce, then run batches until told to stop (or the pipe closes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the serving process drains first
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [compute]: %(message)s")
     try:
         from lutb_kernels.checkpoint import Checkpoint

@@ -158,14 +158,39 @@ def test_server_on_a_compute_process(tiny_checkpoint: Path) -> None:
         assert torch.equal(result.output, local.forward(x, ids, weights))
 
 
+def _compute_pid(serving: ServeProcess) -> int:
+    ready = [line for line in serving.lines if "compute process" in line and "ready" in line]
+    assert ready, "".join(serving.lines)
+    return int(re.search(r"compute process (\d+) ready", ready[0]).group(1))  # type: ignore[union-attr]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/status").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+
+
 def test_lutb_serve_exits_1_when_its_compute_process_dies(tiny_checkpoint: Path) -> None:
     """So that a supervisor (Kubernetes) restarts a server that can no longer compute."""
     serving = ServeProcess("--checkpoint", str(tiny_checkpoint), "--compute-worker", "process", "--no-validate-checkpoint").wait_ready()
     try:
-        ready = [line for line in serving.lines if "compute process" in line and "ready" in line]
-        assert ready, "".join(serving.lines)
-        child = int(re.search(r"compute process (\d+) ready", ready[0]).group(1))  # type: ignore[union-attr]
-        os.kill(child, signal.SIGKILL)
+        os.kill(_compute_pid(serving), signal.SIGKILL)
         assert serving.proc.wait(60) == 1, "".join(serving.lines)
+    finally:
+        serving.kill()
+
+
+def test_lutb_serve_stops_its_compute_process_on_sigterm(tiny_checkpoint: Path) -> None:
+    serving = ServeProcess("--checkpoint", str(tiny_checkpoint), "--compute-worker", "process", "--no-validate-checkpoint").wait_ready()
+    try:
+        child = _compute_pid(serving)
+        assert _alive(child)
+        assert serving.stop(60) == 0, "".join(serving.lines)
+        deadline = time.monotonic() + 10
+        while _alive(child):
+            assert time.monotonic() < deadline, "the compute process outlived its server"
+            time.sleep(0.05)
     finally:
         serving.kill()
