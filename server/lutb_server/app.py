@@ -254,13 +254,13 @@ class ExpertServer:
                 worker = ProcessComputeWorker(worker_spec(plan, s),
                                               on_gone=lambda err: loop.call_soon_threadsafe(self._compute_gone, err))
                 await asyncio.to_thread(worker.start)  # loads, captures graphs, warms up: before SERVING
-                weight_bytes = worker.weight_bytes
+                weight_bytes, gpu_memory = worker.weight_bytes, worker.gpu_memory
             else:
                 worker = ComputeWorker(engine, cuda_graph_max_tokens=s.cuda_graph_max_tokens, cuda_graph_top_k=s.cuda_graph_top_k)
                 worker.start()
                 await asyncio.wrap_future(worker.call(worker.capture_graphs))  # logs the time; before SERVING
                 await asyncio.wrap_future(worker.call(worker.warm_up, s.max_batch_tokens))  # compiles, before SERVING
-                weight_bytes = engine.weight_bytes
+                weight_bytes, gpu_memory = engine.weight_bytes, None
             scheduler = BatchScheduler(
                 engine, max_batch_tokens=s.max_batch_tokens, max_wait_us=s.max_wait_us,
                 max_queue_requests=s.max_queue_requests, metrics=self.metrics, backend_name=engine.backend.name,
@@ -276,7 +276,7 @@ class ExpertServer:
         self.metrics.describe_backend(
             backend=engine.backend.name, device=str(engine.device), compute_capability=compute_capability(engine.device),
             dtype=engine.config.dtype, activation=engine.config.activation, content_hash=engine.content_hash,
-            weight_bytes=weight_bytes,
+            weight_bytes=weight_bytes, gpu_memory=gpu_memory,
         )
         self.servicer.bind(engine, scheduler)
         if self.gate.state == "loading":

@@ -29,7 +29,7 @@ layers those of the checkpoint.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
@@ -44,21 +44,31 @@ REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class _GpuMemoryCollector(Collector):
-    """Reads torch's CUDA allocator counters at scrape time."""
+    """Reports the CUDA allocator counters at scrape time: ``read() -> (allocated, reserved)`` bytes."""
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: str, read: Callable[[], tuple[int, int]]) -> None:
         self.device = device
+        self.read = read
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        import torch
-
-        label = str(self.device)
+        allocated_bytes, reserved_bytes = self.read()
         allocated = GaugeMetricFamily("lutb_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated on the serving device", labels=["device"])
         reserved = GaugeMetricFamily("lutb_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved on the serving device", labels=["device"])
-        allocated.add_metric([label], float(torch.cuda.memory_allocated(self.device)))
-        reserved.add_metric([label], float(torch.cuda.memory_reserved(self.device)))
+        allocated.add_metric([self.device], float(allocated_bytes))
+        reserved.add_metric([self.device], float(reserved_bytes))
         yield allocated
         yield reserved
+
+
+def torch_gpu_memory(device: str) -> Callable[[], tuple[int, int]]:
+    """``read()`` for :class:`_GpuMemoryCollector`: this process's torch allocator on ``device``."""
+
+    def read() -> tuple[int, int]:
+        import torch
+
+        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+    return read
 
 
 class ServerMetrics:
@@ -105,15 +115,19 @@ class ServerMetrics:
         self.port: int | None = None
 
     def describe_backend(self, *, backend: str, device: str, compute_capability: str, dtype: str, activation: str,
-                         content_hash: str, weight_bytes: int) -> None:
-        """Set the backend info and weight gauge; add the GPU memory gauges on a CUDA device."""
+                         content_hash: str, weight_bytes: int, gpu_memory: Callable[[], tuple[int, int]] | None = None) -> None:
+        """Set the backend info and weight gauge; add the GPU memory gauges on a CUDA device.
+
+        ``gpu_memory() -> (allocated, reserved)`` bytes: where the device's memory is counted
+        (default: this process's torch allocator; a compute process reports its own).
+        """
         self.backend_info.info({
             "backend": backend, "device": device, "compute_capability": compute_capability or "none",
             "dtype": dtype, "activation": activation, "content_hash": content_hash,
         })
         self.weight_bytes.set(weight_bytes)
         if device.startswith("cuda"):
-            self.registry.register(_GpuMemoryCollector(device))
+            self.registry.register(_GpuMemoryCollector(device, gpu_memory or torch_gpu_memory(device)))
 
     def serve(self, host: str, port: int) -> int:
         """Serve ``/metrics`` over HTTP on ``host:port`` in a daemon thread; returns the bound port."""

@@ -13,10 +13,11 @@ Messages (one duplex ``multiprocessing`` pipe, pickled; tensors travel as ``(dty
 bytes)``):
 
 - child -> parent, once: ``("ready", info)`` (``weight_bytes``, ``backend``, ``graphs_s``,
-  ``warm_up_s``) or ``("failed", exception)``;
+  ``warm_up_s``, ``gpu_memory``) or ``("failed", exception)``;
 - parent -> child: ``(job, requests)`` per batch, each request ``(layer, x, topk_ids,
   topk_weights, apply_router_weight_on_input, output_mode)``; ``None`` to stop;
-- child -> parent: ``(job, outputs, seconds)`` or ``(job, exception, 0.0)``.
+- child -> parent: ``(job, outputs, seconds, gpu_memory)`` or ``(job, exception, 0.0, gpu_memory)``,
+  ``gpu_memory`` the child's ``(allocated, reserved)`` CUDA allocator bytes after the batch.
 
 In the serving process a sender thread packs and writes batches (the event loop only queues
 them) and a receiver thread completes the futures. If the child dies, every pending and later
@@ -98,6 +99,13 @@ def _picklable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+def _gpu_memory(device: torch.device) -> tuple[int, int]:
+    """(allocated, reserved) bytes of torch's allocator on ``device``; zeros off CUDA."""
+    if device.type != "cuda":
+        return 0, 0
+    return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+
 def _child_main(spec: WorkerSpec, conn: Connection) -> None:
     """The compute process: build, announce, then run batches until told to stop (or the pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the serving process drains first
@@ -121,7 +129,7 @@ def _child_main(spec: WorkerSpec, conn: Connection) -> None:
         graphs_s = worker.capture_graphs()
         warm_up_s = worker.warm_up(spec.warm_up_tokens) if spec.warm_up_tokens else 0.0
         conn.send(("ready", {"weight_bytes": engine.weight_bytes, "backend": engine.backend.name,
-                             "graphs_s": graphs_s, "warm_up_s": warm_up_s}))
+                             "graphs_s": graphs_s, "warm_up_s": warm_up_s, "gpu_memory": _gpu_memory(device)}))
     except BaseException as exc:  # noqa: BLE001 - reported to the serving process, which raises it
         conn.send(("failed", _picklable(exc)))
         return
@@ -139,9 +147,9 @@ def _child_main(spec: WorkerSpec, conn: Connection) -> None:
                 for layer, x, ids, w, on_input, mode in packed
             ]
             outputs, seconds = worker.run(requests)
-            conn.send((job, [pack_tensor(o) for o in outputs], seconds))
+            conn.send((job, [pack_tensor(o) for o in outputs], seconds, _gpu_memory(device)))
         except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
-            conn.send((job, _picklable(exc), 0.0))
+            conn.send((job, _picklable(exc), 0.0, _gpu_memory(device)))
 
 
 class ProcessComputeWorker:
@@ -167,11 +175,16 @@ class ProcessComputeWorker:
         self._jobs = itertools.count()
         self._gone: ComputeWorkerGone | None = None
         self._threads: list[threading.Thread] = []
+        self._gpu_memory: tuple[int, int] = (0, 0)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights the child's backend holds on its device (after :meth:`start`)."""
         return int(self.info.get("weight_bytes", 0))
+
+    def gpu_memory(self) -> tuple[int, int]:
+        """The child's ``(allocated, reserved)`` CUDA allocator bytes, as of its last answer (for the metrics)."""
+        return self._gpu_memory
 
     def start(self) -> ProcessComputeWorker:
         """Spawn the child and wait until it has loaded the weights, captured its graphs and warmed up.
@@ -194,6 +207,7 @@ class ProcessComputeWorker:
             process.join(5)
             raise payload
         self.info, self._process, self._conn = payload, process, conn
+        self._gpu_memory = payload["gpu_memory"]
         log.info("compute process %d ready: backend %s, %.1f MB of weights, graphs %.2fs, warm-up %.2fs", process.pid,
                  payload["backend"], payload["weight_bytes"] / 1e6, payload["graphs_s"], payload["warm_up_s"])
         self._threads = [threading.Thread(target=self._send_loop, name="lutb-compute-send", daemon=True),
@@ -257,7 +271,7 @@ class ProcessComputeWorker:
         assert self._conn is not None
         while True:
             try:
-                job, result, seconds = self._conn.recv()
+                job, result, seconds, self._gpu_memory = self._conn.recv()
             except (EOFError, OSError) as exc:
                 code = self._process.exitcode if self._process is not None else None
                 self._fail_pending(ComputeWorkerGone(f"the compute process exited (exit code {code}): {type(exc).__name__}"))

@@ -104,3 +104,22 @@ def test_a_second_server_on_a_taken_port_fails_to_bind(tiny_checkpoint: Path) ->
         with pytest.raises(OSError, match="cannot bind"):
             second.start()
         second.stop()
+
+
+def test_gpu_memory_gauges_read_where_the_device_is_used() -> None:
+    """On a CUDA device the gauges read a given source (a compute process's last report) at scrape time."""
+    from lutb_server.metrics import ServerMetrics
+
+    reported = [(5, 7)]
+    metrics = ServerMetrics()
+    metrics.describe_backend(backend="packed", device="cuda:0", compute_capability="9.0", dtype="bfloat16", activation="silu",
+                             content_hash="sha256:0", weight_bytes=3, gpu_memory=lambda: reported[-1])
+    sample = metrics.registry.get_sample_value
+    assert sample("lutb_gpu_memory_allocated_bytes", {"device": "cuda:0"}) == 5
+    reported.append((11, 13))
+    assert sample("lutb_gpu_memory_reserved_bytes", {"device": "cuda:0"}) == 13
+    assert sample("lutb_weight_bytes") == 3
+    cpu = ServerMetrics()
+    cpu.describe_backend(backend="reference", device="cpu", compute_capability="", dtype="bfloat16", activation="silu",
+                         content_hash="sha256:0", weight_bytes=3)
+    assert cpu.registry.get_sample_value("lutb_gpu_memory_allocated_bytes", {"device": "cpu"}) is None

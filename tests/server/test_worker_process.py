@@ -65,6 +65,7 @@ def test_tensors_cross_the_pipe_unchanged(dtype: torch.dtype, shape: tuple[int, 
 def test_outputs_equal_the_thread_worker(process_worker: ProcessComputeWorker, tiny_checkpoint: Path) -> None:
     catalog, full = _engines(tiny_checkpoint)
     assert process_worker.weight_bytes == full.weight_bytes > 0
+    assert process_worker.gpu_memory() == (0, 0)  # a CPU child has no CUDA allocator
     assert catalog.layer_ids == full.layer_ids and catalog.expert_ids(1) == full.expert_ids(1)
     for layer, sizes in ((0, (3, 5)), (1, (1,)), (1, (7, 2, 4))):
         requests = _requests(catalog, layer, sizes, seed=layer * 10 + len(sizes))
