@@ -132,7 +132,13 @@ class ExpertEngine:
         return self._expert_ids[layer]
 
     def layer_experts(self, layer: int) -> LayerExperts:
-        """The backend object running ``layer`` (the compute worker calls it directly)."""
+        """The backend object running ``layer`` (the compute worker calls it directly).
+
+        Raises:
+            RuntimeError: the engine was made with ``load_experts=False``.
+        """
+        if layer in self._expert_ids and not self._layers:
+            raise RuntimeError("this engine holds no experts (load_experts=False): its compute runs in another process")
         return self._layers[layer]
 
     @property
@@ -263,7 +269,7 @@ class ExpertEngine:
         Blocks until the result is on the CPU: ``[T, H]`` (combined) or ``[T, k, H]``
         (route-major) in the model dtype. Call it from a worker thread, not an event loop.
         """
-        experts = self._layers[layer]
+        experts = self.layer_experts(layer)
         out = experts.forward(
             x.to(self.device, non_blocking=True),
             topk_ids.to(self.device, non_blocking=True),

@@ -195,3 +195,13 @@ def test_lutb_serve_stops_its_compute_process_on_sigterm(tiny_checkpoint: Path) 
             time.sleep(0.05)
     finally:
         serving.kill()
+
+
+def test_an_engine_without_experts_validates_but_does_not_compute(tiny_checkpoint: Path) -> None:
+    catalog, full = _engines(tiny_checkpoint)
+    assert catalog.layer_ids == full.layer_ids and catalog.weight_bytes == 0
+    request = _requests(catalog, 0, (2,), seed=5)[0]
+    with pytest.raises(RuntimeError, match="load_experts=False"):
+        catalog.forward_prepared(request)
+    with pytest.raises(RuntimeError, match="load_experts=False"):
+        ComputeWorker(catalog)
