@@ -81,13 +81,6 @@ class LutBPackedExperts(RoutedTritonExperts):
     def weight_bytes(self) -> int:
         return self.w13.numel() + self.w2.numel()
 
-    def _gemm(self, a, a_scales, w, out, topk_weights, routing, top_k, route_block):  # noqa: ANN001
-        from lutb_kernels.lut_b_gemm import lut_b_moe_gemm
-
-        sorted_ids, expert_ids, ntpp = routing
-        lut_b_moe_gemm(a, a_scales, w, out, topk_weights, sorted_ids, expert_ids, ntpp, top_k,
-                       block_m=route_block, a_k_order=self.a_k_order)  # type: ignore[arg-type]
-
     @property
     def dense_bytes(self) -> int:
         """Bytes of the larger GEMM's weights dequantized to bf16 (the prefill path's scratch)."""
@@ -101,13 +94,20 @@ class LutBPackedExperts(RoutedTritonExperts):
         # routes to the others too (as padding), so divide by all experts, not the held ones.
         return num_routes / self.config.num_experts >= self.dense_from_rows_per_expert
 
-    def _dense_gemm(self, a, w_packed, out, topk_weights, routing, top_k, route_block):  # noqa: ANN001
-        """The dense grouped GEMM on ``w_packed`` dequantized to ``a.dtype`` (a transient scratch)."""
+    def _gemm(self, a, a_scales, w, out, topk_weights, routing, top_k, route_block):  # noqa: ANN001
+        """One GEMM on the tiles (``lut_b_moe_gemm``; the native backend overrides it)."""
+        from lutb_kernels.lut_b_gemm import lut_b_moe_gemm
+
+        lut_b_moe_gemm(a, a_scales, w, out, topk_weights, *routing, top_k, block_m=route_block, a_k_order=self.a_k_order)  # type: ignore[arg-type]
+
+    def _dense_gemm(self, a, a_scales, w, out, topk_weights, routing, top_k, route_block):  # noqa: ANN001
+        """:meth:`_gemm` on the prefill path: the grouped GEMM on the tiles dequantized to ``a.dtype``
+        (``a`` holds MXFP8 values in natural column order; ``a_scales`` is None)."""
         from lutb_kernels.grouped_gemm import grouped_gemm
         from lutb_kernels.lut_b_dequant import lut_b_dequantize
 
-        dense = lut_b_dequantize(w_packed, dtype=a.dtype)
-        grouped_gemm(a, dense, out, topk_weights, *routing, top_k, block_m=route_block, allow_tf32=True)
+        grouped_gemm(a, lut_b_dequantize(w, dtype=a.dtype), out, topk_weights, *routing, top_k,
+                     block_m=route_block, allow_tf32=True)
 
     def _routed_forward(self, x, topk_weights, held, routing, top_k, route_block, nonfinite, *,  # noqa: ANN001
                         weight_on_input, weight_on_output):
@@ -117,23 +117,16 @@ class LutBPackedExperts(RoutedTritonExperts):
         routes = held.numel()
         row_weight = topk_weights[:, 0].contiguous() if weight_on_input else None
         a_dtype = torch.float32 if interpreting() else torch.bfloat16  # the interpreter mishandles bf16
-        if self.uses_dense_weights(routes):
-            a1 = mxfp8_qdq(x, mode, out_dtype=a_dtype, row_weight=row_weight, nonfinite=nonfinite)  # type: ignore[arg-type]
-            h = torch.empty((routes, self.w13.shape[1] * 128), dtype=x.dtype, device=self.device)
-            self._dense_gemm(a1, self.w13, h, None, routing, top_k, route_block)
-            a2 = act_mxfp8_qdq(h, self.config.activation, mode, row_mask=held.reshape(-1), out_dtype=a_dtype,  # type: ignore[arg-type]
-                               nonfinite=nonfinite)
-            y = torch.empty((routes, self.config.hidden_size), dtype=x.dtype, device=self.device)
-            self._dense_gemm(a2, self.w2, y, topk_weights if weight_on_output else None, routing, 1, route_block)
-            return y
-        order = self.a_k_order
-        dequantized = self.dequantized_a_from_block is not None and route_block >= self.dequantized_a_from_block
+        dense = self.uses_dense_weights(routes)
+        order = "natural" if dense else self.a_k_order  # dequantized weights keep the natural column order
+        dequantized = dense or (self.dequantized_a_from_block is not None and route_block >= self.dequantized_a_from_block)
+        gemm = self._dense_gemm if dense else self._gemm
         if dequantized:
             a1, s1 = mxfp8_qdq(x, mode, k_order=order, out_dtype=a_dtype, row_weight=row_weight, nonfinite=nonfinite), None  # type: ignore[arg-type]
         else:
             a1, s1 = mxfp8_quantize(x, mode, k_order=order, row_weight=row_weight, nonfinite=nonfinite)  # type: ignore[arg-type]
         h = torch.empty((routes, self.w13.shape[1] * 128), dtype=x.dtype, device=self.device)
-        self._gemm(a1, s1, self.w13, h, None, routing, top_k, route_block)
+        gemm(a1, s1, self.w13, h, None, routing, top_k, route_block)
         row_mask = held.reshape(-1)
         if dequantized:
             a2, s2 = act_mxfp8_qdq(h, self.config.activation, mode, row_mask=row_mask, k_order=order,  # type: ignore[arg-type]
@@ -142,5 +135,5 @@ class LutBPackedExperts(RoutedTritonExperts):
             a2, s2 = act_mxfp8_quantize(h, self.config.activation, mode, row_mask=row_mask,  # type: ignore[arg-type]
                                         k_order=order, nonfinite=nonfinite)
         y = torch.empty((routes, self.config.hidden_size), dtype=x.dtype, device=self.device)
-        self._gemm(a2, s2, self.w2, y, topk_weights if weight_on_output else None, routing, 1, route_block)
+        gemm(a2, s2, self.w2, y, topk_weights if weight_on_output else None, routing, 1, route_block)
         return y

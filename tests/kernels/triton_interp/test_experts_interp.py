@@ -133,5 +133,6 @@ def test_native_flow_on_a_stand_in_op(stand_in_native_op) -> None:  # noqa: ANN0
     want = ReferenceExperts(cfg, layer, "cpu").forward(x, ids, w)
     assert rel_l2(got, want) <= 2e-3
     assert stand_in_native_op == [2, 1]  # GEMM1 with top_k, GEMM2 with 1
+    assert not LutBSm107Experts(cfg, layer, "cpu").uses_dense_weights(1 << 30)  # never the packed prefill path
     ok, reason = LutBSm107Experts.supports(cfg, torch.device("cpu"))
     assert not ok
