@@ -9,8 +9,8 @@ serving process keeps gRPC, validation and the batching scheduler
 (:class:`~lutb_server.engine.ExpertEngine` with ``load_experts=False``) and pays one GIL hand-over
 per batch (its receiver thread completing the batch's future).
 
-Messages (one duplex ``multiprocessing`` pipe, pickled; tensors travel as ``(dtype name, shape,
-bytes)``):
+Messages (one duplex ``multiprocessing`` pipe, pickled; tensors travel as ``lutb.v1.Tensor``
+messages made by the wire codec, :mod:`lutb_client.codec`):
 
 - child -> parent, once: ``("ready", info)`` (``weight_bytes``, ``backend``, ``graphs_s``,
   ``warm_up_s``, ``gpu_memory``) or ``("failed", exception)``;
@@ -40,14 +40,12 @@ from typing import Any
 
 import torch
 
+from lutb_client.codec import decode_tensor, encode_tensor
 from lutb_server.engine import PreparedRequest
 from lutb_server.errors import Unavailable
 from lutb_server.worker import BatchOutput
 
 log = logging.getLogger(__name__)
-
-PackedTensor = tuple[str, tuple[int, ...], bytes]
-
 
 class ComputeWorkerGone(Unavailable):
     """The compute process exited or its pipe broke; nothing more will be computed (UNAVAILABLE:
@@ -70,22 +68,6 @@ class WorkerSpec:
     """Eager batch sizes compiled before ready (``ComputeWorker.warm_up``); 0: none."""
     intra_op_threads: int = 0
     gil_switch_interval_us: int = 0
-
-
-def pack_tensor(t: torch.Tensor) -> PackedTensor:
-    """A CPU tensor as ``(dtype name, shape, bytes)`` (one copy)."""
-    t = t.contiguous()
-    data = t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return str(t.dtype).removeprefix("torch."), tuple(t.shape), data
-
-
-def unpack_tensor(packed: PackedTensor) -> torch.Tensor:
-    """The inverse of :func:`pack_tensor`: a new, writable CPU tensor."""
-    dtype_name, shape, data = packed
-    dtype = getattr(torch, dtype_name)
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
 
 
 def _picklable(exc: BaseException) -> BaseException:
@@ -143,11 +125,11 @@ def _child_main(spec: WorkerSpec, conn: Connection) -> None:
         job, packed = message
         try:
             requests = [
-                PreparedRequest(layer, unpack_tensor(x), unpack_tensor(ids), unpack_tensor(w), on_input, mode)
+                PreparedRequest(layer, decode_tensor(x), decode_tensor(ids), decode_tensor(w), on_input, mode)
                 for layer, x, ids, w, on_input, mode in packed
             ]
             outputs, seconds = worker.run(requests)
-            conn.send((job, [pack_tensor(o) for o in outputs], seconds, _gpu_memory(device)))
+            conn.send((job, [encode_tensor(o) for o in outputs], seconds, _gpu_memory(device)))
         except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
             conn.send((job, _picklable(exc), 0.0, _gpu_memory(device)))
 
@@ -259,7 +241,7 @@ class ProcessComputeWorker:
                     return
                 job, requests = item
                 self._conn.send((job, [
-                    (r.layer, pack_tensor(r.x), pack_tensor(r.topk_ids), pack_tensor(r.topk_weights),
+                    (r.layer, encode_tensor(r.x), encode_tensor(r.topk_ids), encode_tensor(r.topk_weights),
                      r.apply_router_weight_on_input, r.output_mode)
                     for r in requests
                 ]))
@@ -284,7 +266,7 @@ class ProcessComputeWorker:
                 future.set_exception(result)
             else:
                 self.batches += 1
-                future.set_result(([unpack_tensor(o) for o in result], seconds))
+                future.set_result(([decode_tensor(o) for o in result], seconds))
 
     def _fail_pending(self, error: ComputeWorkerGone) -> None:
         with self._lock:
@@ -301,4 +283,4 @@ class ProcessComputeWorker:
                 self._on_gone(error)
 
 
-__all__ = ["ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec", "pack_tensor", "unpack_tensor"]
+__all__ = ["ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec"]
