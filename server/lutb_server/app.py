@@ -249,7 +249,8 @@ class ExpertServer:
             threads = apply_intra_op_threads(s.intra_op_threads, engine.device)
             switch = apply_gil_switch_interval(s.gil_switch_interval_us, engine.device)
             log.info("torch intra-op threads: %d; GIL switch interval %.0f us", threads, switch * 1e6)
-            if plan is not None and s.compute_worker == "process":
+            if s.compute_worker == "process":
+                assert plan is not None  # an engine_loader was refused above
                 loop = asyncio.get_running_loop()
                 worker = ProcessComputeWorker(worker_spec(plan, s),
                                               on_gone=lambda err: loop.call_soon_threadsafe(self._compute_gone, err))
@@ -268,7 +269,7 @@ class ExpertServer:
             )
             await scheduler.start()
         except BaseException:
-            if worker is not None and self.scheduler is None:
+            if worker is not None:  # the scheduler that would close it is not running
                 await asyncio.to_thread(worker.close)
             await self.stop(0)
             raise

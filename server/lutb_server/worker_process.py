@@ -43,6 +43,7 @@ import torch
 from lutb_client.codec import decode_tensor, encode_tensor
 from lutb_server.engine import PreparedRequest
 from lutb_server.errors import Unavailable
+from lutb_server.metrics import torch_gpu_memory
 from lutb_server.worker import BatchOutput
 
 log = logging.getLogger(__name__)
@@ -83,9 +84,7 @@ def _picklable(exc: BaseException) -> BaseException:
 
 def _gpu_memory(device: torch.device) -> tuple[int, int]:
     """(allocated, reserved) bytes of torch's allocator on ``device``; zeros off CUDA."""
-    if device.type != "cuda":
-        return 0, 0
-    return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    return torch_gpu_memory(str(device))() if device.type == "cuda" else (0, 0)
 
 
 def _child_main(spec: WorkerSpec, conn: Connection) -> None:
