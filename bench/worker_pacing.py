@@ -42,36 +42,36 @@ from serving import SHAPES, make_checkpoint  # noqa: E402
 GAPS_US = (300, 1000, 3000)
 
 
-def _median_us(xs: list[float]) -> float:
-    return statistics.median(xs) * 1e6 if xs else float("nan")
+class _Samples:
+    """Per call: the worker's own seconds and the round trip the caller saw."""
+
+    def __init__(self) -> None:
+        self.compute: list[float] = []
+        self.trip: list[float] = []
+
+    def add(self, started: float, compute_s: float) -> None:
+        self.trip.append(time.perf_counter() - started)
+        self.compute.append(compute_s)
+
+    def summary(self) -> dict:
+        median_us = lambda xs: statistics.median(xs) * 1e6 if xs else float("nan")  # noqa: E731
+        return {"compute_us": median_us(self.compute), "round_trip_us": median_us(self.trip), "calls": len(self.compute)}
 
 
-def run_direct(worker, prepared, seconds: float, gap_s: float) -> dict:  # noqa: ANN001
-    compute, trip = [], []
+def run_blocking(call, seconds: float, gap_s: float = 0.0) -> dict:  # noqa: ANN001
+    """``call() -> (outputs, seconds)`` back to back (after an idle ``gap_s`` each) for ``seconds``."""
+    samples = _Samples()
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         if gap_s:
             time.sleep(gap_s)
         t0 = time.perf_counter()
-        _, s = worker.run(prepared)
-        trip.append(time.perf_counter() - t0)
-        compute.append(s)
-    return {"compute_us": _median_us(compute), "round_trip_us": _median_us(trip), "calls": len(compute)}
-
-
-def run_thread(worker, prepared, seconds: float) -> dict:  # noqa: ANN001
-    """``worker.submit`` (a ComputeWorker or ProcessComputeWorker), this thread blocking on the future."""
-    compute, trip = [], []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
-        _, s = worker.submit(prepared).result()
-        trip.append(time.perf_counter() - t0)
-        compute.append(s)
-    return {"compute_us": _median_us(compute), "round_trip_us": _median_us(trip), "calls": len(compute)}
+        samples.add(t0, call()[1])
+    return samples.summary()
 
 
 async def _asyncio(worker, prepared, seconds: float, busy_tasks: int) -> dict:  # noqa: ANN001
+    """``worker.submit`` awaited on an event loop, with ``busy_tasks`` tasks keeping the loop busy."""
     stop = False
 
     async def busy() -> None:  # small Python steps with yields, like gRPC callbacks under load
@@ -80,16 +80,14 @@ async def _asyncio(worker, prepared, seconds: float, busy_tasks: int) -> dict:  
             await asyncio.sleep(0)
 
     others = [asyncio.ensure_future(busy()) for _ in range(busy_tasks)]
-    compute, trip = [], []
+    samples = _Samples()
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
-        _, s = await asyncio.wrap_future(worker.submit(prepared))
-        trip.append(time.perf_counter() - t0)
-        compute.append(s)
+        samples.add(t0, (await asyncio.wrap_future(worker.submit(prepared)))[1])
     stop = True
     await asyncio.gather(*others)
-    return {"compute_us": _median_us(compute), "round_trip_us": _median_us(trip), "calls": len(compute)}
+    return samples.summary()
 
 
 def _with_switch_interval(interval_us: int, fn):  # noqa: ANN001, ANN202
@@ -147,15 +145,15 @@ def main() -> int:
         prepared = [engine.prepare(0, x, ids, w)]
         for _ in range(20):
             worker.run(prepared)
-        modes = {"direct": lambda: run_direct(worker, prepared, args.seconds, 0.0)}
+        modes = {"direct": lambda: run_blocking(lambda: worker.run(prepared), args.seconds)}
         for gap in GAPS_US:
-            modes[f"direct+gap {gap}us"] = lambda gap=gap: run_direct(worker, prepared, args.seconds, gap / 1e6)
-        modes["thread"] = lambda: run_thread(worker, prepared, args.seconds)
+            modes[f"direct+gap {gap}us"] = lambda gap=gap: run_blocking(lambda: worker.run(prepared), args.seconds, gap / 1e6)
+        modes["thread"] = lambda: run_blocking(lambda: worker.submit(prepared).result(), args.seconds)
         modes["asyncio"] = lambda: asyncio.run(_asyncio(worker, prepared, args.seconds, 0))
         for interval in args.busy_switch_intervals_us:
             modes[f"asyncio+busy si={interval}us"] = lambda interval=interval: _with_switch_interval(
                 interval, lambda: asyncio.run(_asyncio(worker, prepared, args.seconds, 1)))
-        modes["process"] = lambda: run_thread(child, prepared, args.seconds)
+        modes["process"] = lambda: run_blocking(lambda: child.submit(prepared).result(), args.seconds)
         modes["process+busy"] = lambda: asyncio.run(_asyncio(child, prepared, args.seconds, 1))
         for mode, fn in modes.items():
             r = fn()
