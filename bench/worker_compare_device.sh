@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 5 on the device, one call: the serving GPU tests, then the compute worker as a thread vs a
+# child process (bench/worker_pacing.py, then bench/serving.py once per --compute-worker).
+#
+#   OUT=/dir bash bench/worker_compare_device.sh [serving.py args...]   (~8 min cold)
+#
+# Assumes the project is importable from the source tree and the extra wheels are in /tmp/site.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/lutb-worker-compare}
+W=${WORK:-/tmp/lutb-work}
+export PYTHONPATH="kernels:client:server:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/lutb-triton-cache}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+mkdir -p "$OUT" "$W"
+git rev-parse --short HEAD 2>/dev/null || true
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader 2>/dev/null || true
+status=0
+echo "== GPU tests: worker, serving, CUDA graphs (log: gpu-tests.txt)"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE --timeout 150 tests/server/test_worker.py \
+  tests/server/test_gpu_serving.py tests/kernels/test_cuda_graphs.py > "$OUT/gpu-tests.txt" 2>&1 || status=1
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -12
+echo "== worker pacing (thread vs process)"
+timeout 120 "$PY" bench/worker_pacing.py --out "$W/wp" --tokens 1 16 --seconds 0.6 \
+  --busy-switch-intervals-us 200 > "$OUT/worker-pacing.txt" 2>&1 || status=1
+cp "$W/wp/"*.json "$OUT/" 2>/dev/null
+for cw in thread process; do
+  echo "== serving, compute worker: $cw"
+  timeout 170 "$PY" bench/serving.py --out "$W/sv-$cw" --compute-worker "$cw" --duration-s 1.5 --warmup-s 0.3 \
+    --inproc-s 0.3 "$@" > "$OUT/serving-$cw.txt" 2>&1 || status=1
+  cp "$W/sv-$cw/serving.json" "$OUT/serving-$cw.json" 2>/dev/null
+done
+echo; echo "== pacing"; grep -A 40 '^| T | mode' "$OUT/worker-pacing.txt" || tail -20 "$OUT/worker-pacing.txt"
+for cw in thread process; do
+  echo; echo "== serving ($cw)"; grep -A 30 '^| shape' "$W/sv-$cw/serving.md" 2>/dev/null || tail -15 "$OUT/serving-$cw.txt"
+done
+exit $status
