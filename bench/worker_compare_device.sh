@@ -2,7 +2,8 @@
 # Issue 5 on the device, one call: the serving GPU tests, then the compute worker as a thread vs a
 # child process (bench/worker_pacing.py, then bench/serving.py once per --compute-worker).
 #
-#   OUT=/dir bash bench/worker_compare_device.sh [serving.py args...]   (~8 min cold)
+#   OUT=/dir bash bench/worker_compare_device.sh [serving.py args...]   (~5 min warm)
+#   GPU_TESTS="tests/..." OUT=/dir bash bench/worker_compare_device.sh ...  (other GPU tests first)
 #
 # Assumes the project is importable from the source tree and the extra wheels are in /tmp/site.
 set -uo pipefail
@@ -16,9 +17,10 @@ mkdir -p "$OUT" "$W"
 git rev-parse --short HEAD 2>/dev/null || true
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader 2>/dev/null || true
 status=0
-echo "== GPU tests: worker, serving, CUDA graphs (log: gpu-tests.txt)"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE --timeout 150 tests/server/test_worker.py \
-  tests/server/test_gpu_serving.py tests/kernels/test_cuda_graphs.py > "$OUT/gpu-tests.txt" 2>&1 || status=1
+GPU_TESTS=${GPU_TESTS:-tests/server/test_worker.py tests/server/test_gpu_serving.py tests/kernels/test_cuda_graphs.py}
+echo "== GPU tests: $GPU_TESTS (log: gpu-tests.txt)"
+# shellcheck disable=SC2086  # a list of paths
+timeout 330 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE --timeout 150 $GPU_TESTS > "$OUT/gpu-tests.txt" 2>&1 || status=1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -12
 echo "== worker pacing (thread vs process)"
 timeout 120 "$PY" bench/worker_pacing.py --out "$W/wp" --tokens 1 16 --seconds 0.6 \

@@ -15,9 +15,10 @@ one process, no gRPC:
   (what gRPC's callbacks do under load), competing for the GIL; once per GIL switch interval in
   ``--busy-switch-intervals-us`` (each torch call of the worker releases and retakes the GIL, and
   a thread asking for it back waits up to one interval while the loop holds it);
-- ``process`` and ``process+busy``: the same two through a
-  :class:`~lutb_server.worker_process.ProcessComputeWorker` (``compute_worker = "process"``): the
-  batch runs in a child process, whose GIL nothing else wants.
+- ``process`` and ``process+busy``: ``asyncio`` and ``asyncio+busy`` (at ``--switch-interval-us``)
+  through a :class:`~lutb_server.worker_process.ProcessComputeWorker` on the same loop
+  (``compute_worker = "process"``, as the server runs it): the batch runs in a child process,
+  whose GIL nothing else wants.
 
 Columns: the median of ``run``'s own seconds (what the server reports as compute) and of the
 round trip seen by the submitter, in microseconds. Usage (GPU):
@@ -134,8 +135,9 @@ def main() -> int:
     worker = ComputeWorker(engine, cuda_graph_max_tokens=512, cuda_graph_top_k=shape["top_k"])
     worker.capture_graphs()
     worker.start()
+    loop = asyncio.new_event_loop()  # every asyncio mode runs on it; the compute process's I/O too, as in the server
     child = ProcessComputeWorker(WorkerSpec(str(ckpt), args.backend, args.device, validate_tiles=False, cuda_graph_max_tokens=512,
-                                            cuda_graph_top_k=shape["top_k"])).start()
+                                            cuda_graph_top_k=shape["top_k"]), loop=loop).start()
     rows = []
     gen = torch.Generator().manual_seed(0)
     for tokens in args.tokens:
@@ -149,19 +151,20 @@ def main() -> int:
         for gap in GAPS_US:
             modes[f"direct+gap {gap}us"] = lambda gap=gap: run_blocking(lambda: worker.run(prepared), args.seconds, gap / 1e6)
         modes["thread"] = lambda: run_blocking(lambda: worker.submit(prepared).result(), args.seconds)
-        modes["asyncio"] = lambda: asyncio.run(_asyncio(worker, prepared, args.seconds, 0))
+        modes["asyncio"] = lambda: loop.run_until_complete(_asyncio(worker, prepared, args.seconds, 0))
         for interval in args.busy_switch_intervals_us:
             modes[f"asyncio+busy si={interval}us"] = lambda interval=interval: _with_switch_interval(
-                interval, lambda: asyncio.run(_asyncio(worker, prepared, args.seconds, 1)))
-        modes["process"] = lambda: run_blocking(lambda: child.submit(prepared).result(), args.seconds)
-        modes["process+busy"] = lambda: asyncio.run(_asyncio(child, prepared, args.seconds, 1))
+                interval, lambda: loop.run_until_complete(_asyncio(worker, prepared, args.seconds, 1)))
+        modes["process"] = lambda: loop.run_until_complete(_asyncio(child, prepared, args.seconds, 0))
+        modes["process+busy"] = lambda: loop.run_until_complete(_asyncio(child, prepared, args.seconds, 1))
         for mode, fn in modes.items():
             r = fn()
             rows.append({"tokens": tokens, "mode": mode, **r})
             print(f"T={tokens:3d} {mode:20s} compute {r['compute_us']:7.1f} us  round trip {r['round_trip_us']:7.1f} us  ({r['calls']} calls)",
                   flush=True)
     worker.close()
-    child.close(30)
+    loop.run_until_complete(asyncio.to_thread(child.close, 30))  # close() blocks; the loop must run meanwhile
+    loop.close()
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "backend": args.backend, "torch": torch.__version__, "shape": args.shape,
             "switch_interval_us": args.switch_interval_us, "threads": threading.active_count()}
     (args.out / "worker_pacing.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -252,8 +252,7 @@ class ExpertServer:
             if s.compute_worker == "process":
                 assert plan is not None  # an engine_loader was refused above
                 loop = asyncio.get_running_loop()
-                worker = ProcessComputeWorker(worker_spec(plan, s),
-                                              on_gone=lambda err: loop.call_soon_threadsafe(self._compute_gone, err))
+                worker = ProcessComputeWorker(worker_spec(plan, s), loop=loop, on_gone=self._compute_gone)
                 await asyncio.to_thread(worker.start)  # loads, captures graphs, warms up: before SERVING
                 weight_bytes, gpu_memory = worker.weight_bytes, worker.gpu_memory
             else:

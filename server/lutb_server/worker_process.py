@@ -6,36 +6,44 @@ load) a 0.3 ms batch took 2.8-4.7 ms on an H200 (``bench/worker_pacing.py``,
 bench/results/2026-12-02-serving-5-h200.md). Here the child process loads the weights, owns the
 device, captures the CUDA graphs and runs ``ComputeWorker.run`` on its own main thread; the
 serving process keeps gRPC, validation and the batching scheduler
-(:class:`~lutb_server.engine.ExpertEngine` with ``load_experts=False``) and pays one GIL hand-over
-per batch (its receiver thread completing the batch's future).
+(:class:`~lutb_server.engine.ExpertEngine` with ``load_experts=False``).
 
-Messages (one duplex ``multiprocessing`` pipe, pickled; tensors travel as ``lutb.v1.Tensor``
-messages made by the wire codec, :mod:`lutb_client.codec`):
+The serving process's side lives on an asyncio event loop (the server's own, or a private one on
+a thread when none is given): a batch is packed and written to the child's socket on the loop,
+and the answer is read, unpacked and handed to the batch's future there too. So a batch costs the
+serving process no thread hand-over and no GIL hand-over; an earlier version with sender and
+receiver threads lost 1-3 ms a batch to them under load (bench/results/2026-12-03-worker-h200.md).
+
+Frames on one Unix stream socket, each an 8-byte little-endian length and a pickle; tensors travel
+as ``lutb.v1.Tensor`` messages made by the wire codec, :mod:`lutb_client.codec`:
 
 - child -> parent, once: ``("ready", info)`` (``weight_bytes``, ``backend``, ``graphs_s``,
   ``warm_up_s``, ``gpu_memory``) or ``("failed", exception)``;
 - parent -> child: ``(job, requests)`` per batch, each request ``(layer, x, topk_ids,
   topk_weights, apply_router_weight_on_input, output_mode)``; ``None`` to stop;
 - child -> parent: ``(job, outputs, seconds, gpu_memory)`` or ``(job, exception, 0.0, gpu_memory)``,
-  ``gpu_memory`` the child's ``(allocated, reserved)`` CUDA allocator bytes after the batch.
+  ``gpu_memory`` the child's ``(allocated, reserved)`` CUDA allocator bytes as last read (the
+  child reads them at most every :data:`GPU_MEMORY_PERIOD_S`, after answering: a reading costs
+  hundreds of microseconds).
 
-In the serving process a sender thread packs and writes batches (the event loop only queues
-them) and a receiver thread completes the futures. If the child dies, every pending and later
-batch fails with :class:`ComputeWorkerGone`.
+If the child dies, every pending and later batch fails with :class:`ComputeWorkerGone`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import io
 import itertools
 import logging
 import multiprocessing as mp
-import queue
+import pickle
 import signal
+import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -48,8 +56,14 @@ from lutb_server.worker import BatchOutput
 
 log = logging.getLogger(__name__)
 
+GPU_MEMORY_PERIOD_S = 1.0
+"""Seconds between the child's readings of its allocator (what the metrics show, at most this old)."""
+
+_HEADER = 8  # bytes of a frame's length prefix
+
+
 class ComputeWorkerGone(Unavailable):
-    """The compute process exited or its pipe broke; nothing more will be computed (UNAVAILABLE:
+    """The compute process exited or its socket broke; nothing more will be computed (UNAVAILABLE:
     clients retry elsewhere)."""
 
 
@@ -71,10 +85,74 @@ class WorkerSpec:
     gil_switch_interval_us: int = 0
 
 
+# -- framing ---------------------------------------------------------------------------------------
+
+
+def _frame(message: object) -> memoryview:
+    """``message`` pickled behind its 8-byte length: one buffer, one write."""
+    buf = io.BytesIO()
+    buf.write(bytes(_HEADER))
+    pickle.dump(message, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    view = buf.getbuffer()
+    view[:_HEADER] = (len(view) - _HEADER).to_bytes(_HEADER, "little")
+    return view
+
+
+def _send(sock: socket.socket, message: object) -> None:
+    sock.sendall(_frame(message))
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytearray:
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError("the socket closed mid-frame" if got else "the socket closed")
+        got += n
+    return data
+
+
+def _recv(sock: socket.socket) -> Any:
+    """The next frame's message (blocking); EOFError when the other side closed."""
+    size = int.from_bytes(_recv_exactly(sock, _HEADER), "little")
+    return pickle.loads(_recv_exactly(sock, size))
+
+
+class _FrameReader(asyncio.Protocol):
+    """The serving process's end of the socket, on the event loop: bytes in, messages out."""
+
+    def __init__(self, on_message: Callable[[Any], None], on_lost: Callable[[Exception | None], None]) -> None:
+        self._on_message, self._on_lost = on_message, on_lost
+        self._buf = bytearray()
+        self._need = _HEADER  # bytes the next step waits for
+        self._size: int | None = None  # the current frame's length, once its header is in
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        while len(self._buf) >= self._need:
+            if self._size is None:
+                self._size = int.from_bytes(self._buf[:_HEADER], "little")
+                self._need = _HEADER + self._size
+                continue
+            body = memoryview(self._buf)[_HEADER:self._need]
+            try:
+                message = pickle.loads(body)
+            finally:
+                body.release()
+            del self._buf[:self._need]
+            self._size, self._need = None, _HEADER
+            self._on_message(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_lost(exc)
+
+
+# -- the child -------------------------------------------------------------------------------------
+
+
 def _picklable(exc: BaseException) -> BaseException:
     """``exc`` if it survives pickling, else a RuntimeError carrying its type and message."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
@@ -87,8 +165,8 @@ def _gpu_memory(device: torch.device) -> tuple[int, int]:
     return torch_gpu_memory(str(device))() if device.type == "cuda" else (0, 0)
 
 
-def _child_main(spec: WorkerSpec, conn: Connection) -> None:
-    """The compute process: build, announce, then run batches until told to stop (or the pipe closes)."""
+def _child_main(spec: WorkerSpec, sock: socket.socket) -> None:
+    """The compute process: build, announce, then run batches until told to stop (or the socket closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the serving process drains first
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [compute]: %(message)s")
     try:
@@ -109,14 +187,15 @@ def _child_main(spec: WorkerSpec, conn: Connection) -> None:
         worker = ComputeWorker(engine, cuda_graph_max_tokens=spec.cuda_graph_max_tokens, cuda_graph_top_k=spec.cuda_graph_top_k)
         graphs_s = worker.capture_graphs()
         warm_up_s = worker.warm_up(spec.warm_up_tokens) if spec.warm_up_tokens else 0.0
-        conn.send(("ready", {"weight_bytes": engine.weight_bytes, "backend": engine.backend.name,
-                             "graphs_s": graphs_s, "warm_up_s": warm_up_s, "gpu_memory": _gpu_memory(device)}))
+        memory, memory_read = _gpu_memory(device), time.monotonic()
+        _send(sock, ("ready", {"weight_bytes": engine.weight_bytes, "backend": engine.backend.name,
+                               "graphs_s": graphs_s, "warm_up_s": warm_up_s, "gpu_memory": memory}))
     except BaseException as exc:  # noqa: BLE001 - reported to the serving process, which raises it
-        conn.send(("failed", _picklable(exc)))
+        _send(sock, ("failed", _picklable(exc)))
         return
     while True:
         try:
-            message = conn.recv()
+            message = _recv(sock)
         except (EOFError, OSError):
             return  # the serving process is gone
         if message is None:
@@ -128,9 +207,18 @@ def _child_main(spec: WorkerSpec, conn: Connection) -> None:
                 for layer, x, ids, w, on_input, mode in packed
             ]
             outputs, seconds = worker.run(requests)
-            conn.send((job, [encode_tensor(o) for o in outputs], seconds, _gpu_memory(device)))
+            answer = (job, [encode_tensor(o) for o in outputs], seconds, memory)
         except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
-            conn.send((job, _picklable(exc), 0.0, _gpu_memory(device)))
+            answer = (job, _picklable(exc), 0.0, memory)
+        try:
+            _send(sock, answer)
+        except OSError:
+            return
+        if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batch's latency
+            memory, memory_read = _gpu_memory(device), time.monotonic()
+
+
+# -- the serving process's side --------------------------------------------------------------------
 
 
 class ProcessComputeWorker:
@@ -138,24 +226,29 @@ class ProcessComputeWorker:
 
     Args:
         spec: what the child loads and how (see :class:`WorkerSpec`).
-        on_gone: called once, from one of this object's threads, if the child dies (or its pipe
-            breaks) while the worker is not being closed: the server takes itself out of service.
+        loop: the event loop that does this worker's socket I/O: the server's own loop, so a
+            batch submitted from it is written and its answer read with no thread hand-over.
+            None: a private loop on a daemon thread (for callers without a loop: benchmarks,
+            tests, scripts).
+        on_gone: called once, on the I/O loop, if the child dies (or its socket breaks) while
+            the worker is not being closed: the server takes itself out of service.
     """
 
-    def __init__(self, spec: WorkerSpec, *, on_gone: Callable[[ComputeWorkerGone], None] | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, *, loop: asyncio.AbstractEventLoop | None = None,
+                 on_gone: Callable[[ComputeWorkerGone], None] | None = None) -> None:
         self.spec = spec
+        self._loop = loop
+        self._loop_thread: threading.Thread | None = None  # only for a private loop
         self._on_gone = on_gone
         self._closing = False
         self.info: dict[str, Any] = {}
         self.batches = 0
         self._process: Any = None
-        self._conn: Connection | None = None
-        self._outbox: queue.Queue[tuple[int, list[PreparedRequest]] | None] = queue.Queue()
+        self._transport: asyncio.Transport | None = None
         self._pending: dict[int, Future[BatchOutput]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # _pending and _gone: submit may come from any thread
         self._jobs = itertools.count()
         self._gone: ComputeWorkerGone | None = None
-        self._threads: list[threading.Thread] = []
         self._gpu_memory: tuple[int, int] = (0, 0)
 
     @property
@@ -164,41 +257,59 @@ class ProcessComputeWorker:
         return int(self.info.get("weight_bytes", 0))
 
     def gpu_memory(self) -> tuple[int, int]:
-        """The child's ``(allocated, reserved)`` CUDA allocator bytes, as of its last answer (for the metrics)."""
+        """The child's ``(allocated, reserved)`` CUDA allocator bytes, at most ~1 s old (for the metrics)."""
         return self._gpu_memory
 
     def start(self) -> ProcessComputeWorker:
         """Spawn the child and wait until it has loaded the weights, captured its graphs and warmed up.
 
-        Blocking (seconds to minutes); idempotent. Raises what the child raised while starting.
+        Blocking (seconds to minutes), so call it off the I/O loop (``asyncio.to_thread``);
+        idempotent. Raises what the child raised while starting.
         """
         if self._process is not None:
             return self
+        if self._loop is not None and self._loop.is_running() and _running_loop() is self._loop:
+            raise RuntimeError("ProcessComputeWorker.start() blocks: call it off its event loop (asyncio.to_thread)")
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-        conn, child_conn = ctx.Pipe()
-        process = ctx.Process(target=_child_main, args=(self.spec, child_conn), name="lutb-compute", daemon=True)
-        process.start()
-        child_conn.close()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        process = ctx.Process(target=_child_main, args=(self.spec, theirs), name="lutb-compute", daemon=True)
         try:
-            kind, payload = conn.recv()
-        except EOFError:
+            process.start()
+        finally:
+            theirs.close()
+        try:
+            kind, payload = _recv(ours)
+        except (EOFError, OSError):
+            ours.close()
             process.join(5)
             raise ComputeWorkerGone(f"the compute process exited while starting (exit code {process.exitcode})") from None
         if kind != "ready":
+            ours.close()
             process.join(5)
             raise payload
-        self.info, self._process, self._conn = payload, process, conn
-        self._gpu_memory = payload["gpu_memory"]
+        self.info, self._process, self._gpu_memory = payload, process, payload["gpu_memory"]
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._loop_thread = threading.Thread(target=self._loop.run_forever, name="lutb-compute-io", daemon=True)
+            self._loop_thread.start()
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._connect(ours), self._loop).result()
+        else:  # a loop its owner runs later
+            self._loop.run_until_complete(self._connect(ours))
         log.info("compute process %d ready: backend %s, %.1f MB of weights, graphs %.2fs, warm-up %.2fs", process.pid,
                  payload["backend"], payload["weight_bytes"] / 1e6, payload["graphs_s"], payload["warm_up_s"])
-        self._threads = [threading.Thread(target=self._send_loop, name="lutb-compute-send", daemon=True),
-                         threading.Thread(target=self._receive_loop, name="lutb-compute-receive", daemon=True)]
-        for thread in self._threads:
-            thread.start()
         return self
+
+    async def _connect(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        self._transport, _ = await loop.create_unix_connection(
+            lambda: _FrameReader(self._on_answer, self._on_lost), sock=sock)
 
     def submit(self, requests: Sequence[PreparedRequest]) -> Future[BatchOutput]:
         """Queue one pooled batch; the future gives ``(per-request outputs, seconds in the child)``.
+
+        Thread-safe; cheapest from the I/O loop (the batch is written at once). The future
+        completes on the I/O loop.
 
         Raises:
             ComputeWorkerGone: the child is gone (or not started).
@@ -207,65 +318,78 @@ class ProcessComputeWorker:
         with self._lock:
             if self._gone is not None:
                 raise self._gone
-            if self._conn is None:
+            if self._transport is None:
                 raise ComputeWorkerGone("the compute process is not started")
             job = next(self._jobs)
             self._pending[job] = future
-        self._outbox.put((job, list(requests)))
+        batch = (job, [(r.layer, encode_tensor(r.x), encode_tensor(r.topk_ids), encode_tensor(r.topk_weights),
+                        r.apply_router_weight_on_input, r.output_mode) for r in requests])
+        assert self._loop is not None
+        if _running_loop() is self._loop:
+            self._write(batch)
+        else:
+            self._loop.call_soon_threadsafe(self._write, batch)
         return future
 
     def close(self, timeout: float | None = None) -> None:
-        """Let the child finish the queued batches, then stop it (terminated after ``timeout`` seconds)."""
+        """Let the child finish the queued batches, then stop it (terminated after ``timeout`` seconds).
+
+        Blocking: call it off the I/O loop.
+        """
         if self._process is None:
             return
         self._closing = True
-        self._outbox.put(None)
+        assert self._loop is not None
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._write, None)
         self._process.join(timeout)
         if self._process.is_alive():
             log.warning("compute process %d did not stop within %ss; terminating it", self._process.pid, timeout)
             self._process.terminate()
             self._process.join(5)
-        for thread in self._threads:
-            thread.join(5)
+        if not self._loop.is_closed():
+            done = threading.Event()
+
+            def shut() -> None:
+                if self._transport is not None:
+                    self._transport.close()
+                done.set()
+
+            self._loop.call_soon_threadsafe(shut)
+            done.wait(5)
+        if self._loop_thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(5)
+            self._loop.close()
+            self._loop_thread = None
         self._fail_pending(ComputeWorkerGone("the compute worker is closed"))
         self._process = None
 
-    def _send_loop(self) -> None:
-        assert self._conn is not None
-        while True:
-            item = self._outbox.get()
-            try:
-                if item is None:
-                    self._conn.send(None)
-                    return
-                job, requests = item
-                self._conn.send((job, [
-                    (r.layer, encode_tensor(r.x), encode_tensor(r.topk_ids), encode_tensor(r.topk_weights),
-                     r.apply_router_weight_on_input, r.output_mode)
-                    for r in requests
-                ]))
-            except (OSError, ValueError) as exc:  # broken pipe: the child is gone
-                self._fail_pending(ComputeWorkerGone(f"the compute process is gone ({exc})"))
-                return
+    # On the I/O loop:
 
-    def _receive_loop(self) -> None:
-        assert self._conn is not None
-        while True:
-            try:
-                job, result, seconds, self._gpu_memory = self._conn.recv()
-            except (EOFError, OSError) as exc:
-                code = self._process.exitcode if self._process is not None else None
-                self._fail_pending(ComputeWorkerGone(f"the compute process exited (exit code {code}): {type(exc).__name__}"))
-                return
-            with self._lock:
-                future = self._pending.pop(job, None)
-            if future is None or not future.set_running_or_notify_cancel():
-                continue
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                self.batches += 1
-                future.set_result(([decode_tensor(o) for o in result], seconds))
+    def _write(self, message: object) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            self._fail_pending(ComputeWorkerGone("the compute process is gone (its socket is closed)"))
+            return
+        transport.write(_frame(message))
+
+    def _on_answer(self, message: Any) -> None:
+        job, result, seconds, self._gpu_memory = message
+        with self._lock:
+            future = self._pending.pop(job, None)
+        if future is None or not future.set_running_or_notify_cancel():
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            self.batches += 1
+            future.set_result(([decode_tensor(o) for o in result], seconds))
+
+    def _on_lost(self, exc: Exception | None) -> None:
+        code = self._process.exitcode if self._process is not None else None
+        reason = f"{type(exc).__name__}: {exc}" if exc is not None else "its socket closed"
+        self._fail_pending(ComputeWorkerGone(f"the compute process is gone (exit code {code}; {reason})"))
 
     def _fail_pending(self, error: ComputeWorkerGone) -> None:
         with self._lock:
@@ -282,4 +406,11 @@ class ProcessComputeWorker:
                 self._on_gone(error)
 
 
-__all__ = ["ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec"]
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+__all__ = ["GPU_MEMORY_PERIOD_S", "ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec"]
