@@ -4,6 +4,7 @@
 #
 #   OUT=/dir bash bench/worker_compare_device.sh [serving.py args...]   (~5 min warm)
 #   GPU_TESTS="tests/..." OUT=/dir bash bench/worker_compare_device.sh ...  (other GPU tests first)
+#   PROFILE_ARGS="--concurrency 64 --apis stream" ...   (then the process worker once more, under py-spy)
 #
 # Assumes the project is importable from the source tree and the extra wheels are in /tmp/site.
 set -uo pipefail
@@ -32,6 +33,13 @@ for cw in thread process; do
     --inproc-s 0.3 "$@" > "$OUT/serving-$cw.txt" 2>&1 || status=1
   cp "$W/sv-$cw/serving.json" "$OUT/serving-$cw.json" 2>/dev/null
 done
+if [[ -n ${PROFILE_ARGS:-} ]]; then  # e.g. "--concurrency 64 --apis stream": the process worker under py-spy
+  echo "== serving, compute worker: process, profiled ($PROFILE_ARGS)"
+  # shellcheck disable=SC2086  # a list of arguments
+  timeout 150 "$PY" bench/serving.py --out "$W/sv-profile" --compute-worker process --duration-s 1.5 --warmup-s 0.3 \
+    --inproc-s 0.3 --profile --shapes qwen3-30b-a3b --wires bf16 --tokens 16 $PROFILE_ARGS > /dev/null 2>&1 || status=1
+  cp "$W"/sv-profile/profile-*.top.txt "$OUT/profile-process.top.txt" 2>/dev/null
+fi
 echo; echo "== pacing"; grep -A 40 '^| T | mode' "$OUT/worker-pacing.txt" || tail -20 "$OUT/worker-pacing.txt"
 for cw in thread process; do
   echo; echo "== serving ($cw)"; grep -A 30 '^| shape' "$W/sv-$cw/serving.md" 2>/dev/null || tail -15 "$OUT/serving-$cw.txt"

@@ -127,6 +127,15 @@ def worker_spec(plan: EnginePlan, settings: ServerSettings) -> WorkerSpec:
     )
 
 
+def arena_bytes(plan: EnginePlan, settings: ServerSettings) -> int:
+    """Shared memory between the serving process and the compute process: room for two batches of
+    ``max_batch_tokens`` in flight, hidden states in and combined outputs back (a batch that does
+    not fit, e.g. a large route-major one, travels through the socket instead)."""
+    config = plan.checkpoint.config
+    per_token = 2 * config.hidden_size * config.torch_dtype.itemsize + 8 * max(settings.cuda_graph_top_k, 8)
+    return 2 * settings.max_batch_tokens * per_token
+
+
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -252,7 +261,8 @@ class ExpertServer:
             if s.compute_worker == "process":
                 assert plan is not None  # an engine_loader was refused above
                 loop = asyncio.get_running_loop()
-                worker = ProcessComputeWorker(worker_spec(plan, s), loop=loop, on_gone=self._compute_gone)
+                worker = ProcessComputeWorker(worker_spec(plan, s), loop=loop, on_gone=self._compute_gone,
+                                              arena_bytes=arena_bytes(plan, s))
                 await asyncio.to_thread(worker.start)  # loads, captures graphs, warms up: before SERVING
                 weight_bytes, gpu_memory = worker.weight_bytes, worker.gpu_memory
             else:

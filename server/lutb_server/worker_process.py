@@ -14,14 +14,26 @@ and the answer is read, unpacked and handed to the batch's future there too. So 
 serving process no thread hand-over and no GIL hand-over; an earlier version with sender and
 receiver threads lost 1-3 ms a batch to them under load (bench/results/2026-12-03-worker-h200.md).
 
-Frames on one Unix stream socket, each an 8-byte little-endian length and a pickle; tensors travel
-as ``lutb.v1.Tensor`` messages made by the wire codec, :mod:`lutb_client.codec`:
+Tensors travel through a :class:`~lutb_server.shared_arena.SharedArena` (shared memory the
+serving process creates and hands to the child as a file descriptor): the serving process copies
+a batch's inputs into a span of it and names the span where the child writes the outputs; the
+socket carries only :class:`~lutb_server.shared_arena.Slot` descriptors. A batch that does not fit
+the arena's free room (or any batch when ``arena_bytes`` is 0, or off Linux) travels inline, as
+``lutb.v1.Tensor`` messages made by the wire codec, :mod:`lutb_client.codec`.
+
+Frames on one Unix stream socket, each an 8-byte little-endian length and a pickle; a tensor is a
+``Slot`` or a codec message:
+
+- parent -> child, before any frame: one byte, ``A`` with the arena's descriptor attached
+  (``socket.send_fds``) or ``N`` for none;
 
 - child -> parent, once: ``("ready", info)`` (``weight_bytes``, ``backend``, ``graphs_s``,
   ``warm_up_s``, ``gpu_memory``) or ``("failed", exception)``;
-- parent -> child: ``(job, requests)`` per batch, each request ``(layer, x, topk_ids,
-  topk_weights, apply_router_weight_on_input, output_mode)``; ``None`` to stop;
+- parent -> child: ``(job, requests, output_slots)`` per batch, each request ``(layer, x, topk_ids,
+  topk_weights, apply_router_weight_on_input, output_mode)``, ``output_slots`` where the child
+  writes each request's output (None: send them inline); ``None`` to stop;
 - child -> parent: ``(job, outputs, seconds, gpu_memory)`` or ``(job, exception, 0.0, gpu_memory)``,
+  ``outputs`` None when they are in the output slots, else a list of codec messages;
   ``gpu_memory`` the child's ``(allocated, reserved)`` CUDA allocator bytes as last read (the
   child reads them at most every :data:`GPU_MEMORY_PERIOD_S`, after answering: a reading costs
   hundreds of microseconds).
@@ -52,12 +64,17 @@ from lutb_client.codec import decode_tensor, encode_tensor
 from lutb_server.engine import PreparedRequest
 from lutb_server.errors import Unavailable
 from lutb_server.metrics import torch_gpu_memory
+from lutb_server.shared_arena import SharedArena, Slot, arena_supported, layout
 from lutb_server.worker import BatchOutput
 
 log = logging.getLogger(__name__)
 
 GPU_MEMORY_PERIOD_S = 1.0
 """Seconds between the child's readings of its allocator (what the metrics show, at most this old)."""
+
+DEFAULT_ARENA_BYTES = 64 << 20
+"""Shared memory for batches in flight when the caller does not size it (the server does:
+:func:`~lutb_server.app.worker_spec`'s companion ``arena_bytes_for``)."""
 
 _HEADER = 8  # bytes of a frame's length prefix
 
@@ -165,11 +182,25 @@ def _gpu_memory(device: torch.device) -> tuple[int, int]:
     return torch_gpu_memory(str(device))() if device.type == "cuda" else (0, 0)
 
 
+def _tensor(item: Any, arena: SharedArena | None) -> torch.Tensor:
+    """A request tensor as the child sees it: a view of the arena, or decoded from its inline message."""
+    return arena.view(item) if isinstance(item, Slot) and arena is not None else decode_tensor(item)
+
+
+def _fits(outputs: list[torch.Tensor], slots: list[Slot]) -> bool:
+    return len(outputs) == len(slots) and all(
+        tuple(o.shape) == s.shape and str(o.dtype).removeprefix("torch.") == s.dtype for o, s in zip(outputs, slots))
+
+
 def _child_main(spec: WorkerSpec, sock: socket.socket) -> None:
     """The compute process: build, announce, then run batches until told to stop (or the socket closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the serving process drains first
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [compute]: %(message)s")
+    arena: SharedArena | None = None
     try:
+        kind, fds, _, _ = socket.recv_fds(sock, 1, 1)
+        if kind == b"A" and fds:
+            arena = SharedArena.attach(fds[0])
         from lutb_kernels.checkpoint import Checkpoint
         from lutb_server.app import apply_gil_switch_interval, apply_intra_op_threads
         from lutb_server.backends import choose_backend, resolve_device
@@ -200,14 +231,19 @@ def _child_main(spec: WorkerSpec, sock: socket.socket) -> None:
             return  # the serving process is gone
         if message is None:
             return
-        job, packed = message
+        job, packed, output_slots = message
         try:
             requests = [
-                PreparedRequest(layer, decode_tensor(x), decode_tensor(ids), decode_tensor(w), on_input, mode)
+                PreparedRequest(layer, _tensor(x, arena), _tensor(ids, arena), _tensor(w, arena), on_input, mode)
                 for layer, x, ids, w, on_input, mode in packed
             ]
             outputs, seconds = worker.run(requests)
-            answer = (job, [encode_tensor(o) for o in outputs], seconds, memory)
+            if output_slots is not None and arena is not None and _fits(outputs, output_slots):
+                for o, slot in zip(outputs, output_slots):
+                    arena.view(slot).copy_(o)
+                answer = (job, None, seconds, memory)
+            else:
+                answer = (job, [encode_tensor(o) for o in outputs], seconds, memory)
         except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
             answer = (job, _picklable(exc), 0.0, memory)
         try:
@@ -232,11 +268,16 @@ class ProcessComputeWorker:
             tests, scripts).
         on_gone: called once, on the I/O loop, if the child dies (or its socket breaks) while
             the worker is not being closed: the server takes itself out of service.
+        arena_bytes: shared memory for the batches in flight (inputs and outputs); a batch that
+            does not fit travels inline through the socket. 0: always inline.
     """
 
     def __init__(self, spec: WorkerSpec, *, loop: asyncio.AbstractEventLoop | None = None,
-                 on_gone: Callable[[ComputeWorkerGone], None] | None = None) -> None:
+                 on_gone: Callable[[ComputeWorkerGone], None] | None = None,
+                 arena_bytes: int = DEFAULT_ARENA_BYTES) -> None:
         self.spec = spec
+        self.arena_bytes = arena_bytes if arena_supported() else 0
+        self._arena: SharedArena | None = None
         self._loop = loop
         self._loop_thread: threading.Thread | None = None  # only for a private loop
         self._on_gone = on_gone
@@ -245,8 +286,11 @@ class ProcessComputeWorker:
         self.batches = 0
         self._process: Any = None
         self._transport: asyncio.Transport | None = None
-        self._pending: dict[int, Future[BatchOutput]] = {}
-        self._lock = threading.Lock()  # _pending and _gone: submit may come from any thread
+        self._pending: dict[int, tuple[Future[BatchOutput], int | None, list[Slot] | None]] = {}
+        """job -> (its future, its arena span's start, its output slots); None, None when inline."""
+        self._lock = threading.Lock()  # _pending, _gone and the arena's spans: submit may come from any thread
+        self.inline_batches = 0
+        """Batches that travelled through the socket because the arena had no room (or is off)."""
         self._jobs = itertools.count()
         self._gone: ComputeWorkerGone | None = None
         self._gpu_memory: tuple[int, int] = (0, 0)
@@ -272,22 +316,31 @@ class ProcessComputeWorker:
             raise RuntimeError("ProcessComputeWorker.start() blocks: call it off its event loop (asyncio.to_thread)")
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        arena = SharedArena.create(self.arena_bytes) if self.arena_bytes else None
         process = ctx.Process(target=_child_main, args=(self.spec, theirs), name="lutb-compute", daemon=True)
         try:
             process.start()
         finally:
             theirs.close()
         try:
+            if arena is not None:
+                socket.send_fds(ours, [b"A"], [arena.fd])
+            else:
+                ours.sendall(b"N")
             kind, payload = _recv(ours)
         except (EOFError, OSError):
             ours.close()
             process.join(5)
+            if arena is not None:
+                arena.close()
             raise ComputeWorkerGone(f"the compute process exited while starting (exit code {process.exitcode})") from None
         if kind != "ready":
             ours.close()
             process.join(5)
+            if arena is not None:
+                arena.close()
             raise payload
-        self.info, self._process, self._gpu_memory = payload, process, payload["gpu_memory"]
+        self.info, self._process, self._gpu_memory, self._arena = payload, process, payload["gpu_memory"], arena
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             self._loop_thread = threading.Thread(target=self._loop.run_forever, name="lutb-compute-io", daemon=True)
@@ -296,8 +349,9 @@ class ProcessComputeWorker:
             asyncio.run_coroutine_threadsafe(self._connect(ours), self._loop).result()
         else:  # a loop its owner runs later
             self._loop.run_until_complete(self._connect(ours))
-        log.info("compute process %d ready: backend %s, %.1f MB of weights, graphs %.2fs, warm-up %.2fs", process.pid,
-                 payload["backend"], payload["weight_bytes"] / 1e6, payload["graphs_s"], payload["warm_up_s"])
+        log.info("compute process %d ready: backend %s, %.1f MB of weights, graphs %.2fs, warm-up %.2fs, %.0f MB shared arena",
+                 process.pid, payload["backend"], payload["weight_bytes"] / 1e6, payload["graphs_s"], payload["warm_up_s"],
+                 (arena.size if arena is not None else 0) / 1e6)
         return self
 
     async def _connect(self, sock: socket.socket) -> None:
@@ -315,15 +369,30 @@ class ProcessComputeWorker:
             ComputeWorkerGone: the child is gone (or not started).
         """
         future: Future[BatchOutput] = Future()
+        shapes = _arena_shapes(requests) if self._arena is not None else []
         with self._lock:
             if self._gone is not None:
                 raise self._gone
             if self._transport is None:
                 raise ComputeWorkerGone("the compute process is not started")
             job = next(self._jobs)
-            self._pending[job] = future
-        batch = (job, [(r.layer, encode_tensor(r.x), encode_tensor(r.topk_ids), encode_tensor(r.topk_weights),
-                        r.apply_router_weight_on_input, r.output_mode) for r in requests])
+            start = self._arena.take(layout(0, shapes)[1]) if self._arena is not None else None
+            slots = layout(start, shapes)[0] if start is not None else None
+            out_slots = slots[3 * len(requests):] if slots is not None else None
+            self._pending[job] = (future, start, out_slots)
+        if slots is not None:
+            assert self._arena is not None
+            triples = [slots[i:i + 3] for i in range(0, 3 * len(requests), 3)]
+            for r, (x, ids, w) in zip(requests, triples):
+                self._arena.view(x).copy_(r.x)
+                self._arena.view(ids).copy_(r.topk_ids)
+                self._arena.view(w).copy_(r.topk_weights)
+            packed = [(r.layer, x, ids, w, r.apply_router_weight_on_input, r.output_mode) for r, (x, ids, w) in zip(requests, triples)]
+        else:
+            self.inline_batches += 1
+            packed = [(r.layer, encode_tensor(r.x), encode_tensor(r.topk_ids), encode_tensor(r.topk_weights),
+                       r.apply_router_weight_on_input, r.output_mode) for r in requests]
+        batch = (job, packed, out_slots)
         assert self._loop is not None
         if _running_loop() is self._loop:
             self._write(batch)
@@ -364,6 +433,9 @@ class ProcessComputeWorker:
             self._loop_thread = None
         self._fail_pending(ComputeWorkerGone("the compute worker is closed"))
         self._process = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
 
     # On the I/O loop:
 
@@ -377,14 +449,26 @@ class ProcessComputeWorker:
     def _on_answer(self, message: Any) -> None:
         job, result, seconds, self._gpu_memory = message
         with self._lock:
-            future = self._pending.pop(job, None)
-        if future is None or not future.set_running_or_notify_cancel():
+            entry = self._pending.pop(job, None)
+        if entry is None:
+            return
+        future, start, out_slots = entry
+        if result is None:  # in the output slots: copied out before the span is taken again
+            assert self._arena is not None and out_slots is not None
+            outputs = [self._arena.view(slot).clone() for slot in out_slots]
+        elif not isinstance(result, BaseException):
+            outputs = [decode_tensor(o) for o in result]
+        if start is not None:
+            with self._lock:
+                if self._arena is not None and self._gone is None:
+                    self._arena.release(start)
+        if not future.set_running_or_notify_cancel():
             return
         if isinstance(result, BaseException):
             future.set_exception(result)
         else:
             self.batches += 1
-            future.set_result(([decode_tensor(o) for o in result], seconds))
+            future.set_result((outputs, seconds))
 
     def _on_lost(self, exc: Exception | None) -> None:
         code = self._process.exitcode if self._process is not None else None
@@ -397,13 +481,29 @@ class ProcessComputeWorker:
             if first:
                 self._gone = error
             pending, self._pending = self._pending, {}
-        for future in pending.values():
+            if self._arena is not None:
+                self._arena.release_all()
+        for future, _, _ in pending.values():
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
         if first and not self._closing:
             log.error("%s", error)
             if self._on_gone is not None:
                 self._on_gone(error)
+
+
+def _arena_shapes(requests: Sequence[PreparedRequest]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """(dtype, shape) of what a batch puts in the arena: each request's x, topk_ids, topk_weights, then each output
+    (``[T, H]`` combined, ``[T, k, H]`` route-major, in x's dtype: the model dtype)."""
+    shapes: list[tuple[torch.dtype, tuple[int, ...]]] = []
+    for r in requests:
+        shapes += [(r.x.dtype, tuple(r.x.shape)), (r.topk_ids.dtype, tuple(r.topk_ids.shape)),
+                   (r.topk_weights.dtype, tuple(r.topk_weights.shape))]
+    for r in requests:
+        tokens, hidden = r.x.shape
+        rows = (tokens, r.topk_ids.shape[1], hidden) if r.output_mode == "route_major" else (tokens, hidden)
+        shapes.append((r.x.dtype, tuple(int(v) for v in rows)))
+    return shapes
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -413,4 +513,4 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-__all__ = ["GPU_MEMORY_PERIOD_S", "ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec"]
+__all__ = ["DEFAULT_ARENA_BYTES", "GPU_MEMORY_PERIOD_S", "ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec"]

@@ -25,7 +25,7 @@ from lutb_server.engine import ExpertEngine, PreparedRequest
 from lutb_server.errors import to_status
 from lutb_server.testing import ServerThread, ServeProcess
 from lutb_server.worker import ComputeWorker
-from lutb_server.worker_process import ComputeWorkerGone, ProcessComputeWorker, WorkerSpec
+from lutb_server.worker_process import DEFAULT_ARENA_BYTES, ComputeWorkerGone, ProcessComputeWorker, WorkerSpec
 
 
 def _engines(path: Path) -> tuple[ExpertEngine, ExpertEngine]:
@@ -35,22 +35,35 @@ def _engines(path: Path) -> tuple[ExpertEngine, ExpertEngine]:
     return ExpertEngine(checkpoint, choice, load_experts=False), ExpertEngine(checkpoint, choice)
 
 
-def _requests(engine: ExpertEngine, layer: int, sizes: tuple[int, ...], seed: int) -> list[PreparedRequest]:
+def _requests(engine: ExpertEngine, layer: int, sizes: tuple[int, ...], seed: int,
+              output_mode: str = "combined") -> list[PreparedRequest]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for tokens in sizes:
         x = torch.randn(tokens, 128, generator=gen).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)]).to(torch.int32)
         weights = torch.softmax(torch.randn(tokens, 2, generator=gen), dim=1)
-        out.append(engine.prepare(layer, x, ids, weights))
+        out.append(engine.prepare(layer, x, ids, weights, output_mode=output_mode))
     return out
 
 
-@pytest.fixture(scope="module")
-def process_worker(tiny_checkpoint: Path):  # noqa: ANN201
-    worker = ProcessComputeWorker(WorkerSpec(str(tiny_checkpoint), "reference", "cpu", validate_tiles=False)).start()
+# How batches travel: all through the shared arena, all inline through the socket, or an arena
+# so small (16 KiB) that the larger batches and every second one in flight fall back inline.
+TRANSPORTS = {"arena": DEFAULT_ARENA_BYTES, "inline": 0, "small arena": 16 << 10}
+
+
+@pytest.fixture(scope="module", params=list(TRANSPORTS.values()), ids=list(TRANSPORTS))
+def process_worker(tiny_checkpoint: Path, request: pytest.FixtureRequest):  # noqa: ANN201
+    spec = WorkerSpec(str(tiny_checkpoint), "reference", "cpu", validate_tiles=False)
+    worker = ProcessComputeWorker(spec, arena_bytes=request.param).start()
     yield worker
     worker.close(10)
+
+
+def _poison_arena(worker: ProcessComputeWorker) -> None:
+    """NaN bit patterns over the whole arena: an output the child did not write cannot pass for one."""
+    if worker._arena is not None:
+        worker._arena._bytes.fill_(0xFF)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int32, torch.uint8])
@@ -70,13 +83,24 @@ def test_outputs_equal_the_thread_worker(process_worker: ProcessComputeWorker, t
     assert process_worker.weight_bytes == full.weight_bytes > 0
     assert process_worker.gpu_memory() == (0, 0)  # a CPU child has no CUDA allocator
     assert catalog.layer_ids == full.layer_ids and catalog.expert_ids(1) == full.expert_ids(1)
-    for layer, sizes in ((0, (3, 5)), (1, (1,)), (1, (7, 2, 4))):
-        requests = _requests(catalog, layer, sizes, seed=layer * 10 + len(sizes))
+    inline_before = process_worker.inline_batches
+    cases = ((0, (3, 5), "combined"), (1, (1,), "combined"), (1, (7, 2, 4), "combined"), (0, (2, 3), "route_major"),
+             (1, (40,), "combined"))
+    for layer, sizes, mode in cases:
+        requests = _requests(catalog, layer, sizes, seed=layer * 10 + len(sizes), output_mode=mode)
+        _poison_arena(process_worker)
         got, seconds = process_worker.submit(requests).result(60)
         want, _ = ComputeWorker(full).run(requests)
         assert seconds > 0 and len(got) == len(sizes)
         for g, w in zip(got, want):
-            assert g.dtype == w.dtype and torch.equal(g, w)
+            assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+    inline = process_worker.inline_batches - inline_before
+    if process_worker.arena_bytes == DEFAULT_ARENA_BYTES:
+        assert inline == 0
+    elif process_worker.arena_bytes == 0:
+        assert inline == len(cases)
+    else:  # 16 KiB: the 40-token batch (10 KiB in, 10 KiB out) does not fit; the others do
+        assert inline == 1
 
 
 def test_a_failing_batch_fails_alone(process_worker: ProcessComputeWorker, tiny_checkpoint: Path) -> None:
@@ -143,6 +167,7 @@ def test_server_on_a_compute_process(tiny_checkpoint: Path) -> None:
         running = server.server
         assert running is not None and running.engine is not None
         assert running.engine.weight_bytes == 0  # the serving process holds no weights; the child does
+        assert running.scheduler.worker.arena_bytes > 0 and running.scheduler.worker.inline_batches == 0  # shared memory
         assert running.metrics.registry.get_sample_value("lutb_weight_bytes") == _engines(tiny_checkpoint)[1].weight_bytes
         # The compute process dies: the server takes itself out of service (health NOT_SERVING, requests
         # UNAVAILABLE so clients fail over) and flags the failure, on which `serve()` drains and exits 1.

@@ -1,0 +1,152 @@
+"""Shared memory between the serving process and its compute process: batches travel without being copied through a socket.
+
+Why: a 512-token batch is 2 MB of hidden states each way. Written through the compute
+process's socket (a few hundred KB of kernel buffer), it took the serving event loop one
+iteration per chunk, each behind dozens of gRPC callbacks, so under load a batch's transfer
+cost more than its compute (bench/results/2026-12-03-worker-h200.md). With the arena the
+serving process copies a request's tensors into memory both processes map, sends a
+descriptor of a few hundred bytes, and copies the outputs out when the answer arrives.
+
+The arena is one ``memfd`` (anonymous shared memory: not a file in ``/dev/shm``, so the 64 MB
+``/dev/shm`` of a default container does not bound it) used as a ring: the serving process
+takes one span per batch (inputs and outputs) and gives it back when the batch's answer has
+been read. Answers come back in submission order, so spans are freed oldest first; a batch
+that does not fit travels inline instead (the caller's fallback). Linux only
+(:func:`os.memfd_create`); elsewhere :func:`arena_supported` is false.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+ALIGN = 256
+"""Bytes every tensor's offset is a multiple of (cache lines, and any dtype's alignment)."""
+
+
+def arena_supported() -> bool:
+    """Whether this platform has anonymous shared memory (``memfd_create``)."""
+    return hasattr(os, "memfd_create")
+
+
+class Slot(NamedTuple):
+    """Where one tensor lies in the arena (picklable: it is what crosses the socket)."""
+
+    offset: int
+    dtype: str
+    """``torch`` dtype name, e.g. ``"bfloat16"``."""
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = getattr(torch, self.dtype).itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class SharedArena:
+    """``size`` bytes of shared memory, viewed as tensors through :class:`Slot` descriptors.
+
+    The creator (the serving process) calls :meth:`create`, hands :attr:`fd` to the other
+    process (``socket.send_fds``), which calls :meth:`attach`. Only the creator takes and
+    releases spans; the other side only reads and writes through slots it is given.
+    """
+
+    def __init__(self, fd: int, size: int, *, owner: bool) -> None:
+        self.fd, self.size = fd, size
+        self._owner = owner
+        self._map = mmap.mmap(fd, size)
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        self._live: deque[tuple[int, int]] = deque()  # (start, end) of taken spans, oldest first
+
+    @classmethod
+    def create(cls, size: int) -> SharedArena:
+        """A new arena of ``size`` bytes (rounded up to :data:`ALIGN`); pages are backed when first touched."""
+        size = _aligned(max(size, ALIGN))
+        fd = os.memfd_create("lutb-compute-arena", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, size, owner=True)
+
+    @classmethod
+    def attach(cls, fd: int) -> SharedArena:
+        """The other process's view of an arena whose descriptor it received."""
+        return cls(fd, os.fstat(fd).st_size, owner=False)
+
+    def close(self) -> None:
+        """Unmap and close the descriptor (the memory goes when both processes have closed it)."""
+        self._bytes = torch.empty(0, dtype=torch.uint8)
+        try:
+            self._map.close()
+        except BufferError:  # a tensor view is still alive somewhere: the mapping goes with it
+            pass
+        os.close(self.fd)
+
+    # -- spans (the creator) --------------------------------------------------------------------
+
+    def take(self, nbytes: int) -> int | None:
+        """Offset of a free span of ``nbytes`` (aligned), or None when the ring has no room now."""
+        n = _aligned(max(nbytes, 1))
+        if not self._live:
+            start = 0 if n <= self.size else None
+        else:
+            oldest, (newest_start, head) = self._live[0][0], self._live[-1]
+            if newest_start < oldest:  # wrapped: free is [head, oldest)
+                start = head if head + n <= oldest else None
+            elif head + n <= self.size:  # free is [head, size) and [0, oldest)
+                start = head
+            else:
+                start = 0 if n <= oldest else None
+        if start is not None:
+            self._live.append((start, start + n))
+        return start
+
+    def release(self, start: int) -> None:
+        """Give back the span taken at ``start`` (normally the oldest)."""
+        for i, (s, _) in enumerate(self._live):
+            if s == start:
+                del self._live[i]
+                return
+        raise KeyError(f"no span taken at {start}")
+
+    def release_all(self) -> None:
+        self._live.clear()
+
+    @property
+    def spans(self) -> int:
+        """Spans taken and not yet released."""
+        return len(self._live)
+
+    # -- tensors (both sides) -------------------------------------------------------------------
+
+    def view(self, slot: Slot) -> torch.Tensor:
+        """The tensor ``slot`` describes, as a view of the shared memory (writes are seen by both processes)."""
+        nbytes = slot.nbytes
+        if slot.offset < 0 or slot.offset + nbytes > self.size:
+            raise ValueError(f"slot {slot} lies outside the arena ({self.size} bytes)")
+        return self._bytes[slot.offset:slot.offset + nbytes].view(getattr(torch, slot.dtype)).view(slot.shape)
+
+
+def layout(start: int, tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[list[Slot], int]:
+    """Slots for ``tensors`` (dtype, shape) placed one after another from ``start``; also the bytes they span."""
+    slots, offset = [], start
+    for dtype, shape in tensors:
+        slot = Slot(offset, str(dtype).removeprefix("torch."), tuple(int(s) for s in shape))
+        slots.append(slot)
+        offset += _aligned(max(slot.nbytes, 1))
+    return slots, offset - start
+
+
+__all__ = ["ALIGN", "SharedArena", "Slot", "arena_supported", "layout"]

@@ -1,0 +1,86 @@
+"""The shared arena: a ring of spans freed oldest first, and tensors viewed through slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lutb_server.shared_arena import ALIGN, SharedArena, Slot, arena_supported, layout
+
+pytestmark = pytest.mark.skipif(not arena_supported(), reason="needs os.memfd_create (Linux)")
+
+
+@pytest.fixture
+def arena():  # noqa: ANN201
+    a = SharedArena.create(8 * ALIGN)
+    yield a
+    a.close()
+
+
+# (sizes to take in order, spans to release after each take (by index), expected offsets; None = no room)
+RING_CASES = {
+    "fills then refuses": ([ALIGN, 3 * ALIGN, 4 * ALIGN, 1], [], [0, ALIGN, 4 * ALIGN, None]),
+    "rounds up to ALIGN": ([1, ALIGN + 1, 1], [], [0, ALIGN, 3 * ALIGN]),
+    "too big for an empty ring": ([9 * ALIGN], [], [None]),
+    "whole ring": ([8 * ALIGN, 1], [], [0, None]),
+    "wraps to the front once the oldest is free": ([4 * ALIGN, 3 * ALIGN, 2 * ALIGN], [0], [0, 4 * ALIGN, 0]),
+    "wrapped: room only before the oldest": ([4 * ALIGN, 3 * ALIGN, 2 * ALIGN, 3 * ALIGN], [0], [0, 4 * ALIGN, 0, None]),
+    "empty again: starts over at 0": ([6 * ALIGN, 4 * ALIGN], [0], [0, 0]),
+}
+
+
+@pytest.mark.parametrize("sizes, release_before, want", RING_CASES.values(), ids=RING_CASES.keys())
+def test_ring_spans(arena: SharedArena, sizes: list[int], release_before: list[int], want: list[int | None]) -> None:
+    """``release_before``: indexes of earlier takes released just before the take after the second."""
+    got: list[int | None] = []
+    for i, size in enumerate(sizes):
+        if i == 2 or (i == 1 and len(sizes) == 2):
+            for j in release_before:
+                start = got[j]
+                assert start is not None
+                arena.release(start)
+        got.append(arena.take(size))
+    assert got == want
+
+
+def test_release_out_of_order_keeps_the_younger_spans_taken(arena: SharedArena) -> None:
+    a, b, c = arena.take(2 * ALIGN), arena.take(2 * ALIGN), arena.take(2 * ALIGN)
+    assert (a, b, c) == (0, 2 * ALIGN, 4 * ALIGN)
+    arena.release(b)  # a middle span: its room comes back only once the older ones go
+    assert arena.take(4 * ALIGN) is None and arena.spans == 2
+    arena.release(a)  # now only c is taken: [6, 8) and [0, 4) are free
+    assert arena.take(4 * ALIGN) == 0  # no room at the end: wraps to the front
+    assert arena.take(1) is None  # wrapped: only [4, 4) left before c
+    arena.release(c)
+    assert arena.take(4 * ALIGN) == 4 * ALIGN
+    with pytest.raises(KeyError):
+        arena.release(3 * ALIGN)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int32, torch.uint8])
+@pytest.mark.parametrize("shape", [(0, 4), (1,), (3, 5), (2, 3, 7)])
+def test_slots_view_tensors_round_trip(arena: SharedArena, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    tensors = [(torch.randn(shape) * 50).to(dtype) for _ in range(2)]
+    slots, nbytes = layout(ALIGN, [(t.dtype, tuple(t.shape)) for t in tensors])
+    assert all(s.offset % ALIGN == 0 for s in slots) and nbytes >= sum(s.nbytes for s in slots)
+    for t, slot in zip(tensors, slots):
+        arena.view(slot).copy_(t)
+    other = SharedArena.attach(_dup(arena.fd))  # a second mapping of the same memory, as the child has
+    try:
+        for t, slot in zip(tensors, slots):
+            assert torch.equal(other.view(slot), t)
+    finally:
+        other.close()
+
+
+def test_a_slot_outside_the_arena_is_refused(arena: SharedArena) -> None:
+    with pytest.raises(ValueError, match="outside"):
+        arena.view(Slot(7 * ALIGN, "float32", (ALIGN,)))
+    with pytest.raises(ValueError, match="outside"):
+        arena.view(Slot(-ALIGN, "uint8", (1,)))
+
+
+def _dup(fd: int) -> int:
+    import os
+
+    return os.dup(fd)
