@@ -29,11 +29,12 @@ Frames on one Unix stream socket, each an 8-byte little-endian length and a pick
 
 - child -> parent, once: ``("ready", info)`` (``weight_bytes``, ``backend``, ``graphs_s``,
   ``warm_up_s``, ``gpu_memory``) or ``("failed", exception)``;
-- parent -> child: ``(job, requests, output_slots)`` per batch, each request ``(layer, x, topk_ids,
-  topk_weights, apply_router_weight_on_input, output_mode)``, ``output_slots`` where the child
-  writes each request's output (None: send them inline); ``None`` to stop;
-- child -> parent: ``(job, outputs, seconds, gpu_memory)`` or ``(job, exception, 0.0, gpu_memory)``,
-  ``outputs`` None when they are in the output slots, else a list of codec messages;
+- parent -> child: ``(job, (layer, x, topk_ids, topk_weights, apply_router_weight_on_input,
+  output_mode), output_slot)`` per batch, its requests concatenated (they share the pool key), and
+  ``output_slot`` where the child writes the batch's output (None: send it inline); ``None`` to stop;
+- child -> parent: ``(job, output, seconds, gpu_memory)`` or ``(job, exception, 0.0, gpu_memory)``,
+  ``output`` None when it is in the output slot, else a codec message; the serving process splits
+  it back per request;
   ``gpu_memory`` the child's ``(allocated, reserved)`` CUDA allocator bytes as last read (the
   child reads them at most every :data:`GPU_MEMORY_PERIOD_S`, after answering: a reading costs
   hundreds of microseconds).
@@ -49,6 +50,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import pickle
+import select
 import signal
 import socket
 import threading
@@ -100,6 +102,10 @@ class WorkerSpec:
     """Eager batch sizes compiled before ready (``ComputeWorker.warm_up``); 0: none."""
     intra_op_threads: int = 0
     gil_switch_interval_us: int = 0
+    poll_us: int = 0
+    """After each answer the child polls its socket this long before it sleeps in ``recv``: a batch
+    that comes sooner skips the wake-up of a sleeping process, for a busy core meanwhile. 0: sleep
+    at once. (An experiment of ``bench/worker_pacing.py``; not a server setting.)"""
 
 
 # -- framing ---------------------------------------------------------------------------------------
@@ -187,9 +193,15 @@ def _tensor(item: Any, arena: SharedArena | None) -> torch.Tensor:
     return arena.view(item) if isinstance(item, Slot) and arena is not None else decode_tensor(item)
 
 
-def _fits(outputs: list[torch.Tensor], slots: list[Slot]) -> bool:
-    return len(outputs) == len(slots) and all(
-        tuple(o.shape) == s.shape and str(o.dtype).removeprefix("torch.") == s.dtype for o, s in zip(outputs, slots))
+def _fits(output: torch.Tensor, slot: Slot) -> bool:
+    return tuple(output.shape) == slot.shape and str(output.dtype).removeprefix("torch.") == slot.dtype
+
+
+def _poll(sock: socket.socket, seconds: float) -> None:
+    """Spin until ``sock`` is readable or ``seconds`` have passed."""
+    end = time.perf_counter() + seconds
+    while not select.select([sock], [], [], 0)[0] and time.perf_counter() < end:
+        pass
 
 
 def _child_main(spec: WorkerSpec, sock: socket.socket) -> None:
@@ -231,19 +243,15 @@ def _child_main(spec: WorkerSpec, sock: socket.socket) -> None:
             return  # the serving process is gone
         if message is None:
             return
-        job, packed, output_slots = message
-        try:
-            requests = [
-                PreparedRequest(layer, _tensor(x, arena), _tensor(ids, arena), _tensor(w, arena), on_input, mode)
-                for layer, x, ids, w, on_input, mode in packed
-            ]
-            outputs, seconds = worker.run(requests)
-            if output_slots is not None and arena is not None and _fits(outputs, output_slots):
-                for o, slot in zip(outputs, output_slots):
-                    arena.view(slot).copy_(o)
+        job, (layer, x, ids, w, on_input, mode), out_slot = message
+        try:  # the batch arrives concatenated: one request to the worker
+            request = PreparedRequest(layer, _tensor(x, arena), _tensor(ids, arena), _tensor(w, arena), on_input, mode)
+            (output,), seconds = worker.run([request])
+            if out_slot is not None and arena is not None and _fits(output, out_slot):
+                arena.view(out_slot).copy_(output)
                 answer = (job, None, seconds, memory)
             else:
-                answer = (job, [encode_tensor(o) for o in outputs], seconds, memory)
+                answer = (job, encode_tensor(output), seconds, memory)
         except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
             answer = (job, _picklable(exc), 0.0, memory)
         try:
@@ -252,6 +260,8 @@ def _child_main(spec: WorkerSpec, sock: socket.socket) -> None:
             return
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batch's latency
             memory, memory_read = _gpu_memory(device), time.monotonic()
+        if spec.poll_us:
+            _poll(sock, spec.poll_us / 1e6)
 
 
 # -- the serving process's side --------------------------------------------------------------------
@@ -286,8 +296,8 @@ class ProcessComputeWorker:
         self.batches = 0
         self._process: Any = None
         self._transport: asyncio.Transport | None = None
-        self._pending: dict[int, tuple[Future[BatchOutput], int | None, list[Slot] | None]] = {}
-        """job -> (its future, its arena span's start, its output slots); None, None when inline."""
+        self._pending: dict[int, tuple[Future[BatchOutput], int | None, Slot | None, list[int]]] = {}
+        """job -> (its future, its arena span's start, its output slot, its requests' tokens); None, None when inline."""
         self._lock = threading.Lock()  # _pending, _gone and the arena's spans: submit may come from any thread
         self.inline_batches = 0
         """Batches that travelled through the socket because the arena had no room (or is off)."""
@@ -369,7 +379,9 @@ class ProcessComputeWorker:
             ComputeWorkerGone: the child is gone (or not started).
         """
         future: Future[BatchOutput] = Future()
-        shapes = _arena_shapes(requests) if self._arena is not None else []
+        first = requests[0]
+        tokens = [r.tokens for r in requests]
+        shapes = _batch_shapes(first, sum(tokens))
         with self._lock:
             if self._gone is not None:
                 raise self._gone
@@ -378,21 +390,18 @@ class ProcessComputeWorker:
             job = next(self._jobs)
             start = self._arena.take(layout(0, shapes)[1]) if self._arena is not None else None
             slots = layout(start, shapes)[0] if start is not None else None
-            out_slots = slots[3 * len(requests):] if slots is not None else None
-            self._pending[job] = (future, start, out_slots)
-        if slots is not None:
+            self._pending[job] = (future, start, slots[3] if slots is not None else None, tokens)
+        inputs = ([r.x for r in requests], [r.topk_ids for r in requests], [r.topk_weights for r in requests])
+        if slots is not None:  # concatenated straight into the shared memory
             assert self._arena is not None
-            triples = [slots[i:i + 3] for i in range(0, 3 * len(requests), 3)]
-            for r, (x, ids, w) in zip(requests, triples):
-                self._arena.view(x).copy_(r.x)
-                self._arena.view(ids).copy_(r.topk_ids)
-                self._arena.view(w).copy_(r.topk_weights)
-            packed = [(r.layer, x, ids, w, r.apply_router_weight_on_input, r.output_mode) for r, (x, ids, w) in zip(requests, triples)]
+            for parts, slot in zip(inputs, slots):
+                _concat(parts, self._arena.view(slot))
+            x, ids, w, out = slots
         else:
             self.inline_batches += 1
-            packed = [(r.layer, encode_tensor(r.x), encode_tensor(r.topk_ids), encode_tensor(r.topk_weights),
-                       r.apply_router_weight_on_input, r.output_mode) for r in requests]
-        batch = (job, packed, out_slots)
+            x, ids, w = (encode_tensor(parts[0] if len(parts) == 1 else torch.cat(parts)) for parts in inputs)
+            out = None
+        batch = (job, (first.layer, x, ids, w, first.apply_router_weight_on_input, first.output_mode), out)
         assert self._loop is not None
         if _running_loop() is self._loop:
             self._write(batch)
@@ -452,12 +461,14 @@ class ProcessComputeWorker:
             entry = self._pending.pop(job, None)
         if entry is None:
             return
-        future, start, out_slots = entry
-        if result is None:  # in the output slots: copied out before the span is taken again
-            assert self._arena is not None and out_slots is not None
-            outputs = [self._arena.view(slot).clone() for slot in out_slots]
+        future, start, out_slot, tokens = entry
+        if result is None:  # in the output slot: copied out before the span is taken again
+            assert self._arena is not None and out_slot is not None
+            out = self._arena.view(out_slot).clone()
         elif not isinstance(result, BaseException):
-            outputs = [decode_tensor(o) for o in result]
+            out = decode_tensor(result)
+        if not isinstance(result, BaseException):
+            outputs = list(torch.split(out, tokens)) if len(tokens) > 1 else [out]
         if start is not None:
             with self._lock:
                 if self._arena is not None and self._gone is None:
@@ -483,7 +494,7 @@ class ProcessComputeWorker:
             pending, self._pending = self._pending, {}
             if self._arena is not None:
                 self._arena.release_all()
-        for future, _, _ in pending.values():
+        for future, *_ in pending.values():
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
         if first and not self._closing:
@@ -492,18 +503,20 @@ class ProcessComputeWorker:
                 self._on_gone(error)
 
 
-def _arena_shapes(requests: Sequence[PreparedRequest]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    """(dtype, shape) of what a batch puts in the arena: each request's x, topk_ids, topk_weights, then each output
+def _batch_shapes(first: PreparedRequest, tokens: int) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """(dtype, shape) of a batch of ``tokens`` pooled with ``first``: x, topk_ids, topk_weights, then the output
     (``[T, H]`` combined, ``[T, k, H]`` route-major, in x's dtype: the model dtype)."""
-    shapes: list[tuple[torch.dtype, tuple[int, ...]]] = []
-    for r in requests:
-        shapes += [(r.x.dtype, tuple(r.x.shape)), (r.topk_ids.dtype, tuple(r.topk_ids.shape)),
-                   (r.topk_weights.dtype, tuple(r.topk_weights.shape))]
-    for r in requests:
-        tokens, hidden = r.x.shape
-        rows = (tokens, r.topk_ids.shape[1], hidden) if r.output_mode == "route_major" else (tokens, hidden)
-        shapes.append((r.x.dtype, tuple(int(v) for v in rows)))
-    return shapes
+    hidden, k = int(first.x.shape[1]), int(first.topk_ids.shape[1])
+    out = (tokens, k, hidden) if first.output_mode == "route_major" else (tokens, hidden)
+    return [(first.x.dtype, (tokens, hidden)), (first.topk_ids.dtype, (tokens, k)), (first.topk_weights.dtype, (tokens, k)),
+            (first.x.dtype, out)]
+
+
+def _concat(parts: list[torch.Tensor], out: torch.Tensor) -> None:
+    if len(parts) == 1:
+        out.copy_(parts[0])
+    else:
+        torch.cat(parts, out=out)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
