@@ -25,7 +25,7 @@ timeout 330 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE --timeout 150 $GP
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -12
 echo "== worker pacing (thread vs process)"
 timeout 150 "$PY" bench/worker_pacing.py --out "$W/wp" --tokens 1 16 --seconds 0.6 \
-  --busy-switch-intervals-us 200 --child-poll-us 2000 > "$OUT/worker-pacing.txt" 2>&1 || status=1
+  --busy-switch-intervals-us 200 > "$OUT/worker-pacing.txt" 2>&1 || status=1
 cp "$W/wp/"*.json "$OUT/" 2>/dev/null
 for cw in thread process; do
   echo "== serving, compute worker: $cw"

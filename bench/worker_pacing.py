@@ -18,9 +18,8 @@ one process, no gRPC:
 - ``process`` and ``process+busy``: ``asyncio`` and ``asyncio+busy`` (at ``--switch-interval-us``)
   through a :class:`~lutb_server.worker_process.ProcessComputeWorker` on the same loop
   (``compute_worker = "process"``, as the server runs it): the batch runs in a child process,
-  whose GIL nothing else wants;
-- with ``--child-poll-us N``, the same two with a child that spins on its socket for N us after
-  each answer before it sleeps (``WorkerSpec.poll_us``): what a sleeping process's wake-up costs.
+  whose GIL nothing else wants. (A child that spun on its socket for 2 ms after each answer
+  instead of sleeping gained nothing clear: bench/results/2026-12-03-worker-h200.md, commit ff449ee.)
 
 Columns: the median of ``run``'s own seconds (what the server reports as compute) and of the
 round trip seen by the submitter, in microseconds. Usage (GPU):
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import statistics
 import sys
@@ -112,8 +110,6 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run: --shape smoke --backend reference)")
     p.add_argument("--backend", default="packed")
     p.add_argument("--switch-interval-us", type=int, default=200, help="sys.setswitchinterval, as the server sets it on CUDA")
-    p.add_argument("--child-poll-us", type=int, default=0,
-                   help="also run the process modes with a child that polls its socket this long after each answer (WorkerSpec.poll_us)")
     p.add_argument("--busy-switch-intervals-us", type=int, nargs="+", default=[200, 50, 20, 5],
                    help="switch intervals of the asyncio+busy mode")
     args = p.parse_args()
@@ -143,7 +139,6 @@ def main() -> int:
     loop = asyncio.new_event_loop()  # every asyncio mode runs on it; the compute process's I/O too, as in the server
     spec = WorkerSpec(str(ckpt), args.backend, args.device, validate_tiles=False, cuda_graph_max_tokens=512, cuda_graph_top_k=shape["top_k"])
     child = ProcessComputeWorker(spec, loop=loop).start()
-    polling = ProcessComputeWorker(dataclasses.replace(spec, poll_us=args.child_poll_us), loop=loop).start() if args.child_poll_us else None
     rows = []
     gen = torch.Generator().manual_seed(0)
     for tokens in args.tokens:
@@ -163,19 +158,13 @@ def main() -> int:
                 interval, lambda: loop.run_until_complete(_asyncio(worker, prepared, args.seconds, 1)))
         modes["process"] = lambda: loop.run_until_complete(_asyncio(child, prepared, args.seconds, 0))
         modes["process+busy"] = lambda: loop.run_until_complete(_asyncio(child, prepared, args.seconds, 1))
-        if polling is not None:
-            modes[f"process, child polls {args.child_poll_us}us"] = lambda: loop.run_until_complete(_asyncio(polling, prepared, args.seconds, 0))
-            modes[f"process+busy, child polls {args.child_poll_us}us"] = lambda: loop.run_until_complete(
-                _asyncio(polling, prepared, args.seconds, 1))
         for mode, fn in modes.items():
             r = fn()
             rows.append({"tokens": tokens, "mode": mode, **r})
             print(f"T={tokens:3d} {mode:20s} compute {r['compute_us']:7.1f} us  round trip {r['round_trip_us']:7.1f} us  ({r['calls']} calls)",
                   flush=True)
     worker.close()
-    for c in (child, polling):  # close() blocks; the loop must run meanwhile
-        if c is not None:
-            loop.run_until_complete(asyncio.to_thread(c.close, 30))
+    loop.run_until_complete(asyncio.to_thread(child.close, 30))  # close() blocks; the loop must run meanwhile
     loop.close()
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "backend": args.backend, "torch": torch.__version__, "shape": args.shape,
             "switch_interval_us": args.switch_interval_us, "threads": threading.active_count()}

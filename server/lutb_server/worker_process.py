@@ -50,7 +50,6 @@ import itertools
 import logging
 import multiprocessing as mp
 import pickle
-import select
 import signal
 import socket
 import threading
@@ -102,10 +101,6 @@ class WorkerSpec:
     """Eager batch sizes compiled before ready (``ComputeWorker.warm_up``); 0: none."""
     intra_op_threads: int = 0
     gil_switch_interval_us: int = 0
-    poll_us: int = 0
-    """After each answer the child polls its socket this long before it sleeps in ``recv``: a batch
-    that comes sooner skips the wake-up of a sleeping process, for a busy core meanwhile. 0: sleep
-    at once. (An experiment of ``bench/worker_pacing.py``; not a server setting.)"""
 
 
 # -- framing ---------------------------------------------------------------------------------------
@@ -197,13 +192,6 @@ def _fits(output: torch.Tensor, slot: Slot) -> bool:
     return tuple(output.shape) == slot.shape and str(output.dtype).removeprefix("torch.") == slot.dtype
 
 
-def _poll(sock: socket.socket, seconds: float) -> None:
-    """Spin until ``sock`` is readable or ``seconds`` have passed."""
-    end = time.perf_counter() + seconds
-    while not select.select([sock], [], [], 0)[0] and time.perf_counter() < end:
-        pass
-
-
 def _child_main(spec: WorkerSpec, sock: socket.socket) -> None:
     """The compute process: build, announce, then run batches until told to stop (or the socket closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the serving process drains first
@@ -260,8 +248,6 @@ def _child_main(spec: WorkerSpec, sock: socket.socket) -> None:
             return
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batch's latency
             memory, memory_read = _gpu_memory(device), time.monotonic()
-        if spec.poll_us:
-            _poll(sock, spec.poll_us / 1e6)
 
 
 # -- the serving process's side --------------------------------------------------------------------
