@@ -101,6 +101,7 @@ def grouped_gemm(
     block_m: int = 128,
     allow_tf32: bool = False,
     config: GroupedGemmConfig | None = None,
+    held_routes: int | None = None,
 ) -> torch.Tensor:
     """``out[route] = (a[route // top_k] @ w[expert]^T) * topk_weights[route]`` over the routed rows.
 
@@ -115,6 +116,8 @@ def grouped_gemm(
         block_m: the routing's block size.
         allow_tf32: let float32 inputs use TF32 tensor cores.
         config: launch parameters; default :func:`default_config`.
+        held_routes: routes expected to land on ``w``'s experts when it holds a shard of the
+            experts the routing chose from; None: all ``M * top_k``. Sizes the default launch only.
 
     Returns:
         ``out``.
@@ -127,7 +130,7 @@ def grouped_gemm(
 
     device = a.device
     if config is None:
-        config = default_config(num_valid, n, k, w.shape[0], block_m, device, a.element_size())
+        config = default_config(num_valid if held_routes is None else held_routes, n, k, w.shape[0], block_m, device, a.element_size())
     bm = min(config.block_m, block_m)
     if block_m % bm:
         raise ValueError(f"config.block_m {config.block_m} must divide block_m {block_m}")
@@ -168,8 +171,9 @@ def grouped_gemm_reference(
     block_m: int = 128,
     allow_tf32: bool = False,
     config: GroupedGemmConfig | None = None,
+    held_routes: int | None = None,
 ) -> torch.Tensor:
-    """Plain-PyTorch twin of :func:`grouped_gemm` (float32 math; ``allow_tf32``/``config`` ignored)."""
+    """Plain-PyTorch twin of :func:`grouped_gemm` (float32 math; ``allow_tf32``/``config``/``held_routes`` ignored)."""
     m, n, k = _check_args(a, w, out, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_m)
     num_valid = m * top_k
     used = int(num_tokens_post_padded.item())

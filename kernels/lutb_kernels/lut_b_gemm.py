@@ -224,6 +224,7 @@ def lut_b_moe_gemm(
     block_m: int = 128,
     a_k_order: Literal["natural", "decoder"] = "natural",
     config: LutBGemmConfig | None = None,
+    held_routes: int | None = None,
 ) -> torch.Tensor:
     """``out[route] = (A[route // top_k] @ W[expert]^T) * topk_weights[route]`` over the routed rows.
 
@@ -244,6 +245,9 @@ def lut_b_moe_gemm(
         a_k_order: ``"decoder"`` when ``a_mxfp8`` was quantized with ``k_order="decoder"``
             (contiguous loads); ``"natural"`` reads it in decoder order by address.
         config: launch parameters; default :func:`default_config`.
+        held_routes: routes expected to land on ``w_packed``'s experts, when it holds a shard of
+            the experts the routing chose from (uniform share: ``M * top_k * E / E_layer``); None:
+            all ``M * top_k``. Sizes the default launch only; the result does not depend on it.
 
     Returns:
         ``out``.
@@ -257,7 +261,7 @@ def lut_b_moe_gemm(
 
     device = a_mxfp8.device
     if config is None:
-        config = default_config(num_valid, n, k, w_packed.shape[0], block_m, device)
+        config = default_config(num_valid if held_routes is None else held_routes, n, k, w_packed.shape[0], block_m, device)
     bm = min(config.block_m, block_m)
     if (block_m % bm or config.block_n not in (16, 32, 64, 128) or config.split_k < 1 or config.groups_per_step not in (1, 2, 4)
             or (config.tile_loop and config.groups_per_step != 1) or config.decoder not in DECODER_IDS
@@ -316,8 +320,9 @@ def lut_b_moe_gemm_reference(
     block_m: int = 128,
     a_k_order: Literal["natural", "decoder"] = "natural",
     config: LutBGemmConfig | None = None,
+    held_routes: int | None = None,
 ) -> torch.Tensor:
-    """Plain-PyTorch twin of :func:`lut_b_moe_gemm` (``config`` is ignored).
+    """Plain-PyTorch twin of :func:`lut_b_moe_gemm` (``config`` and ``held_routes`` are ignored).
 
     Dequantizes A with :func:`~lutb_kernels.mxfp8.mxfp8_dequantize` and each expert's tiles
     with :func:`~lutb_kernels.tiles.tiles_to_dense`, then walks the routing blocks; float32

@@ -60,3 +60,26 @@ def test_expected_blocks_against_sampling() -> None:
         draws = torch.randint(0, experts, (4000, routes), generator=gen)
         touched = torch.tensor([row.unique().numel() for row in draws], dtype=torch.float64).mean().item()
         assert op.expected_blocks(routes, experts, 16) - routes // 16 == pytest.approx(touched, rel=0.02)
+
+
+@pytest.mark.parametrize("routes,experts,held", [(64, 256, 32), (256, 256, 32), (128, 128, 16), (16, 8, 4)])
+def test_a_shard_estimates_its_blocks_from_its_share_of_the_routes(routes: int, experts: int, held: int) -> None:
+    """The experts classes pass ``held_routes = ceil(routes * held / experts)``: the closed form on that many
+    routes over the held experts against sampled uniform routings over all experts (counting held ones)."""
+    gen = torch.Generator().manual_seed(1)
+    draws = torch.randint(0, experts, (4000, routes), generator=gen)
+    touched = torch.tensor([row[row < held].unique().numel() for row in draws], dtype=torch.float64).mean().item()
+    held_routes = -(-routes * held // experts)
+    assert op.expected_blocks(held_routes, held, 16) - held_routes // 16 == pytest.approx(touched, rel=0.05)
+    if held < experts:  # all routes over the held experts: every one looks touched, the grid too big
+        assert op.expected_blocks(routes, held, 16) - routes // 16 > 1.1 * touched
+
+
+def test_a_deepseek_shard_splits_k_as_its_share_of_the_batch(h200: torch.device) -> None:
+    """Decode on 32 of deepseek's 256 experts (8-way expert parallel): one token's 8 routes put ~1 on the shard
+    (one block); sized on all 8 routes over 32 experts the grid would look 7x larger and split K less."""
+    _, hidden, inter, top_k = SHAPES["deepseek"]
+    held_routes = -(-1 * top_k * 32 // 256)
+    assert held_routes == 1
+    shard = op.default_config(held_routes, 2 * inter, hidden, 32, 16, h200).split_k
+    assert shard > op.default_config(top_k, 2 * inter, hidden, 32, 16, h200).split_k

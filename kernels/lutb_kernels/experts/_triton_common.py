@@ -118,9 +118,23 @@ class RoutedTritonExperts(LayerExperts):
         self._emap = self.expert_map()
 
     def route_block(self, num_routes: int) -> int:
+        """Rows per routing block for a batch of ``num_routes`` routes (``tokens * top_k``).
+
+        Sized by the routes expected at the held experts under uniform routing: a shard holding
+        a quarter of the experts receives about a quarter of the routes (the others are only
+        masked out), so its blocks are sized as for that many. Sizes only: graphs stay valid.
+        """
         if self.fixed_route_block is not None:
             return self.fixed_route_block
-        return choose_route_block(num_routes, self.num_local_experts)
+        return choose_route_block(self.held_routes(num_routes), self.num_local_experts)
+
+    def held_routes(self, num_routes: int) -> int:
+        """Routes of a ``num_routes`` batch expected at the held experts (uniform routing; rounded up).
+
+        All of them for a whole layer; ``num_routes * held / num_experts`` for a shard. Sizes
+        routing blocks and GEMM launches (``held_routes=`` of the GEMMs), never results.
+        """
+        return -(-num_routes * self.num_local_experts // self.config.num_experts)
 
     def _routed_forward(
         self,

@@ -98,7 +98,8 @@ class LutBPackedExperts(RoutedTritonExperts):
         """One GEMM on the tiles (``lut_b_moe_gemm``; the native backend overrides it)."""
         from lutb_kernels.lut_b_gemm import lut_b_moe_gemm
 
-        lut_b_moe_gemm(a, a_scales, w, out, topk_weights, *routing, top_k, block_m=route_block, a_k_order=self.a_k_order)  # type: ignore[arg-type]
+        lut_b_moe_gemm(a, a_scales, w, out, topk_weights, *routing, top_k, block_m=route_block, a_k_order=self.a_k_order,  # type: ignore[arg-type]
+                       held_routes=self.held_routes(out.shape[0]))
 
     def _dense_gemm(self, a, a_scales, w, out, topk_weights, routing, top_k, route_block):  # noqa: ANN001
         """:meth:`_gemm` on the prefill path: the grouped GEMM on the tiles dequantized to ``a.dtype``
@@ -107,7 +108,7 @@ class LutBPackedExperts(RoutedTritonExperts):
         from lutb_kernels.lut_b_dequant import lut_b_dequantize
 
         grouped_gemm(a, lut_b_dequantize(w, dtype=a.dtype), out, topk_weights, *routing, top_k,
-                     block_m=route_block, allow_tf32=True)
+                     block_m=route_block, allow_tf32=True, held_routes=self.held_routes(out.shape[0]))
 
     def _routed_forward(self, x, topk_weights, held, routing, top_k, route_block, nonfinite, *,  # noqa: ANN001
                         weight_on_input, weight_on_output):

@@ -102,6 +102,21 @@ def test_packed_takes_the_dense_path_by_rows_per_expert() -> None:
     assert not ex.uses_dense_weights(1 << 30)
 
 
+# (held experts of 8, routes in the batch, route block): a shard sizes its blocks by the routes it
+# receives (uniform share), as the whole layer would for the same rows per held expert.
+ROUTE_BLOCK_CASES = [
+    (8, 8 * 16, 16), (8, 8 * 17, 32), (8, 8 * 100, 128), (8, 8 * 600, 256),
+    (4, 8 * 16, 16), (4, 8 * 17, 32), (4, 8 * 100, 128), (4, 8 * 600, 256),
+    (2, 8 * 60, 64), (2, 1, 16), (1, 8 * 600, 256),
+]
+
+
+@pytest.mark.parametrize("held, routes, block", ROUTE_BLOCK_CASES)
+def test_route_block_by_rows_per_held_expert(held: int, routes: int, block: int) -> None:
+    cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=8)
+    assert LutBPackedExperts(cfg, make_layer(cfg, list(range(held))), "cpu").route_block(routes) == block
+
+
 def test_supports_refuses_cpu() -> None:
     cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=2)
     for cls in (LutBPackedExperts, LutBEmulationTritonExperts, LutBSm107Experts):
