@@ -39,6 +39,10 @@ Frames on one Unix stream socket, each an 8-byte little-endian length and a pick
   child reads them at most every :data:`GPU_MEMORY_PERIOD_S`, after answering: a reading costs
   hundreds of microseconds).
 
+One compute process can serve several serving processes (front ends, each its own event loop and
+gRPC server): :func:`spawn_compute_process` gives one socket per front end, and the child runs
+the batches that reach it together from several front ends as one call when they share a pool key.
+
 If the child dies, every pending and later batch fails with :class:`ComputeWorkerGone`.
 """
 
@@ -50,6 +54,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import pickle
+import select
 import signal
 import socket
 import threading
@@ -57,6 +62,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -183,24 +189,56 @@ def _gpu_memory(device: torch.device) -> tuple[int, int]:
     return torch_gpu_memory(str(device))() if device.type == "cuda" else (0, 0)
 
 
-def _tensor(item: Any, arena: SharedArena | None) -> torch.Tensor:
-    """A request tensor as the child sees it: a view of the arena, or decoded from its inline message."""
-    return arena.view(item) if isinstance(item, Slot) and arena is not None else decode_tensor(item)
-
-
 def _fits(output: torch.Tensor, slot: Slot) -> bool:
     return tuple(output.shape) == slot.shape and str(output.dtype).removeprefix("torch.") == slot.dtype
 
 
-def _child_main(spec: WorkerSpec, sock: socket.socket) -> None:
-    """The compute process: build, announce, then run batches until told to stop (or the socket closes)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the serving process drains first
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [compute]: %(message)s")
-    arena: SharedArena | None = None
-    try:
-        kind, fds, _, _ = socket.recv_fds(sock, 1, 1)
+class _Connection:
+    """The child's end of one serving process's socket, with that process's arena."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.arena: SharedArena | None = None
+
+    def fileno(self) -> int:  # for select
+        return self.sock.fileno()
+
+    def handshake(self) -> None:
+        """Receive the serving process's arena (its first message: one byte, the descriptor attached)."""
+        kind, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
+        if not kind:
+            raise EOFError("the serving process closed its socket before the handshake")
         if kind == b"A" and fds:
-            arena = SharedArena.attach(fds[0])
+            self.arena = SharedArena.attach(fds[0])
+
+    def tensor(self, item: Any) -> torch.Tensor:
+        """A request tensor: a view of this connection's arena, or decoded from its inline message."""
+        return self.arena.view(item) if isinstance(item, Slot) and self.arena is not None else decode_tensor(item)
+
+    def answer(self, job: int, output: torch.Tensor | BaseException, seconds: float, out_slot: Slot | None,
+               memory: tuple[int, int]) -> None:
+        if isinstance(output, BaseException):
+            message = (job, _picklable(output), 0.0, memory)
+        elif out_slot is not None and self.arena is not None and _fits(output, out_slot):
+            self.arena.view(out_slot).copy_(output)
+            message = (job, None, seconds, memory)
+        else:
+            message = (job, encode_tensor(output), seconds, memory)
+        _send(self.sock, message)
+
+
+def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
+    """The compute process: build, shake hands with each serving process, then run their batches.
+
+    Batches that arrive together from several serving processes (front ends) and share a pool key
+    run as one ``ComputeWorker.run``: the GPU sees their union. A failing merged batch is run again
+    one batch at a time, so that one front end's bad batch fails only its own. The child exits
+    when every serving process has said stop or closed its socket.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the serving processes drain first
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [compute]: %(message)s")
+    connections = [_Connection(sock) for sock in socks]
+    try:
         from lutb_kernels.checkpoint import Checkpoint
         from lutb_server.app import apply_gil_switch_interval, apply_intra_op_threads
         from lutb_server.backends import choose_backend, resolve_device
@@ -219,38 +257,92 @@ def _child_main(spec: WorkerSpec, sock: socket.socket) -> None:
         graphs_s = worker.capture_graphs()
         warm_up_s = worker.warm_up(spec.warm_up_tokens) if spec.warm_up_tokens else 0.0
         memory, memory_read = _gpu_memory(device), time.monotonic()
-        _send(sock, ("ready", {"weight_bytes": engine.weight_bytes, "backend": engine.backend.name,
-                               "graphs_s": graphs_s, "warm_up_s": warm_up_s, "gpu_memory": memory}))
-    except BaseException as exc:  # noqa: BLE001 - reported to the serving process, which raises it
-        _send(sock, ("failed", _picklable(exc)))
+        ready = ("ready", {"weight_bytes": engine.weight_bytes, "backend": engine.backend.name,
+                           "graphs_s": graphs_s, "warm_up_s": warm_up_s, "gpu_memory": memory})
+    except BaseException as exc:  # noqa: BLE001 - reported to the serving processes, which raise it
+        for c in connections:
+            try:
+                _send(c.sock, ("failed", _picklable(exc)))
+            except OSError:
+                pass
         return
-    while True:
+    open_: list[_Connection] = []
+    for c in connections:
         try:
-            message = _recv(sock)
-        except (EOFError, OSError):
-            return  # the serving process is gone
-        if message is None:
-            return
-        job, (layer, x, ids, w, on_input, mode), out_slot = message
-        try:  # the batch arrives concatenated: one request to the worker
-            request = PreparedRequest(layer, _tensor(x, arena), _tensor(ids, arena), _tensor(w, arena), on_input, mode)
-            (output,), seconds = worker.run([request])
-            if out_slot is not None and arena is not None and _fits(output, out_slot):
-                arena.view(out_slot).copy_(output)
-                answer = (job, None, seconds, memory)
-            else:
-                answer = (job, encode_tensor(output), seconds, memory)
-        except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
-            answer = (job, _picklable(exc), 0.0, memory)
-        try:
-            _send(sock, answer)
-        except OSError:
-            return
-        if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batch's latency
+            c.handshake()
+            _send(c.sock, ready)
+            open_.append(c)
+        except (EOFError, OSError) as exc:
+            log.warning("a serving process left before its handshake (%s)", exc)
+    while open_:
+        batches: list[tuple[_Connection, int, PreparedRequest, Slot | None]] = []
+        for c in select.select(open_, [], [])[0] if len(open_) > 1 else open_:
+            try:
+                message = _recv(c.sock)
+            except (EOFError, OSError):
+                message = None  # that serving process is gone
+            if message is None:
+                open_.remove(c)
+                continue
+            job, (layer, x, ids, w, on_input, mode), out_slot = message
+            try:  # a batch arrives concatenated: one request
+                request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode)
+            except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
+                _answer(c, job, exc, 0.0, out_slot, memory)
+                continue
+            batches.append((c, job, request, out_slot))
+        _run_merged(worker, batches, memory)
+        if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
             memory, memory_read = _gpu_memory(device), time.monotonic()
 
 
+def _run_merged(worker: Any, batches: list[tuple[_Connection, int, PreparedRequest, Slot | None]], memory: tuple[int, int]) -> None:
+    """Run ``batches`` (one per serving process at most), those with equal pool keys as one call, and answer each."""
+    groups: dict[tuple, list[tuple[_Connection, int, PreparedRequest, Slot | None]]] = {}
+    for batch in batches:
+        groups.setdefault(batch[2].pool_key, []).append(batch)
+    for group in groups.values():
+        try:
+            outputs, seconds = worker.run([request for _, _, request, _ in group])
+        except Exception as exc:  # noqa: BLE001 - alone, each batch gets its own result or error
+            if len(group) > 1:
+                for batch in group:
+                    _run_merged(worker, [batch], memory)
+                continue
+            outputs, seconds = [exc], 0.0
+        for (c, job, _, out_slot), output in zip(group, outputs):
+            _answer(c, job, output, seconds, out_slot, memory)
+
+
+def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, seconds: float, out_slot: Slot | None,
+            memory: tuple[int, int]) -> None:
+    try:
+        c.answer(job, output, seconds, out_slot, memory)
+    except OSError:
+        pass  # that serving process is gone; its socket reads EOF next round
+
+
 # -- the serving process's side --------------------------------------------------------------------
+
+
+def spawn_compute_process(spec: WorkerSpec, connections: int = 1) -> tuple[BaseProcess, list[socket.socket]]:
+    """Start the compute process (it loads in the background) with ``connections`` sockets to it.
+
+    Returns the process and the serving processes' ends of the sockets, one per front end; each
+    goes to one :class:`ProcessComputeWorker` (``connection=``), in this or another process
+    (a spawned process inherits a socket passed in its arguments).
+    """
+    if connections < 1:
+        raise ValueError(f"connections must be >= 1, got {connections}")
+    ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(connections)]
+    process = ctx.Process(target=_child_main, args=(spec, [theirs for _, theirs in pairs]), name="lutb-compute", daemon=True)
+    try:
+        process.start()
+    finally:
+        for _, theirs in pairs:
+            theirs.close()
+    return process, [ours for ours, _ in pairs]
 
 
 class ProcessComputeWorker:
@@ -258,6 +350,11 @@ class ProcessComputeWorker:
 
     Args:
         spec: what the child loads and how (see :class:`WorkerSpec`).
+        connection: a socket from :func:`spawn_compute_process` when the compute process is
+            shared by several serving processes (front ends); None: :meth:`start` spawns a
+            compute process of this worker's own.
+        process: the compute process, where this process started it (it is joined on
+            :meth:`close` and its exit code reported); None for a front end that did not.
         loop: the event loop that does this worker's socket I/O: the server's own loop, so a
             batch submitted from it is written and its answer read with no thread hand-over.
             None: a private loop on a daemon thread (for callers without a loop: benchmarks,
@@ -268,10 +365,12 @@ class ProcessComputeWorker:
             does not fit travels inline through the socket. 0: always inline.
     """
 
-    def __init__(self, spec: WorkerSpec, *, loop: asyncio.AbstractEventLoop | None = None,
-                 on_gone: Callable[[ComputeWorkerGone], None] | None = None,
+    def __init__(self, spec: WorkerSpec, *, connection: socket.socket | None = None, process: BaseProcess | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None, on_gone: Callable[[ComputeWorkerGone], None] | None = None,
                  arena_bytes: int = DEFAULT_ARENA_BYTES) -> None:
         self.spec = spec
+        self._connection = connection
+        self._started = False
         self.arena_bytes = arena_bytes if arena_supported() else 0
         self._arena: SharedArena | None = None
         self._loop = loop
@@ -280,7 +379,7 @@ class ProcessComputeWorker:
         self._closing = False
         self.info: dict[str, Any] = {}
         self.batches = 0
-        self._process: Any = None
+        self._process: BaseProcess | None = process
         self._transport: asyncio.Transport | None = None
         self._pending: dict[int, tuple[Future[BatchOutput], int | None, Slot | None, list[int]]] = {}
         """job -> (its future, its arena span's start, its output slot, its requests' tokens); None, None when inline."""
@@ -301,23 +400,22 @@ class ProcessComputeWorker:
         return self._gpu_memory
 
     def start(self) -> ProcessComputeWorker:
-        """Spawn the child and wait until it has loaded the weights, captured its graphs and warmed up.
+        """Connect (spawning the compute process unless given a connection) and wait until the child
+        has loaded the weights, captured its graphs and warmed up.
 
         Blocking (seconds to minutes), so call it off the I/O loop (``asyncio.to_thread``);
         idempotent. Raises what the child raised while starting.
         """
-        if self._process is not None:
+        if self._started:
             return self
         if self._loop is not None and self._loop.is_running() and _running_loop() is self._loop:
             raise RuntimeError("ProcessComputeWorker.start() blocks: call it off its event loop (asyncio.to_thread)")
-        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        if self._connection is None:
+            self._process, (ours,) = spawn_compute_process(self.spec)
+        else:
+            ours = self._connection
+        process = self._process
         arena = SharedArena.create(self.arena_bytes) if self.arena_bytes else None
-        process = ctx.Process(target=_child_main, args=(self.spec, theirs), name="lutb-compute", daemon=True)
-        try:
-            process.start()
-        finally:
-            theirs.close()
         try:
             if arena is not None:
                 socket.send_fds(ours, [b"A"], [arena.fd])
@@ -325,18 +423,18 @@ class ProcessComputeWorker:
                 ours.sendall(b"N")
             kind, payload = _recv(ours)
         except (EOFError, OSError):
-            ours.close()
-            process.join(5)
-            if arena is not None:
-                arena.close()
-            raise ComputeWorkerGone(f"the compute process exited while starting (exit code {process.exitcode})") from None
+            kind, payload = "failed", None
         if kind != "ready":
             ours.close()
-            process.join(5)
             if arena is not None:
                 arena.close()
+            if process is not None:
+                process.join(5)
+            if payload is None:
+                code = process.exitcode if process is not None else "unknown"
+                raise ComputeWorkerGone(f"the compute process exited while starting (exit code {code})")
             raise payload
-        self.info, self._process, self._gpu_memory, self._arena = payload, process, payload["gpu_memory"], arena
+        self.info, self._gpu_memory, self._arena, self._started = payload, payload["gpu_memory"], arena, True
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             self._loop_thread = threading.Thread(target=self._loop.run_forever, name="lutb-compute-io", daemon=True)
@@ -345,8 +443,8 @@ class ProcessComputeWorker:
             asyncio.run_coroutine_threadsafe(self._connect(ours), self._loop).result()
         else:  # a loop its owner runs later
             self._loop.run_until_complete(self._connect(ours))
-        log.info("compute process %d ready: backend %s, %.1f MB of weights, graphs %.2fs, warm-up %.2fs, %.0f MB shared arena",
-                 process.pid, payload["backend"], payload["weight_bytes"] / 1e6, payload["graphs_s"], payload["warm_up_s"],
+        log.info("compute process %s ready: backend %s, %.1f MB of weights, graphs %.2fs, warm-up %.2fs, %.0f MB shared arena",
+                 process.pid if process is not None else "(shared)", payload["backend"], payload["weight_bytes"] / 1e6, payload["graphs_s"], payload["warm_up_s"],
                  (arena.size if arena is not None else 0) / 1e6)
         return self
 
@@ -396,21 +494,28 @@ class ProcessComputeWorker:
         return future
 
     def close(self, timeout: float | None = None) -> None:
-        """Let the child finish the queued batches, then stop it (terminated after ``timeout`` seconds).
+        """Let the child finish this worker's queued batches and disconnect; where this process
+        started the child, wait for it to exit (it does once every front end has disconnected;
+        terminated after ``timeout`` seconds).
 
         Blocking: call it off the I/O loop.
         """
-        if self._process is None:
+        if not self._started:
             return
         self._closing = True
         assert self._loop is not None
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._write, None)
-        self._process.join(timeout)
-        if self._process.is_alive():
-            log.warning("compute process %d did not stop within %ss; terminating it", self._process.pid, timeout)
-            self._process.terminate()
-            self._process.join(5)
+        if self._process is not None:
+            self._process.join(timeout)
+            if self._process.is_alive():
+                log.warning("compute process %d did not stop within %ss; terminating it", self._process.pid, timeout)
+                self._process.terminate()
+                self._process.join(5)
+        else:  # a shared child: our answers come before it reads the stop
+            end = time.monotonic() + (timeout if timeout is not None else 60.0)
+            while self._pending and self._gone is None and time.monotonic() < end:
+                time.sleep(0.005)
         if not self._loop.is_closed():
             done = threading.Event()
 
@@ -427,7 +532,7 @@ class ProcessComputeWorker:
             self._loop.close()
             self._loop_thread = None
         self._fail_pending(ComputeWorkerGone("the compute worker is closed"))
-        self._process = None
+        self._started = False
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -512,4 +617,5 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-__all__ = ["DEFAULT_ARENA_BYTES", "GPU_MEMORY_PERIOD_S", "ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec"]
+__all__ = ["DEFAULT_ARENA_BYTES", "GPU_MEMORY_PERIOD_S", "ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec",
+           "spawn_compute_process"]

@@ -25,7 +25,7 @@ from lutb_server.engine import ExpertEngine, PreparedRequest
 from lutb_server.errors import to_status
 from lutb_server.testing import ServerThread, ServeProcess
 from lutb_server.worker import ComputeWorker
-from lutb_server.worker_process import DEFAULT_ARENA_BYTES, ComputeWorkerGone, ProcessComputeWorker, WorkerSpec
+from lutb_server.worker_process import DEFAULT_ARENA_BYTES, ComputeWorkerGone, ProcessComputeWorker, WorkerSpec, spawn_compute_process
 
 
 def _engines(path: Path) -> tuple[ExpertEngine, ExpertEngine]:
@@ -233,3 +233,37 @@ def test_an_engine_without_experts_validates_but_does_not_compute(tiny_checkpoin
         catalog.forward_prepared(request)
     with pytest.raises(RuntimeError, match="load_experts=False"):
         ComputeWorker(catalog)
+
+
+def test_one_compute_process_serves_several_front_ends(tiny_checkpoint: Path) -> None:
+    """Two connections to one child (two front ends): batches that meet in the child run as one call, each gets
+    its own outputs, a failing batch fails only its own future, and the child exits once both disconnect."""
+    catalog, full = _engines(tiny_checkpoint)
+    spec = WorkerSpec(str(tiny_checkpoint), "reference", "cpu", validate_tiles=False)
+    process, (first, second) = spawn_compute_process(spec, 2)
+    owner = ProcessComputeWorker(spec, connection=first, process=process)
+    other = ProcessComputeWorker(spec, connection=second, arena_bytes=0)  # one inline, one through its arena
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda w: w.start(), (owner, other)))
+    try:
+        for round_ in range(6):
+            busy = owner.submit(_requests(catalog, 0, (300,), seed=round_))  # keeps the child busy while the next two queue
+            a = _requests(catalog, 1, (3, 4), seed=50 + round_)
+            b = _requests(catalog, 1, (5,), seed=80 + round_)
+            got_a, got_b = owner.submit(a), other.submit(b)
+            assert torch.equal(busy.result(60)[0][0], ComputeWorker(full).run(_requests(catalog, 0, (300,), seed=round_))[0][0])
+            for got, batch in ((got_a, a), (got_b, b)):
+                outputs, _ = got.result(60)
+                for g, w in zip(outputs, ComputeWorker(full).run(batch)[0]):
+                    assert torch.equal(g, w)
+        r = _requests(catalog, 1, (2,), seed=7)[0]
+        bad = PreparedRequest(9, r.x, r.topk_ids, r.topk_weights, False, "combined")  # an unknown layer, past validation
+        busy = owner.submit(_requests(catalog, 0, (300,), seed=99))
+        failed, good = owner.submit([bad]), other.submit([r])
+        assert isinstance(failed.exception(60), KeyError)
+        assert torch.equal(good.result(60)[0][0], ComputeWorker(full).run([r])[0][0])
+        busy.result(60)
+    finally:
+        other.close(10)
+        owner.close(30)
+    assert process.exitcode == 0
