@@ -153,12 +153,17 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
 
     from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 
-    options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
-    async with grpc.aio.insecure_channel(spec["target"], options=options) as channel:
-        await asyncio.wait_for(channel.channel_ready(), 60)
+    # Each channel its own TCP connection (a local subchannel pool): with several server front ends
+    # on one port the kernel spreads connections, not calls, so a process opens one per front end.
+    options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30),
+               ("grpc.use_local_subchannel_pool", 1)]
+    async with contextlib.AsyncExitStack() as stack:
+        channels = [await stack.enter_async_context(grpc.aio.insecure_channel(spec["target"], options=options))
+                    for _ in range(max(1, spec.get("connections", 1)))]
+        for channel in channels:
+            await asyncio.wait_for(channel.channel_ready(), 60)
         stream = spec["kind"] == "expert" and spec.get("api", "unary") == "stream"
         method = ECHO_METHOD if spec["kind"] == "echo" else FORWARD_METHOD
-        call = channel.unary_unary(method)  # bytes in, bytes out: no (de)serialization cost on this side
         payloads: list[bytes] = spec["payloads"]
         latencies: list[float] = []
         batch_tokens: list[int] = []
@@ -176,6 +181,8 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
             # flight on it (what an attention node keeping a stream open per expert server does)
             nonlocal done_tokens
             i = index
+            channel = channels[index % len(channels)]
+            call = channel.unary_unary(method)  # bytes in, bytes out: no (de)serialization cost on this side
             duplex = channel.stream_stream(FORWARD_STREAM_METHOD)(timeout=600) if stream else None
             while True:
                 now = time.perf_counter()
@@ -266,10 +273,11 @@ class LoadPool:
         return parts
 
     def run(self, kind: str, target: str, payloads: list[bytes], tokens: int, concurrency: int,
-            warmup_s: float, duration_s: float, api: str = "unary") -> dict[str, Any]:
+            warmup_s: float, duration_s: float, api: str = "unary", connections: int = 1) -> dict[str, Any]:
         procs = min(len(self.workers), concurrency)
         parts = self.gather(concurrency, {"kind": kind, "target": target, "payloads": payloads, "tokens": tokens,
-                                          "warmup_s": warmup_s, "duration_s": duration_s, "api": api})
+                                          "warmup_s": warmup_s, "duration_s": duration_s, "api": api,
+                                          "connections": connections})
         latencies = [v for p in parts for v in p["latencies"]]
         batch = [v for p in parts for v in p["batch_tokens"]]
         compute = [v for p in parts for v in p["compute_us"]]
@@ -555,7 +563,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         "max_batch_tokens": args.max_batch_tokens, "max_tokens_per_request": max(args.tokens),
         "cuda_graph_max_tokens": args.cuda_graph_max_tokens, "cuda_graph_top_k": shape["top_k"], "shutdown_grace_s": 5,
         "max_queue_requests": 4096, "gil_switch_interval_us": args.gil_switch_interval_us,
-        "compute_worker": args.compute_worker,
+        "compute_worker": args.compute_worker, "front_ends": args.front_ends,
     }
     profiler = Profiler(out, shape_name) if args.profile else None
     if profiler is not None and not profiler.py_spy:
@@ -581,7 +589,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
                     echo: dict[str, Any] = {}
                     for api in args.apis:
                         result = pool.run("expert", address, reqs.payloads, tokens, concurrency, args.warmup_s, args.duration_s,
-                                          api=api)
+                                          api=api, connections=args.front_ends)
                         if not echo:  # the transport floor: a bare unary echo of the same sizes, once per cell
                             echo = pool.run("echo", echo_target, echo_payloads(result["request_bytes"], result["response_bytes"]),
                                             tokens, concurrency, args.warmup_s / 2, args.duration_s)
@@ -724,6 +732,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda-graph-max-tokens", type=int, default=512)
     p.add_argument("--compute-worker", default="thread", choices=("thread", "process"),
                    help="the server's compute_worker: a thread of the serving process, or a child process")
+    p.add_argument("--front-ends", type=int, default=1,
+                   help="the server's front_ends (> 1 needs --compute-worker process); each load process then opens "
+                        "that many connections")
     p.add_argument("--gil-switch-interval-us", type=int, default=0,
                    help="server setting (default 0: the server's default, 200 us on a CUDA device; 5000 is Python's)")
     p.add_argument("--load-procs", type=int, default=4, help="most load-generator processes")

@@ -5,6 +5,7 @@
 #   OUT=/dir bash bench/worker_compare_device.sh [serving.py args...]   (~5 min warm)
 #   GPU_TESTS="tests/..." OUT=/dir bash bench/worker_compare_device.sh ...  (other GPU tests first)
 #   PROFILE_ARGS="--concurrency 64 --apis stream" ...   (then the process worker once more, under py-spy)
+#   FRONT_ENDS="2 4" ...   (and the process worker behind that many front ends, one run each)
 #
 # Assumes the project is importable from the source tree and the extra wheels are in /tmp/site.
 set -uo pipefail
@@ -33,6 +34,12 @@ for cw in thread process; do
     --inproc-s 0.3 "$@" > "$OUT/serving-$cw.txt" 2>&1 || status=1
   cp "$W/sv-$cw/serving.json" "$OUT/serving-$cw.json" 2>/dev/null
 done
+for fe in ${FRONT_ENDS:-}; do
+  echo "== serving, compute worker: process, $fe front ends"
+  timeout 170 "$PY" bench/serving.py --out "$W/sv-fe$fe" --compute-worker process --front-ends "$fe" --duration-s 1.5 \
+    --warmup-s 0.3 --inproc-s 0.3 "$@" > "$W/serving-fe$fe.txt" 2>&1 || status=1  # $OUT: 8 files at most
+  cp "$W/sv-fe$fe/serving.json" "$OUT/serving-fe$fe.json" 2>/dev/null
+done
 if [[ -n ${PROFILE_ARGS:-} ]]; then  # e.g. "--concurrency 64 --apis stream": the process worker under py-spy
   echo "== serving, compute worker: process, profiled ($PROFILE_ARGS)"
   # shellcheck disable=SC2086  # a list of arguments
@@ -41,7 +48,7 @@ if [[ -n ${PROFILE_ARGS:-} ]]; then  # e.g. "--concurrency 64 --apis stream": th
   cp "$W"/sv-profile/profile-*.top.txt "$OUT/profile-process.top.txt" 2>/dev/null
 fi
 echo; echo "== pacing"; grep -A 40 '^| T | mode' "$OUT/worker-pacing.txt" || tail -20 "$OUT/worker-pacing.txt"
-for cw in thread process; do
-  echo; echo "== serving ($cw)"; grep -A 30 '^| shape' "$W/sv-$cw/serving.md" 2>/dev/null || tail -15 "$OUT/serving-$cw.txt"
+for cw in thread process ${FRONT_ENDS:+$(printf 'fe%s ' $FRONT_ENDS)}; do
+  echo; echo "== serving ($cw)"; grep -A 30 '^| shape' "$W/sv-$cw/serving.md" 2>/dev/null || tail -15 "$OUT/serving-$cw.txt" "$W/serving-$cw.txt" 2>/dev/null
 done
 exit $status

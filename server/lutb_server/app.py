@@ -19,12 +19,17 @@ import functools
 import logging
 import os
 import shutil
+import multiprocessing as mp
 import signal
+import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -42,9 +47,16 @@ from lutb_server.scheduler import BatchScheduler
 from lutb_server.servicer import ExpertServicer
 from lutb_server.settings import ServerSettings
 from lutb_server.worker import BatchWorker, ComputeWorker
-from lutb_server.worker_process import ProcessComputeWorker, WorkerSpec
+from lutb_server.worker_process import ProcessComputeWorker, WorkerSpec, spawn_compute_process
 
 log = logging.getLogger(__name__)
+
+FRONT_END_WATCH_S = 0.2
+"""Seconds between checks that the other front ends still run."""
+FRONT_END_START_S = 300.0
+"""Seconds front ends 1..N-1 get to report SERVING after the compute process is ready."""
+FRONT_END_STOP_SLACK_S = 10.0
+"""Seconds past the shutdown grace that front ends get to exit before they are killed."""
 
 RESPONSE_FLUSH_S = 1.0
 """Seconds a draining server waits, once every ExpertService handler has returned, for their responses to go out."""
@@ -181,13 +193,21 @@ def apply_gil_switch_interval(interval_us: int, device: torch.device) -> float:
 class ExpertServer:
     """One serving process's worth of state; several can live in one process (tests).
 
+    With ``front_ends = N > 1`` this server is front end 0: it spawns the compute process with N
+    connections and front ends 1..N-1 (:func:`_front_end_main`, each an ``ExpertServer`` on its
+    connection, bound to the same port), watches them (one that exits takes the whole server out
+    of service, as a dead compute process does), and stops them before itself.
+
     Args:
         settings: the configuration.
         engine_loader: builds the engine (blocking; run in a worker thread). Default:
             :func:`plan_engine` (in :meth:`start`, before binding) then :func:`load_engine`.
+        compute_connection: this server is front end k > 0 of a shared compute process: its
+            socket (from :func:`~lutb_server.worker_process.spawn_compute_process`).
     """
 
-    def __init__(self, settings: ServerSettings, *, engine_loader: Callable[[], ExpertEngine] | None = None) -> None:
+    def __init__(self, settings: ServerSettings, *, engine_loader: Callable[[], ExpertEngine] | None = None,
+                 compute_connection: socket.socket | None = None) -> None:
         self.settings = settings
         self.metrics = ServerMetrics(expert_metrics=settings.expert_metrics)
         self.gate = Gate()
@@ -198,6 +218,11 @@ class ExpertServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._engine_loader = engine_loader
+        self._compute_connection = compute_connection
+        self.front_ends: list[BaseProcess] = []
+        """Front ends 1..N-1, where this is front end 0 of several."""
+        self._front_ends_ready: list[Any] = []  # multiprocessing Events, set when each is SERVING
+        self._watching: asyncio.Task[None] | None = None
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.failed = asyncio.Event()
@@ -222,14 +247,18 @@ class ExpertServer:
             loader = functools.partial(load_engine, plan, s)
         elif s.compute_worker == "process":
             raise ValueError("compute_worker = 'process' loads the checkpoint in the compute process; it takes no engine_loader")
+        shared_port = s.front_ends > 1 or self._compute_connection is not None
+        if s.front_ends > 1 and s.port:
+            _check_port_free(s.host, s.port)  # SO_REUSEPORT would let us share a port someone else holds
         if s.metrics_port:
             self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
         options = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
             # gRPC sets SO_REUSEPORT by default: a second server on a taken port would bind and
-            # silently receive part of the first one's connections. Fail the bind instead.
-            ("grpc.so_reuseport", 0),
+            # silently receive part of the first one's connections. Fail the bind instead, unless
+            # this is one of several front ends, which share the port on purpose.
+            ("grpc.so_reuseport", 1 if shared_port else 0),
         ]
         server = grpc.aio.server(
             interceptors=[MetricsInterceptor(self.metrics), GateInterceptor(self.gate, (SERVICE_NAME,))],
@@ -261,8 +290,14 @@ class ExpertServer:
             if s.compute_worker == "process":
                 assert plan is not None  # an engine_loader was refused above
                 loop = asyncio.get_running_loop()
-                worker = ProcessComputeWorker(worker_spec(plan, s), loop=loop, on_gone=self._compute_gone,
-                                              arena_bytes=arena_bytes(plan, s))
+                spec = worker_spec(plan, s)
+                connection, process = self._compute_connection, None
+                if connection is None and s.front_ends > 1:
+                    process, connections = spawn_compute_process(spec, s.front_ends)
+                    connection = connections[0]
+                    self._spawn_front_ends(connections[1:])
+                worker = ProcessComputeWorker(spec, connection=connection, process=process, loop=loop,
+                                              on_gone=self._compute_gone, arena_bytes=arena_bytes(plan, s))
                 await asyncio.to_thread(worker.start)  # loads, captures graphs, warms up: before SERVING
                 weight_bytes, gpu_memory = worker.weight_bytes, worker.gpu_memory
             else:
@@ -277,9 +312,12 @@ class ExpertServer:
                 worker=worker,
             )
             await scheduler.start()
+            if self.front_ends:  # SERVING only when every front end serves: clients stay on the one they reach
+                await asyncio.to_thread(self._wait_front_ends_ready, FRONT_END_START_S)
         except BaseException:
+            self._stop_front_ends()
             if worker is not None:  # the scheduler that would close it is not running
-                await asyncio.to_thread(worker.close)
+                await asyncio.to_thread(worker.close, 10)
             await self.stop(0)
             raise
         self.engine, self.scheduler = engine, scheduler
@@ -296,6 +334,66 @@ class ExpertServer:
         log.info("SERVING %s (%d layer(s), %s, backend %s on %s)", engine.checkpoint.path, len(engine.layer_ids),
                  engine.content_hash[:19], engine.backend.name, engine.device)
 
+    def _spawn_front_ends(self, connections: list[socket.socket]) -> None:
+        """Start front ends 1..N-1 on ``connections`` (same port; metrics on ``metrics_port + k``) and watch them."""
+        ctx = mp.get_context("spawn")
+        s = self.settings
+        for k, connection in enumerate(connections, 1):
+            settings = s.model_copy(update={"port": self.port, "front_ends": 1,
+                                            "metrics_port": s.metrics_port + k if s.metrics_port else 0})
+            ready = ctx.Event()
+            process = ctx.Process(target=_front_end_main, args=(settings.model_dump(), k, connection, ready),
+                                  name=f"lutb-front-end-{k}", daemon=True)
+            process.start()
+            connection.close()  # the front end holds its own copy
+            self.front_ends.append(process)
+            self._front_ends_ready.append(ready)
+        log.info("front ends 1-%d started (pids %s) on port %d", len(connections), [p.pid for p in self.front_ends], self.port)
+        self._watching = asyncio.ensure_future(self._watch_front_ends())
+
+    def _wait_front_ends_ready(self, timeout: float) -> None:
+        """Block until every front end is SERVING; RuntimeError if one exits first or ``timeout`` passes."""
+        end = time.monotonic() + timeout
+        for k, (process, ready) in enumerate(zip(self.front_ends, self._front_ends_ready), 1):
+            while not ready.wait(0.1):
+                if process.exitcode is not None:
+                    raise RuntimeError(f"front end {k} (pid {process.pid}) exited with code {process.exitcode} while starting")
+                if time.monotonic() > end:
+                    raise RuntimeError(f"front end {k} (pid {process.pid}) did not start within {timeout:.0f}s")
+
+    async def _watch_front_ends(self) -> None:
+        """A front end that exits while this server serves takes it out of service (its supervisor restarts all)."""
+        while True:
+            await asyncio.sleep(FRONT_END_WATCH_S)
+            for k, process in enumerate(self.front_ends, 1):
+                if process.exitcode is not None and self.gate.state != "draining":
+                    self._compute_gone(RuntimeError(f"front end {k} (pid {process.pid}) exited with code {process.exitcode}"))
+                    return
+
+    def _stop_front_ends(self) -> None:
+        """SIGTERM to the front ends still running: each drains as a server does on SIGTERM."""
+        if self._watching is not None:
+            self._watching.cancel()
+            self._watching = None
+        for process in self.front_ends:
+            if process.exitcode is None and process.pid is not None:
+                try:
+                    os.kill(process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    async def _join_front_ends(self, timeout: float) -> None:
+        def join() -> None:
+            end = time.monotonic() + timeout
+            for process in self.front_ends:
+                process.join(max(0.0, end - time.monotonic()))
+                if process.exitcode is None:
+                    log.warning("front end pid %d did not stop within %.0fs; killing it", process.pid, timeout)
+                    process.kill()
+                    process.join(5)
+
+        await asyncio.to_thread(join)
+
     def _compute_gone(self, error: Exception) -> None:
         """The compute process died (on the loop): out of service now; :func:`serve` drains and exits 1."""
         if self.gate.state == "serving":
@@ -309,6 +407,7 @@ class ExpertServer:
         """Drain and stop: NOT_SERVING, UNAVAILABLE for new calls, ``grace`` s for calls in flight."""
         grace = self.settings.shutdown_grace_s if grace is None else grace
         self.gate.state = "draining"
+        self._stop_front_ends()  # they drain alongside this one
         await self.health.enter_graceful_shutdown()
         if self._server is not None:
             loop = asyncio.get_running_loop()
@@ -320,6 +419,8 @@ class ExpertServer:
             remaining = max(0.0, grace - (loop.time() - start))
             await self._server.stop(min(remaining, RESPONSE_FLUSH_S) if idle else remaining)
             self._server = None
+        if self.front_ends:  # disconnected from the compute process before this one's worker closes it
+            await self._join_front_ends(grace + FRONT_END_STOP_SLACK_S)
         if self.scheduler is not None:
             await self.scheduler.close()
         self.metrics.close()
@@ -335,19 +436,21 @@ async def serve(
     *,
     on_ready: Callable[[ExpertServer], None] | None = None,
     engine_loader: Callable[[], ExpertEngine] | None = None,
+    compute_connection: socket.socket | None = None,
 ) -> int:
     """Run a server until SIGTERM or SIGINT, then drain within ``settings.shutdown_grace_s``; returns 0.
 
     Returns 1 instead when the server stopped because it could no longer compute (its compute
     process died), so that a supervisor (Kubernetes) restarts it.
 
-    ``engine_loader`` is passed to :class:`ExpertServer` (benchmarks serve fake backends with it).
+    ``engine_loader`` and ``compute_connection`` are passed to :class:`ExpertServer` (benchmarks
+    serve fake backends with the first; front ends k > 0 run on the second).
     """
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
-    server = ExpertServer(settings, engine_loader=engine_loader)
+    server = ExpertServer(settings, engine_loader=engine_loader, compute_connection=compute_connection)
     starting = asyncio.create_task(server.start())
     stop_wait = asyncio.create_task(stop_requested.wait())
     failed_wait = asyncio.create_task(server.failed.wait())
@@ -372,6 +475,23 @@ async def serve(
     log.info("signal received: draining (grace %.1fs)", settings.shutdown_grace_s)
     await server.stop(settings.shutdown_grace_s)
     return 0
+
+
+def _front_end_main(settings: dict, index: int, connection: socket.socket, ready: Any) -> None:
+    """Front end ``index`` > 0 of a shared compute process (a spawned process): serve until SIGTERM,
+    set ``ready`` (a multiprocessing Event) once SERVING, exit with serve's code."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [front end {index}]: %(message)s")
+    sys.exit(asyncio.run(serve(ServerSettings(**settings), compute_connection=connection, on_ready=lambda _: ready.set())))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise OSError when ``host:port`` is taken (bound without SO_REUSEPORT, as no sharing process binds)."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as exc:
+            raise OSError(f"cannot bind gRPC to {_address(host, port)}: {exc.strerror or exc}") from None
 
 
 __all__ = ["DEMO_NAME", "SERVICE_NAME", "EnginePlan", "ExpertServer", "apply_gil_switch_interval", "apply_intra_op_threads", "ensure_demo_checkpoint", "load_engine", "plan_engine", "serve", "worker_spec"]

@@ -266,17 +266,20 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
             except OSError:
                 pass
         return
-    open_: list[_Connection] = []
-    for c in connections:
-        try:
-            c.handshake()
-            _send(c.sock, ready)
-            open_.append(c)
-        except (EOFError, OSError) as exc:
-            log.warning("a serving process left before its handshake (%s)", exc)
-    while open_:
+    waiting, open_ = list(connections), []  # before and after the handshake; front ends start in any order
+    while waiting or open_:
         batches: list[tuple[_Connection, int, PreparedRequest, Slot | None]] = []
-        for c in select.select(open_, [], [])[0] if len(open_) > 1 else open_:
+        readable = open_ if len(open_) == 1 and not waiting else select.select(waiting + open_, [], [])[0]
+        for c in readable:
+            if c in waiting:
+                waiting.remove(c)
+                try:
+                    c.handshake()
+                    _send(c.sock, ready)
+                    open_.append(c)
+                except (EOFError, OSError) as exc:
+                    log.warning("a serving process left before its handshake (%s)", exc)
+                continue
             try:
                 message = _recv(c.sock)
             except (EOFError, OSError):

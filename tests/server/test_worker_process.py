@@ -188,9 +188,10 @@ def test_server_on_a_compute_process(tiny_checkpoint: Path) -> None:
 
 
 def _compute_pid(serving: ServeProcess) -> int:
-    ready = [line for line in serving.lines if "compute process" in line and "ready" in line]
-    assert ready, "".join(serving.lines)
-    return int(re.search(r"compute process (\d+) ready", ready[0]).group(1))  # type: ignore[union-attr]
+    """From the first front end's log (the others report the shared process without a pid)."""
+    found = [m for m in (re.search(r"compute process (\d+) ready", line) for line in serving.lines) if m]
+    assert found, "".join(serving.lines)
+    return int(found[0].group(1))
 
 
 def _alive(pid: int) -> bool:
@@ -267,3 +268,81 @@ def test_one_compute_process_serves_several_front_ends(tiny_checkpoint: Path) ->
         other.close(10)
         owner.close(30)
     assert process.exitcode == 0
+
+
+def _two_free_ports() -> int:
+    """A port p with p + 1 free too (the front ends' metrics ports)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", base + 1))
+                except OSError:
+                    continue
+        return base
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _forward_requests(metrics_port: int) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("lutb_forward_requests_total{") and 'code="OK"' in line)
+
+
+def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
+    """Two serving processes on one port and one compute process: clients on separate connections reach both
+    (each front end counts its own requests), every answer is right, and SIGTERM stops all three processes."""
+    ckpt = Checkpoint(tiny_checkpoint)
+    local = ReferenceExperts(ckpt.config, ckpt.layer(0), "cpu")
+    metrics = _two_free_ports()
+    serving = ServeProcess("--checkpoint", str(tiny_checkpoint), "--compute-worker", "process", "--front-ends", "2",
+                           "--metrics-port", str(metrics), "--no-validate-checkpoint").wait_ready()
+    try:
+        front_end = [line for line in serving.lines if "front ends 1-1 started" in line]
+        assert front_end, "".join(serving.lines)
+        pids = [int(p) for p in re.search(r"pids \[([\d, ]+)\]", front_end[0]).group(1).split(",")]  # type: ignore[union-attr]
+        child = _compute_pid(serving)
+        gen = torch.Generator().manual_seed(3)
+        for client_index in range(12):  # own connection each: the kernel spreads them over the two front ends
+            with ExpertClient(serving.address, channel_options=[("grpc.use_local_subchannel_pool", 1)]) as client:
+                x = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
+                ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(3)]).to(torch.int32)
+                weights = torch.softmax(torch.randn(3, 2, generator=gen), dim=1)
+                assert torch.equal(client.forward(0, x, ids, weights), local.forward(x, ids, weights)), client_index
+        counts = [_forward_requests(metrics), _forward_requests(metrics + 1)]
+        assert sum(counts) == 12 and min(counts) > 0, counts
+        assert serving.stop(60) == 0, "".join(serving.lines)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in (*pids, child)):
+            assert time.monotonic() < deadline, "a front end or the compute process outlived the server"
+            time.sleep(0.05)
+    finally:
+        serving.kill()
+
+
+def test_lutb_serve_exits_1_when_a_front_end_dies(tiny_checkpoint: Path) -> None:
+    serving = ServeProcess("--checkpoint", str(tiny_checkpoint), "--compute-worker", "process", "--front-ends", "2",
+                           "--no-validate-checkpoint").wait_ready()
+    try:
+        line = next(line for line in serving.lines if "front ends 1-1 started" in line)
+        pid = int(re.search(r"pids \[(\d+)\]", line).group(1))  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGKILL)
+        assert serving.proc.wait(60) == 1, "".join(serving.lines)
+    finally:
+        serving.kill()
+
+
+def test_front_ends_need_the_compute_process() -> None:
+    from pydantic import ValidationError
+
+    from lutb_server.settings import ServerSettings
+
+    with pytest.raises(ValidationError, match="needs compute_worker = process"):
+        ServerSettings(front_ends=2)
+    assert ServerSettings(front_ends=2, compute_worker="process").front_ends == 2
