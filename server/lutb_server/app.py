@@ -203,7 +203,9 @@ class ExpertServer:
         engine_loader: builds the engine (blocking; run in a worker thread). Default:
             :func:`plan_engine` (in :meth:`start`, before binding) then :func:`load_engine`.
         compute_connection: this server is front end k > 0 of a shared compute process: its
-            socket (from :func:`~lutb_server.worker_process.spawn_compute_process`).
+            socket (from :func:`~lutb_server.worker_process.spawn_compute_process`). Its metrics
+            then listen on loopback only (``metrics_port``, which front end 0 sets to its own
+            + k): front end 0 serves them with its own, labelled ``front_end``.
     """
 
     def __init__(self, settings: ServerSettings, *, engine_loader: Callable[[], ExpertEngine] | None = None,
@@ -250,8 +252,11 @@ class ExpertServer:
         shared_port = s.front_ends > 1 or self._compute_connection is not None
         if s.front_ends > 1 and s.port:
             _check_port_free(s.host, s.port)  # SO_REUSEPORT would let us share a port someone else holds
-        if s.metrics_port:
-            self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
+        if s.metrics_port and self._compute_connection is not None:  # front end k > 0: read by front end 0 only
+            self.metrics_port = self.metrics.serve("127.0.0.1", s.metrics_port)
+        elif s.metrics_port:
+            others = [s.metrics_port + k for k in range(1, s.front_ends)]
+            self.metrics_port = self.metrics.serve(s.host, s.metrics_port, other_front_ends=others)
         options = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
@@ -335,7 +340,7 @@ class ExpertServer:
                  engine.content_hash[:19], engine.backend.name, engine.device)
 
     def _spawn_front_ends(self, connections: list[socket.socket]) -> None:
-        """Start front ends 1..N-1 on ``connections`` (same port; metrics on ``metrics_port + k``) and watch them."""
+        """Start front ends 1..N-1 on ``connections`` (same port; metrics on loopback ``metrics_port + k``) and watch them."""
         ctx = mp.get_context("spawn")
         s = self.settings
         for k, connection in enumerate(connections, 1):

@@ -24,16 +24,22 @@ lutb_expert_tokens_total                 counter   layer, expert                
 
 Label sets are bounded: methods are the registered ones, codes the gRPC codes,
 layers those of the checkpoint.
+
+With several front ends (``front_ends`` = N > 1), front end 0's endpoint serves every front end's
+metrics, each sample labelled ``front_end`` (0..N-1; :class:`FrontEndsCollector`), plus
+``lutb_front_end_up{front_end}`` (1 when that front end's metrics could be read at the scrape).
 """
 
 from __future__ import annotations
 
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from lutb_server.expert_load import ExpertLoad
@@ -129,9 +135,17 @@ class ServerMetrics:
         if device.startswith("cuda"):
             self.registry.register(_GpuMemoryCollector(device, gpu_memory or torch_gpu_memory(device)))
 
-    def serve(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` over HTTP on ``host:port`` in a daemon thread; returns the bound port."""
-        self._http, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, *, other_front_ends: list[int] | None = None) -> int:
+        """Serve ``/metrics`` over HTTP on ``host:port`` in a daemon thread; returns the bound port.
+
+        ``other_front_ends``: the loopback metrics ports of front ends 1..N-1, whose metrics
+        this endpoint serves too (:class:`FrontEndsCollector`).
+        """
+        registry = self.registry
+        if other_front_ends:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(FrontEndsCollector(self.registry, other_front_ends))
+        self._http, self._http_thread = start_http_server(port, addr=host, registry=registry)
         self.port = int(self._http.server_port)
         return self.port
 
@@ -143,4 +157,42 @@ class ServerMetrics:
             self._http = None
 
 
-__all__ = ["ServerMetrics"]
+class FrontEndsCollector(Collector):
+    """Front end 0's metrics and those of front ends 1..N-1 (read from their loopback endpoints at
+    scrape time), merged family by family, every sample labelled ``front_end``.
+
+    Args:
+        own: front end 0's registry.
+        ports: the loopback metrics ports of front ends 1..N-1, in order.
+        timeout_s: how long one front end's endpoint may take; one that fails shows as
+            ``lutb_front_end_up{front_end="k"} 0`` and contributes no samples.
+    """
+
+    def __init__(self, own: CollectorRegistry, ports: list[int], timeout_s: float = 2.0) -> None:
+        self.own, self.ports, self.timeout_s = own, list(ports), timeout_s
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        up = GaugeMetricFamily("lutb_front_end_up", "1 when this front end's metrics were read at this scrape", labels=["front_end"])
+        texts = [(0, generate_latest(self.own).decode())]
+        up.add_metric(["0"], 1.0)
+        for k, port in enumerate(self.ports, 1):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=self.timeout_s) as response:
+                    texts.append((k, response.read().decode()))
+                up.add_metric([str(k)], 1.0)
+            except OSError:
+                up.add_metric([str(k)], 0.0)
+        for k, text in texts:
+            for metric in text_string_to_metric_families(text):
+                family = families.get(metric.name)
+                if family is None:
+                    family = families[metric.name] = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+                for sample in metric.samples:
+                    family.add_sample(sample.name, {**sample.labels, "front_end": str(k)}, sample.value, sample.timestamp,
+                                      sample.exemplar)
+        yield from families.values()
+        yield up
+
+
+__all__ = ["FrontEndsCollector", "ServerMetrics"]

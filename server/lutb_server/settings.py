@@ -90,8 +90,8 @@ class ServerSettings(BaseSettings):
     front_ends: int = Field(
         1, ge=1, le=64, description="serving processes (needs compute_worker = process when > 1): each its own event "
         "loop and gRPC server on the same port (SO_REUSEPORT: the kernel spreads client connections over them), all "
-        "feeding one compute process that merges their concurrent batches; front end k > 0 serves metrics on "
-        "metrics_port + k",
+        "feeding one compute process that merges their concurrent batches; metrics_port serves all of their metrics "
+        "(label front_end; front end k listens on loopback metrics_port + k for it)",
     )
     expert_metrics: bool = Field(
         False, description="export lutb_expert_tokens_total{layer,expert}: tokens per held expert (E x layers series; for `lutb load`)"

@@ -123,3 +123,29 @@ def test_gpu_memory_gauges_read_where_the_device_is_used() -> None:
     cpu.describe_backend(backend="reference", device="cpu", compute_capability="", dtype="bfloat16", activation="silu",
                          content_hash="sha256:0", weight_bytes=3)
     assert cpu.registry.get_sample_value("lutb_gpu_memory_allocated_bytes", {"device": "cpu"}) is None
+
+
+def test_front_end_zero_serves_every_front_ends_metrics() -> None:
+    """FrontEndsCollector: families merged by name, each sample labelled with its front end; a front end
+    whose endpoint does not answer shows as down and adds no samples."""
+    from lutb_server.metrics import ServerMetrics
+
+    zero, one = ServerMetrics(), ServerMetrics()
+    zero.forward_requests.labels("Forward", "OK").inc(3)
+    one.forward_requests.labels("Forward", "OK").inc(5)
+    one.forward_requests.labels("ForwardStream", "OK").inc(2)
+    one_port = one.serve("127.0.0.1", 0)
+    dead_port = free_port()
+    port = zero.serve("127.0.0.1", 0, other_front_ends=[one_port, dead_port])
+    try:
+        samples = _scrape(port)
+        assert _get(samples, "lutb_forward_requests_total", rpc="Forward", code="OK", front_end="0") == 3
+        assert _get(samples, "lutb_forward_requests_total", rpc="Forward", code="OK", front_end="1") == 5
+        assert _get(samples, "lutb_forward_requests_total", rpc="ForwardStream", code="OK", front_end="1") == 2
+        assert _get(samples, "lutb_front_end_up", front_end="0") == 1
+        assert _get(samples, "lutb_front_end_up", front_end="1") == 1
+        assert _get(samples, "lutb_front_end_up", front_end="2") == 0
+        assert not any(dict(labels).get("front_end") == "2" for name, labels in samples if name != "lutb_front_end_up")
+    finally:
+        zero.close()
+        one.close()

@@ -287,17 +287,27 @@ def _two_free_ports() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-def _forward_requests(metrics_port: int) -> float:
+def _forward_requests_by_front_end(metrics_port: int) -> dict[str, float]:
+    """Front end 0's endpoint: OK forward requests per ``front_end`` label, and which front ends it could read."""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("lutb_forward_requests_total{") and 'code="OK"' in line)
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "lutb_forward_requests_total" and sample.labels.get("code") == "OK":
+                counts[sample.labels["front_end"]] = counts.get(sample.labels["front_end"], 0.0) + sample.value
+            if sample.name == "lutb_front_end_up":
+                assert sample.value == 1.0, sample
+    return counts
 
 
 def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
     """Two serving processes on one port and one compute process: clients on separate connections reach both
-    (each front end counts its own requests), every answer is right, and SIGTERM stops all three processes."""
+    (front end 0's metrics endpoint counts each front end's requests under its label), every answer is right,
+    and SIGTERM stops all three processes."""
     ckpt = Checkpoint(tiny_checkpoint)
     local = ReferenceExperts(ckpt.config, ckpt.layer(0), "cpu")
     metrics = _two_free_ports()
@@ -315,8 +325,8 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
                 ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(3)]).to(torch.int32)
                 weights = torch.softmax(torch.randn(3, 2, generator=gen), dim=1)
                 assert torch.equal(client.forward(0, x, ids, weights), local.forward(x, ids, weights)), client_index
-        counts = [_forward_requests(metrics), _forward_requests(metrics + 1)]
-        assert sum(counts) == 12 and min(counts) > 0, counts
+        counts = _forward_requests_by_front_end(metrics)
+        assert set(counts) == {"0", "1"} and sum(counts.values()) == 12 and min(counts.values()) > 0, counts
         assert serving.stop(60) == 0, "".join(serving.lines)
         deadline = time.monotonic() + 10
         while any(_alive(pid) for pid in (*pids, child)):
