@@ -231,7 +231,8 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
     """The compute process: build, shake hands with each serving process, then run their batches.
 
     Batches that arrive together from several serving processes (front ends) and share a pool key
-    run as one ``ComputeWorker.run``: the GPU sees their union. A failing merged batch is run again
+    run as one ``ComputeWorker.run`` (up to ``spec.warm_up_tokens`` tokens, the server's
+    ``max_batch_tokens``): the GPU sees their union. A failing merged batch is run again
     one batch at a time, so that one front end's bad batch fails only its own. The child exits
     when every serving process has said stop or closed its socket.
     """
@@ -268,7 +269,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
         return
     waiting, open_ = list(connections), []  # before and after the handshake; front ends start in any order
     while waiting or open_:
-        batches: list[tuple[_Connection, int, PreparedRequest, Slot | None]] = []
+        batches: list[_Batch] = []
         readable = open_ if len(open_) == 1 and not waiting else select.select(waiting + open_, [], [])[0]
         for c in readable:
             if c in waiting:
@@ -294,23 +295,40 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 _answer(c, job, exc, 0.0, out_slot, memory)
                 continue
             batches.append((c, job, request, out_slot))
-        _run_merged(worker, batches, memory)
+        _run_merged(worker, batches, memory, spec.warm_up_tokens)
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
             memory, memory_read = _gpu_memory(device), time.monotonic()
 
 
-def _run_merged(worker: Any, batches: list[tuple[_Connection, int, PreparedRequest, Slot | None]], memory: tuple[int, int]) -> None:
-    """Run ``batches`` (one per serving process at most), those with equal pool keys as one call, and answer each."""
-    groups: dict[tuple, list[tuple[_Connection, int, PreparedRequest, Slot | None]]] = {}
+_Batch = tuple[_Connection, int, PreparedRequest, "Slot | None"]
+
+
+def merge_groups(batches: list[Any], max_tokens: int, request: Callable[[Any], PreparedRequest] = lambda b: b[2]) -> list[list[Any]]:
+    """``batches`` grouped to run together: equal pool keys, in arrival order, at most ``max_tokens``
+    tokens a group (a batch larger than that alone; 0: no limit), so that a merged call stays within
+    the batch sizes the compute process compiled and sized its buffers for."""
+    groups: list[list[Any]] = []
+    open_groups: dict[tuple, tuple[list[Any], int]] = {}
     for batch in batches:
-        groups.setdefault(batch[2].pool_key, []).append(batch)
-    for group in groups.values():
+        r = request(batch)
+        group, tokens = open_groups.get(r.pool_key, (None, 0))
+        if group is None or (max_tokens and tokens + r.tokens > max_tokens):
+            group, tokens = [], 0
+            groups.append(group)
+        group.append(batch)
+        open_groups[r.pool_key] = (group, tokens + r.tokens)
+    return groups
+
+
+def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max_tokens: int) -> None:
+    """Run ``batches`` (one per serving process at most), merged by :func:`merge_groups`, and answer each."""
+    for group in merge_groups(batches, max_tokens):
         try:
             outputs, seconds = worker.run([request for _, _, request, _ in group])
         except Exception as exc:  # noqa: BLE001 - alone, each batch gets its own result or error
             if len(group) > 1:
                 for batch in group:
-                    _run_merged(worker, [batch], memory)
+                    _run_merged(worker, [batch], memory, max_tokens)
                 continue
             outputs, seconds = [exc], 0.0
         for (c, job, _, out_slot), output in zip(group, outputs):
@@ -620,5 +638,5 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-__all__ = ["DEFAULT_ARENA_BYTES", "GPU_MEMORY_PERIOD_S", "ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec",
+__all__ = ["DEFAULT_ARENA_BYTES", "GPU_MEMORY_PERIOD_S", "ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec", "merge_groups",
            "spawn_compute_process"]

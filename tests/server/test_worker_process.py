@@ -356,3 +356,24 @@ def test_front_ends_need_the_compute_process() -> None:
     with pytest.raises(ValidationError, match="needs compute_worker = process"):
         ServerSettings(front_ends=2)
     assert ServerSettings(front_ends=2, compute_worker="process").front_ends == 2
+
+
+MERGE_CASES = {
+    # batches as (pool key layer, tokens); max tokens; expected groups as indexes into the batches
+    "one key": ([(0, 3), (0, 4), (0, 5)], 0, [[0, 1, 2]]),
+    "two keys keep arrival order": ([(0, 3), (1, 4), (0, 5)], 0, [[0, 2], [1]]),
+    "capped": ([(0, 3), (0, 4), (0, 5)], 8, [[0, 1], [2]]),
+    "a batch above the cap runs alone": ([(0, 10), (0, 2), (0, 3)], 8, [[0], [1, 2]]),
+    "exactly the cap": ([(0, 4), (0, 4), (0, 1)], 8, [[0, 1], [2]]),
+    "none": ([], 8, []),
+}
+
+
+@pytest.mark.parametrize("batches, cap, want", MERGE_CASES.values(), ids=MERGE_CASES.keys())
+def test_merge_groups(batches: list[tuple[int, int]], cap: int, want: list[list[int]]) -> None:
+    from lutb_server.worker_process import merge_groups
+
+    requests = [PreparedRequest(layer, torch.zeros(tokens, 4), torch.zeros(tokens, 2, dtype=torch.int32),
+                                torch.zeros(tokens, 2), False, "combined") for layer, tokens in batches]
+    groups = merge_groups(list(range(len(requests))), cap, request=lambda i: requests[i])
+    assert groups == want
