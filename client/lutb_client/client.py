@@ -114,6 +114,18 @@ def open_channel(
     return module.secure_channel(target, credentials, options) if credentials else module.insecure_channel(target, options)
 
 
+def _open_channels(target: str, connections: int, *, aio: bool, credentials: grpc.ChannelCredentials | None,
+                   max_message_bytes: int, channel_options: Sequence[tuple[str, Any]]) -> list[Any]:
+    """``connections`` channels to ``target``; more than one each get their own subchannel pool (gRPC
+    otherwise lets channels with equal arguments share one TCP connection)."""
+    if connections < 1:
+        raise ValueError(f"connections must be >= 1, got {connections}")
+    if connections > 1:
+        channel_options = [*channel_options, ("grpc.use_local_subchannel_pool", 1)]
+    return [open_channel(target, aio=aio, credentials=credentials, max_message_bytes=max_message_bytes,
+                         channel_options=channel_options) for _ in range(connections)]
+
+
 class _HiddenWire:
     """Encodes hidden states for the wire: as given (``native``) or MXFP8-quantized (``mxfp8``)."""
 
@@ -170,6 +182,10 @@ class ExpertClient:
         channel_options: extra gRPC channel options.
         wire: ``"native"`` sends hidden states as given; ``"mxfp8"`` quantizes them to MXFP8
             first (half the request bytes; see the module docstring).
+        connections: TCP connections to open, each its own channel; calls and streams take
+            them in turn (a retry takes the next). A server with several front ends on one port
+            (``lutb serve --front-ends N``) spreads connections, not calls, over them: open at
+            least N to use them all from one client.
     """
 
     def __init__(
@@ -184,19 +200,25 @@ class ExpertClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         channel_options: Sequence[tuple[str, Any]] = (),
         wire: str = "native",
+        connections: int = 1,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
-        self._channel = open_channel(
-            target, aio=False, credentials=credentials, max_message_bytes=max_message_bytes, channel_options=channel_options
-        )
-        self._stub = pb_grpc.ExpertServiceStub(self._channel)
+        self._channels = _open_channels(target, connections, aio=False, credentials=credentials,
+                                        max_message_bytes=max_message_bytes, channel_options=channel_options)
+        self._stubs = itertools.cycle([pb_grpc.ExpertServiceStub(c) for c in self._channels])
         self._ids = itertools.count(1)
         self._wire = _HiddenWire(wire)
 
+    @property
+    def _stub(self) -> pb_grpc.ExpertServiceStub:
+        """The next connection's stub (each call and stream takes the next)."""
+        return next(self._stubs)
+
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> ExpertClient:
         return self
@@ -445,19 +467,25 @@ class AsyncExpertClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         channel_options: Sequence[tuple[str, Any]] = (),
         wire: str = "native",
+        connections: int = 1,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
-        self._channel = open_channel(
-            target, aio=True, credentials=credentials, max_message_bytes=max_message_bytes, channel_options=channel_options
-        )
-        self._stub = pb_grpc.ExpertServiceStub(self._channel)
+        self._channels = _open_channels(target, connections, aio=True, credentials=credentials,
+                                        max_message_bytes=max_message_bytes, channel_options=channel_options)
+        self._stubs = itertools.cycle([pb_grpc.ExpertServiceStub(c) for c in self._channels])
         self._ids = itertools.count(1)
         self._wire = _HiddenWire(wire)
 
+    @property
+    def _stub(self) -> pb_grpc.ExpertServiceStub:
+        """The next connection's stub (each call and stream takes the next)."""
+        return next(self._stubs)
+
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncExpertClient:
         return self

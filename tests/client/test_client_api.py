@@ -147,6 +147,27 @@ def test_async_client_and_stream(server: ServerThread) -> None:
     assert torch.equal(again, alone[0])
 
 
+@pytest.mark.parametrize("connections", [1, 3])
+def test_clients_over_several_connections(server: ServerThread, client_checkpoint: Path, connections: int) -> None:
+    """Calls and streams take the connections in turn; answers do not depend on which."""
+    batches = [_batch(4, 2, seed=300 + i) for i in range(2 * connections)]
+    with ExpertClient(server.address, connections=connections) as client:
+        assert len(client._channels) == connections
+        got = [client.forward(0, *b) for b in batches]
+        with client.stream() as stream:
+            streamed = [f.result(timeout=30) for f in [stream.submit(0, *b) for b in batches]]
+
+    async def main() -> list[torch.Tensor]:
+        async with AsyncExpertClient(server.address, connections=connections) as client:
+            return [await client.forward(0, *b) for b in batches]
+
+    for b, g, s_, a in zip(batches, got, streamed, asyncio.run(main())):
+        assert torch.equal(g, s_) and torch.equal(g, a)
+        assert torch.equal(g, _reference(client_checkpoint, 0, *b))  # alone in its batch: bit for bit
+    with pytest.raises(ValueError, match="connections"):
+        ExpertClient(server.address, connections=0)
+
+
 def test_stream_send_returns_raw_responses_with_their_status(server: ServerThread) -> None:
     """send(): a prebuilt request in, the response itself out; a request's error is its status, not an exception."""
     from lutb_client.client import build_request, parse_response

@@ -132,3 +132,31 @@ def test_compute_process_serves_like_the_thread(checkpoint: Path, reference: Ref
             want = reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()
             assert torch.equal(out_p, out_t), (backend, tokens)
             assert _rel_l2(out_p, want) <= 1e-2
+
+
+def test_front_ends_share_one_compute_process_on_the_gpu(checkpoint: Path, reference: ReferenceExperts) -> None:
+    """``lutb serve --front-ends 2``: right answers through either front end, and only the compute process holds a
+    CUDA context (the front ends validate and batch on the CPU; a context each would cost GPU memory)."""
+    import re
+    import subprocess
+
+    from lutb_server.testing import ServeProcess
+
+    serving = ServeProcess("--checkpoint", str(checkpoint), "--backend", "packed", "--device", "cuda", "--compute-worker",
+                           "process", "--front-ends", "2", "--no-validate-checkpoint", "--cuda-graph-max-tokens", "64",
+                           "--cuda-graph-top-k", "4").wait_ready(300)
+    try:
+        for seed in range(8):  # own connection each: the kernel spreads them over the front ends
+            x, ids, w = _batch(1 + 7 * seed, 4, seed=seed + 500)
+            with ExpertClient(serving.address, channel_options=[("grpc.use_local_subchannel_pool", 1)]) as client:
+                assert _rel_l2(client.forward(0, x, ids, w), reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2
+        compute = int(next(m for m in (re.search(r"compute process (\d+) ready", line) for line in serving.lines) if m).group(1))
+        front_ends = [int(p) for p in re.search(r"pids \[([\d, ]+)\]", next(
+            line for line in serving.lines if "front ends 1-1 started" in line)).group(1).split(",")]  # type: ignore[union-attr]
+        smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True)
+        if smi.returncode == 0 and smi.stdout.strip():  # containers may hide other processes' pids: then nothing to check
+            pids = {int(p) for p in smi.stdout.split()}
+            assert compute in pids and not pids & {serving.pid, *front_ends}, (pids, compute, serving.pid, front_ends)
+        assert serving.stop(60) == 0, "".join(serving.lines[-30:])
+    finally:
+        serving.kill()

@@ -319,12 +319,12 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
         pids = [int(p) for p in re.search(r"pids \[([\d, ]+)\]", front_end[0]).group(1).split(",")]  # type: ignore[union-attr]
         child = _compute_pid(serving)
         gen = torch.Generator().manual_seed(3)
-        for client_index in range(12):  # own connection each: the kernel spreads them over the two front ends
-            with ExpertClient(serving.address, channel_options=[("grpc.use_local_subchannel_pool", 1)]) as client:
+        with ExpertClient(serving.address, connections=12) as client:  # the kernel spreads connections over front ends
+            for call in range(12):  # one call per connection, in turn
                 x = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
                 ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(3)]).to(torch.int32)
                 weights = torch.softmax(torch.randn(3, 2, generator=gen), dim=1)
-                assert torch.equal(client.forward(0, x, ids, weights), local.forward(x, ids, weights)), client_index
+                assert torch.equal(client.forward(0, x, ids, weights), local.forward(x, ids, weights)), call
         counts = _forward_requests_by_front_end(metrics)
         assert set(counts) == {"0", "1"} and sum(counts.values()) == 12 and min(counts.values()) > 0, counts
         assert serving.stop(60) == 0, "".join(serving.lines)
