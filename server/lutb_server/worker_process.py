@@ -26,7 +26,6 @@ Frames on one Unix stream socket, each an 8-byte little-endian length and a pick
 
 - parent -> child, before any frame: one byte, ``A`` with the arena's descriptor attached
   (``socket.send_fds``) or ``N`` for none;
-
 - child -> parent, once: ``("ready", info)`` (``weight_bytes``, ``backend``, ``graphs_s``,
   ``warm_up_s``, ``gpu_memory``) or ``("failed", exception)``;
 - parent -> child: ``(job, (layer, x, topk_ids, topk_weights, apply_router_weight_on_input,
@@ -36,8 +35,8 @@ Frames on one Unix stream socket, each an 8-byte little-endian length and a pick
   ``output`` None when it is in the output slot, else a codec message; the serving process splits
   it back per request;
   ``gpu_memory`` the child's ``(allocated, reserved)`` CUDA allocator bytes as last read (the
-  child reads them at most every :data:`GPU_MEMORY_PERIOD_S`, after answering: a reading costs
-  hundreds of microseconds).
+  child reads them at most every :data:`GPU_MEMORY_PERIOD_S`, after answering: a reading builds
+  two ``torch.cuda.memory_stats`` dictionaries, once a batch before, on the batch's critical path).
 
 One compute process can serve several serving processes (front ends, each its own event loop and
 gRPC server): :func:`spawn_compute_process` gives one socket per front end, and the child runs
