@@ -41,7 +41,7 @@ def _requests(engine: ExpertEngine, layer: int, sizes: tuple[int, ...], seed: in
     out = []
     for tokens in sizes:
         x = torch.randn(tokens, 128, generator=gen).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)]).to(torch.int32)
+        ids = (torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)]) if tokens else torch.zeros(0, 2)).to(torch.int32)
         weights = torch.softmax(torch.randn(tokens, 2, generator=gen), dim=1)
         out.append(engine.prepare(layer, x, ids, weights, output_mode=output_mode))
     return out
@@ -85,7 +85,7 @@ def test_outputs_equal_the_thread_worker(process_worker: ProcessComputeWorker, t
     assert catalog.layer_ids == full.layer_ids and catalog.expert_ids(1) == full.expert_ids(1)
     inline_before = process_worker.inline_batches
     cases = ((0, (3, 5), "combined"), (1, (1,), "combined"), (1, (7, 2, 4), "combined"), (0, (2, 3), "route_major"),
-             (1, (40,), "combined"))
+             (1, (40,), "combined"), (0, (0,), "combined"), (1, (0, 3, 0), "combined"))
     for layer, sizes, mode in cases:
         requests = _requests(catalog, layer, sizes, seed=layer * 10 + len(sizes), output_mode=mode)
         _poison_arena(process_worker)
