@@ -304,6 +304,8 @@ class ExpertServer:
                 worker = ProcessComputeWorker(spec, connection=connection, process=process, loop=loop,
                                               on_gone=self._compute_gone, arena_bytes=arena_bytes(plan, s))
                 await asyncio.to_thread(worker.start)  # loads, captures graphs, warms up: before SERVING
+                if self.front_ends:  # SERVING only when every front end serves: clients stay on the one they reach
+                    await asyncio.to_thread(self._wait_front_ends_ready, FRONT_END_START_S)
                 weight_bytes, gpu_memory = worker.weight_bytes, worker.gpu_memory
             else:
                 worker = ComputeWorker(engine, cuda_graph_max_tokens=s.cuda_graph_max_tokens, cuda_graph_top_k=s.cuda_graph_top_k)
@@ -317,8 +319,6 @@ class ExpertServer:
                 worker=worker,
             )
             await scheduler.start()
-            if self.front_ends:  # SERVING only when every front end serves: clients stay on the one they reach
-                await asyncio.to_thread(self._wait_front_ends_ready, FRONT_END_START_S)
         except BaseException:
             self._stop_front_ends()
             if worker is not None:  # the scheduler that would close it is not running

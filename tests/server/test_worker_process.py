@@ -377,3 +377,20 @@ def test_merge_groups(batches: list[tuple[int, int]], cap: int, want: list[list[
                                 torch.zeros(tokens, 2), False, "combined") for layer, tokens in batches]
     groups = merge_groups(list(range(len(requests))), cap, request=lambda i: requests[i])
     assert groups == want
+
+
+def test_lutb_serve_fails_to_start_when_a_front_end_cannot(tiny_checkpoint: Path) -> None:
+    """Front end 1's loopback metrics port is taken: it exits while starting, and so does the server (status 2)."""
+    import socket
+
+    metrics = _two_free_ports()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", metrics + 1))
+        taken.listen()
+        serving = ServeProcess("--checkpoint", str(tiny_checkpoint), "--compute-worker", "process", "--front-ends", "2",
+                               "--metrics-port", str(metrics), "--no-validate-checkpoint")
+        try:
+            assert serving.proc.wait(90) == 2, "".join(serving.lines)
+            assert any("front end 1" in line and "exited" in line for line in serving.lines), "".join(serving.lines)
+        finally:
+            serving.kill()
