@@ -347,7 +347,7 @@ class ExpertServer:
             settings = s.model_copy(update={"port": self.port, "front_ends": 1,
                                             "metrics_port": s.metrics_port + k if s.metrics_port else 0})
             ready = ctx.Event()
-            process = ctx.Process(target=_front_end_main, args=(settings.model_dump(), k, connection, ready),
+            process = ctx.Process(target=_front_end_main, args=(settings.model_dump(), k, connection, ready, os.getpid()),
                                   name=f"lutb-front-end-{k}", daemon=True)
             process.start()
             connection.close()  # the front end holds its own copy
@@ -482,11 +482,28 @@ async def serve(
     return 0
 
 
-def _front_end_main(settings: dict, index: int, connection: socket.socket, ready: Any) -> None:
+def _front_end_main(settings: dict, index: int, connection: socket.socket, ready: Any, parent: int) -> None:
     """Front end ``index`` > 0 of a shared compute process (a spawned process): serve until SIGTERM,
-    set ``ready`` (a multiprocessing Event) once SERVING, exit with serve's code."""
+    set ``ready`` (a multiprocessing Event) once SERVING, exit with serve's code.
+
+    It drains and exits when front end 0 (``parent``) dies, even by SIGKILL: otherwise it would
+    keep serving the port, and keep the compute process alive through its connection.
+    """
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [front end {index}]: %(message)s")
+    _terminate_with_parent(parent)
     sys.exit(asyncio.run(serve(ServerSettings(**settings), compute_connection=connection, on_ready=lambda _: ready.set())))
+
+
+def _terminate_with_parent(parent: int) -> None:
+    """SIGTERM this process when ``parent`` exits (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _check_port_free(host: str, port: int) -> None:

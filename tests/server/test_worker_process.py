@@ -394,3 +394,23 @@ def test_lutb_serve_fails_to_start_when_a_front_end_cannot(tiny_checkpoint: Path
             assert any("front end 1" in line and "exited" in line for line in serving.lines), "".join(serving.lines)
         finally:
             serving.kill()
+
+
+def test_front_ends_and_compute_process_go_when_the_server_is_killed(tiny_checkpoint: Path) -> None:
+    """SIGKILL of front end 0 (no drain): front end 1 must not keep serving the port, nor keep the compute process
+    alive through its connection."""
+    serving = ServeProcess("--checkpoint", str(tiny_checkpoint), "--compute-worker", "process", "--front-ends", "2",
+                           "--no-validate-checkpoint").wait_ready()
+    try:
+        line = next(line for line in serving.lines if "front ends 1-1 started" in line)
+        front_end = int(re.search(r"pids \[(\d+)\]", line).group(1))  # type: ignore[union-attr]
+        child = _compute_pid(serving)
+        assert _alive(front_end) and _alive(child)
+        serving.proc.kill()
+        serving.proc.wait(10)
+        deadline = time.monotonic() + 30
+        while _alive(front_end) or _alive(child):
+            assert time.monotonic() < deadline, "front end 1 or the compute process outlived a killed server"
+            time.sleep(0.05)
+    finally:
+        serving.kill()
