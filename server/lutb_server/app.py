@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import multiprocessing as mp
 import os
 import shutil
-import multiprocessing as mp
 import signal
 import socket
 import sys
@@ -516,4 +516,4 @@ def _check_port_free(host: str, port: int) -> None:
             raise OSError(f"cannot bind gRPC to {_address(host, port)}: {exc.strerror or exc}") from None
 
 
-__all__ = ["DEMO_NAME", "SERVICE_NAME", "EnginePlan", "ExpertServer", "apply_gil_switch_interval", "apply_intra_op_threads", "ensure_demo_checkpoint", "load_engine", "plan_engine", "serve", "worker_spec"]
+__all__ = ["DEMO_NAME", "SERVICE_NAME", "EnginePlan", "ExpertServer", "apply_gil_switch_interval", "arena_bytes", "apply_intra_op_threads", "ensure_demo_checkpoint", "load_engine", "plan_engine", "serve", "worker_spec"]

@@ -174,6 +174,8 @@ class FrontEndsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         up = GaugeMetricFamily("lutb_front_end_up", "1 when this front end's metrics were read at this scrape", labels=["front_end"])
+        # Front end 0's own registry goes through the text format too, so that every family is
+        # named as the parser names it (an Info is "x" in a registry but "x_info" once exposed).
         texts = [(0, generate_latest(self.own).decode())]
         up.add_metric(["0"], 1.0)
         for k, port in enumerate(self.ports, 1):

@@ -48,6 +48,14 @@ class Slot(NamedTuple):
             n *= s
         return n
 
+    def fits(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` has this slot's dtype and shape (so it can be copied in)."""
+        return tuple(tensor.shape) == self.shape and _dtype_name(tensor.dtype) == self.dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
@@ -113,6 +121,12 @@ class SharedArena:
             self._live.append((start, start + n))
         return start
 
+    def place(self, tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[Slot] | None:
+        """Take one span for ``tensors`` (dtype, shape) and lay them out in it (:func:`layout`); None
+        when the ring has no room now. Release it with ``release(slots[0].offset)``."""
+        start = self.take(layout(0, tensors)[1])
+        return None if start is None else layout(start, tensors)[0]
+
     def release(self, start: int) -> None:
         """Give back the span taken at ``start`` (normally the oldest)."""
         for i, (s, _) in enumerate(self._live):
@@ -143,7 +157,7 @@ def layout(start: int, tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> tu
     """Slots for ``tensors`` (dtype, shape) placed one after another from ``start``; also the bytes they span."""
     slots, offset = [], start
     for dtype, shape in tensors:
-        slot = Slot(offset, str(dtype).removeprefix("torch."), tuple(int(s) for s in shape))
+        slot = Slot(offset, _dtype_name(dtype), tuple(int(s) for s in shape))
         slots.append(slot)
         offset += _aligned(max(slot.nbytes, 1))
     return slots, offset - start

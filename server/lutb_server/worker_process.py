@@ -35,8 +35,8 @@ Frames on one Unix stream socket, each an 8-byte little-endian length and a pick
   ``output`` None when it is in the output slot, else a codec message; the serving process splits
   it back per request;
   ``gpu_memory`` the child's ``(allocated, reserved)`` CUDA allocator bytes as last read (the
-  child reads them at most every :data:`GPU_MEMORY_PERIOD_S`, after answering: a reading builds
-  two ``torch.cuda.memory_stats`` dictionaries, once a batch before, on the batch's critical path).
+  child reads them at most every :data:`GPU_MEMORY_PERIOD_S`, after answering, off the batch's
+  critical path: a reading builds two ``torch.cuda.memory_stats`` dictionaries).
 
 One compute process can serve several serving processes (front ends, each its own event loop and
 gRPC server): :func:`spawn_compute_process` gives one socket per front end, and the child runs
@@ -70,7 +70,7 @@ from lutb_client.codec import decode_tensor, encode_tensor
 from lutb_server.engine import PreparedRequest
 from lutb_server.errors import Unavailable
 from lutb_server.metrics import torch_gpu_memory
-from lutb_server.shared_arena import SharedArena, Slot, arena_supported, layout
+from lutb_server.shared_arena import SharedArena, Slot, arena_supported
 from lutb_server.worker import BatchOutput
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ GPU_MEMORY_PERIOD_S = 1.0
 
 DEFAULT_ARENA_BYTES = 64 << 20
 """Shared memory for batches in flight when the caller does not size it (the server does:
-:func:`~lutb_server.app.worker_spec`'s companion ``arena_bytes_for``)."""
+:func:`lutb_server.app.arena_bytes`)."""
 
 _HEADER = 8  # bytes of a frame's length prefix
 
@@ -188,10 +188,6 @@ def _gpu_memory(device: torch.device) -> tuple[int, int]:
     return torch_gpu_memory(str(device))() if device.type == "cuda" else (0, 0)
 
 
-def _fits(output: torch.Tensor, slot: Slot) -> bool:
-    return tuple(output.shape) == slot.shape and str(output.dtype).removeprefix("torch.") == slot.dtype
-
-
 class _Connection:
     """The child's end of one serving process's socket, with that process's arena."""
 
@@ -218,7 +214,7 @@ class _Connection:
                memory: tuple[int, int]) -> None:
         if isinstance(output, BaseException):
             message = (job, _picklable(output), 0.0, memory)
-        elif out_slot is not None and self.arena is not None and _fits(output, out_slot):
+        elif out_slot is not None and self.arena is not None and out_slot.fits(output):
             self.arena.view(out_slot).copy_(output)
             message = (job, None, seconds, memory)
         else:
@@ -302,26 +298,26 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
 _Batch = tuple[_Connection, int, PreparedRequest, "Slot | None"]
 
 
-def merge_groups(batches: list[Any], max_tokens: int, request: Callable[[Any], PreparedRequest] = lambda b: b[2]) -> list[list[Any]]:
-    """``batches`` grouped to run together: equal pool keys, in arrival order, at most ``max_tokens``
-    tokens a group (a batch larger than that alone; 0: no limit), so that a merged call stays within
-    the batch sizes the compute process compiled and sized its buffers for."""
-    groups: list[list[Any]] = []
-    open_groups: dict[tuple, tuple[list[Any], int]] = {}
-    for batch in batches:
-        r = request(batch)
+def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[list[int]]:
+    """Indexes of ``requests`` grouped to run together: equal pool keys, in arrival order, at most
+    ``max_tokens`` tokens a group (a larger request alone; 0: no limit), so that a merged call stays
+    within the batch sizes the compute process compiled and sized its buffers for."""
+    groups: list[list[int]] = []
+    open_groups: dict[tuple, tuple[list[int], int]] = {}
+    for i, r in enumerate(requests):
         group, tokens = open_groups.get(r.pool_key, (None, 0))
         if group is None or (max_tokens and tokens + r.tokens > max_tokens):
             group, tokens = [], 0
             groups.append(group)
-        group.append(batch)
+        group.append(i)
         open_groups[r.pool_key] = (group, tokens + r.tokens)
     return groups
 
 
 def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max_tokens: int) -> None:
     """Run ``batches`` (one per serving process at most), merged by :func:`merge_groups`, and answer each."""
-    for group in merge_groups(batches, max_tokens):
+    for indexes in merge_groups([request for _, _, request, _ in batches], max_tokens):
+        group = [batches[i] for i in indexes]
         try:
             outputs, seconds = worker.run([request for _, _, request, _ in group])
         except Exception as exc:  # noqa: BLE001 - alone, each batch gets its own result or error
@@ -401,8 +397,8 @@ class ProcessComputeWorker:
         self.batches = 0
         self._process: BaseProcess | None = process
         self._transport: asyncio.Transport | None = None
-        self._pending: dict[int, tuple[Future[BatchOutput], int | None, Slot | None, list[int]]] = {}
-        """job -> (its future, its arena span's start, its output slot, its requests' tokens); None, None when inline."""
+        self._pending: dict[int, tuple[Future[BatchOutput], list[Slot] | None, list[int]]] = {}
+        """job -> (its future, its arena slots (x, ids, weights, output; None when inline), its requests' tokens)."""
         self._lock = threading.Lock()  # _pending, _gone and the arena's spans: submit may come from any thread
         self.inline_batches = 0
         """Batches that travelled through the socket because the arena had no room (or is off)."""
@@ -492,9 +488,8 @@ class ProcessComputeWorker:
             if self._transport is None:
                 raise ComputeWorkerGone("the compute process is not started")
             job = next(self._jobs)
-            start = self._arena.take(layout(0, shapes)[1]) if self._arena is not None else None
-            slots = layout(start, shapes)[0] if start is not None else None
-            self._pending[job] = (future, start, slots[3] if slots is not None else None, tokens)
+            slots = self._arena.place(shapes) if self._arena is not None else None
+            self._pending[job] = (future, slots, tokens)
         inputs = ([r.x for r in requests], [r.topk_ids for r in requests], [r.topk_weights for r in requests])
         if slots is not None:  # concatenated straight into the shared memory
             assert self._arena is not None
@@ -572,25 +567,23 @@ class ProcessComputeWorker:
             entry = self._pending.pop(job, None)
         if entry is None:
             return
-        future, start, out_slot, tokens = entry
-        if result is None:  # in the output slot: copied out before the span is taken again
-            assert self._arena is not None and out_slot is not None
-            out = self._arena.view(out_slot).clone()
+        future, slots, tokens = entry
+        if result is None:  # in the output slot: copied out before the span is given back
+            assert self._arena is not None and slots is not None
+            result = self._arena.view(slots[3]).clone()
         elif not isinstance(result, BaseException):
-            out = decode_tensor(result)
-        if not isinstance(result, BaseException):
-            outputs = list(torch.split(out, tokens)) if len(tokens) > 1 else [out]
-        if start is not None:
+            result = decode_tensor(result)
+        if slots is not None:
             with self._lock:
                 if self._arena is not None and self._gone is None:
-                    self._arena.release(start)
+                    self._arena.release(slots[0].offset)
         if not future.set_running_or_notify_cancel():
             return
         if isinstance(result, BaseException):
             future.set_exception(result)
         else:
             self.batches += 1
-            future.set_result((outputs, seconds))
+            future.set_result((list(torch.split(result, tokens)) if len(tokens) > 1 else [result], seconds))
 
     def _on_lost(self, exc: Exception | None) -> None:
         code = self._process.exitcode if self._process is not None else None

@@ -84,3 +84,14 @@ def _dup(fd: int) -> int:
     import os
 
     return os.dup(fd)
+
+
+def test_place_lays_out_a_span_it_takes(arena: SharedArena) -> None:
+    shapes = [(torch.bfloat16, (3, 5)), (torch.int32, (3, 2)), (torch.float32, (0, 2))]
+    slots = arena.place(shapes)
+    assert slots is not None and [s.offset for s in slots] == [0, ALIGN, 2 * ALIGN] and arena.spans == 1
+    assert slots[0].fits(torch.zeros(3, 5, dtype=torch.bfloat16)) and not slots[0].fits(torch.zeros(3, 5))
+    assert not slots[1].fits(torch.zeros(2, 3, dtype=torch.int32))
+    assert arena.place([(torch.uint8, (8 * ALIGN,))]) is None  # no room left for a whole ring
+    arena.release(slots[0].offset)
+    assert arena.spans == 0

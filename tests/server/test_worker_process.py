@@ -375,8 +375,7 @@ def test_merge_groups(batches: list[tuple[int, int]], cap: int, want: list[list[
 
     requests = [PreparedRequest(layer, torch.zeros(tokens, 4), torch.zeros(tokens, 2, dtype=torch.int32),
                                 torch.zeros(tokens, 2), False, "combined") for layer, tokens in batches]
-    groups = merge_groups(list(range(len(requests))), cap, request=lambda i: requests[i])
-    assert groups == want
+    assert merge_groups(requests, cap) == want
 
 
 def test_lutb_serve_fails_to_start_when_a_front_end_cannot(tiny_checkpoint: Path) -> None:
