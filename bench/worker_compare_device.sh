@@ -4,7 +4,8 @@
 #
 #   OUT=/dir bash bench/worker_compare_device.sh [serving.py args...]   (~5 min warm)
 #   GPU_TESTS="tests/..." OUT=/dir bash bench/worker_compare_device.sh ...  (other GPU tests first)
-#   PROFILE_ARGS="--concurrency 64 --apis stream" ...   (then the process worker once more, under py-spy)
+#   PROFILE_ARGS="--concurrency 64 --apis stream" ...   (then the process worker once more, under py-spy;
+#                                                         PROFILE_WORKER=thread profiles the thread instead)
 #   FRONT_ENDS="2 4" ...   (and the process worker behind that many front ends, one run each)
 #   WORKERS="process" PACING=0 GPU_TESTS="" ...   (fewer single-front-end runs, no pacing, no GPU tests)
 #
@@ -47,11 +48,11 @@ for fe in ${FRONT_ENDS:-}; do
   cp "$W/sv-fe$fe/serving.json" "$OUT/serving-fe$fe.json" 2>/dev/null
 done
 if [[ -n ${PROFILE_ARGS:-} ]]; then  # e.g. "--concurrency 64 --apis stream": the process worker under py-spy
-  echo "== serving, compute worker: process, profiled ($PROFILE_ARGS)"
+  echo "== serving, compute worker: ${PROFILE_WORKER:-process}, profiled ($PROFILE_ARGS)"
   # shellcheck disable=SC2086  # a list of arguments
-  timeout 150 "$PY" bench/serving.py --out "$W/sv-profile" --compute-worker process --duration-s 1.5 --warmup-s 0.3 \
+  timeout 150 "$PY" bench/serving.py --out "$W/sv-profile" --compute-worker "${PROFILE_WORKER:-process}" --duration-s 1.5 --warmup-s 0.3 \
     --inproc-s 0.3 --profile --shapes qwen3-30b-a3b --wires bf16 --tokens 16 $PROFILE_ARGS > /dev/null 2>&1 || status=1
-  cp "$W"/sv-profile/profile-*.top.txt "$OUT/profile-process.top.txt" 2>/dev/null
+  cp "$W"/sv-profile/profile-*.top.txt "$OUT/profile-${PROFILE_WORKER:-process}.top.txt" 2>/dev/null
 fi
 [[ ${PACING:-1} != 0 ]] && { echo; echo "== pacing"; grep -A 40 '^| T | mode' "$OUT/worker-pacing.txt" || tail -20 "$OUT/worker-pacing.txt"; }
 for cw in $WORKERS ${FRONT_ENDS:+$(printf 'fe%s ' $FRONT_ENDS)}; do
