@@ -520,7 +520,7 @@ def inprocess_times(ckpt: Path, args: argparse.Namespace, cells: list[tuple[Cell
         times = []
         deadline = time.perf_counter() + args.inproc_s
         while time.perf_counter() < deadline or len(times) < 5:
-            times.append(worker.run(prepared)[1])
+            times.append(worker.run(prepared).seconds)
             if len(times) >= 2000:
                 break
         per_call = statistics.median(times)

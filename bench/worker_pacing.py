@@ -61,14 +61,14 @@ class _Samples:
 
 
 def run_blocking(call, seconds: float, gap_s: float = 0.0) -> dict:  # noqa: ANN001
-    """``call() -> (outputs, seconds)`` back to back (after an idle ``gap_s`` each) for ``seconds``."""
+    """``call() -> BatchOutput`` back to back (after an idle ``gap_s`` each) for ``seconds``."""
     samples = _Samples()
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         if gap_s:
             time.sleep(gap_s)
         t0 = time.perf_counter()
-        samples.add(t0, call()[1])
+        samples.add(t0, call().seconds)
     return samples.summary()
 
 
@@ -86,7 +86,7 @@ async def _asyncio(worker, prepared, seconds: float, busy_tasks: int) -> dict:  
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
-        samples.add(t0, (await asyncio.wrap_future(worker.submit(prepared)))[1])
+        samples.add(t0, (await asyncio.wrap_future(worker.submit(prepared))).seconds)
     stop = True
     await asyncio.gather(*others)
     return samples.summary()

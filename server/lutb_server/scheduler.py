@@ -68,7 +68,9 @@ class ForwardResult:
     queue_s: float
     compute_s: float
     batch_tokens: int
+    """Tokens of the experts call that ran the request (see :attr:`~lutb_server.worker.BatchOutput.call_tokens`)."""
     batch_requests: int
+    """Requests of this scheduler's batch (a compute process may merge it with other front ends' batches)."""
 
 
 class _LayerMetrics(NamedTuple):
@@ -264,14 +266,14 @@ class BatchScheduler:
         batch = running.batch
         try:
             try:
-                outputs, compute_s = running.job.result()
+                result = running.job.result()
             except Exception as exc:  # noqa: BLE001 - any failure of the call: rerun its requests alone
                 self._running = running
                 assert self._loop is not None
                 running.rerun = self._loop.create_task(self._rerun_alone(running, exc), name="lutb-rerun")
                 return
             self._dispatch()  # the device must not idle while this batch's results are handed out
-            self._complete(batch, running.started, outputs, compute_s)
+            self._complete(batch, running.started, result)
         except Exception:  # pragma: no cover - a scheduler bug must not stop serving
             log.exception("scheduler dispatch failed")
             for item in batch:
@@ -333,28 +335,27 @@ class BatchScheduler:
                 if item.future.done():
                     continue
                 try:
-                    (output,), compute_s = await asyncio.wrap_future(self.worker.submit([item.request]))
+                    (output,), compute_s, call_tokens = await asyncio.wrap_future(self.worker.submit([item.request]))
                 except asyncio.CancelledError:
                     raise
                 except Exception as single_exc:  # noqa: BLE001 - handed to that request
                     _fail(item, single_exc)
                 else:
-                    self._finish(item, output, started, compute_s, item.request.tokens, 1)
+                    self._finish(item, output, started, compute_s, call_tokens, 1)
         finally:
             if self._running is running:
                 self._running = None
                 self._dispatch()
 
-    def _complete(self, batch: list[_Item], started: float, outputs: list[torch.Tensor], compute_s: float) -> None:
-        tokens = sum(item.request.tokens for item in batch)
-        for item, output in zip(batch, outputs):
-            self._finish(item, output, started, compute_s, tokens, len(batch))
+    def _complete(self, batch: list[_Item], started: float, result: BatchOutput) -> None:
+        for item, output in zip(batch, result.outputs):
+            self._finish(item, output, started, result.seconds, result.call_tokens, len(batch))
         if self._metrics is not None:
             m = self._layer_metrics(batch[0].request.layer)
-            m.compute.observe(compute_s)
-            m.batch_tokens.observe(tokens)
+            m.compute.observe(result.seconds)
+            m.batch_tokens.observe(result.call_tokens)
             m.batch_requests.observe(len(batch))
-            m.tokens.inc(tokens)
+            m.tokens.inc(sum(item.request.tokens for item in batch))
 
     def _layer_metrics(self, layer: int) -> _LayerMetrics:
         """The metrics' children labelled (backend, layer), looked up once per layer (``labels()`` costs a lock and a dict)."""

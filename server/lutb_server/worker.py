@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -47,8 +47,18 @@ from lutb_server.engine import PreparedRequest
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-BatchOutput = tuple[list[torch.Tensor], float]
-"""Per-request outputs (CPU, model dtype) and the seconds the batch took on the worker."""
+
+
+class BatchOutput(NamedTuple):
+    """What a worker returns for one batch."""
+
+    outputs: list[torch.Tensor]
+    """Per-request outputs (CPU, model dtype), in the batch's order."""
+    seconds: float
+    """Seconds the experts call took on the worker."""
+    call_tokens: int
+    """Tokens of the experts call that ran the batch: the batch's own, or more when the compute process merged it
+    with other front ends' batches (what the GPU actually saw)."""
 
 
 class BatchWorker(Protocol):
@@ -272,7 +282,7 @@ class ComputeWorker:
         else:
             outputs = self._run_cpu(requests)
         self.batches += 1
-        return outputs, time.perf_counter() - start
+        return BatchOutput(outputs, time.perf_counter() - start, sum(r.tokens for r in requests))
 
     def _gather(self, requests: list[PreparedRequest], buffers: _Buffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         first = requests[0]

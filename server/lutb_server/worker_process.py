@@ -210,15 +210,15 @@ class _Connection:
         """A request tensor: a view of this connection's arena, or decoded from its inline message."""
         return self.arena.view(item) if isinstance(item, Slot) and self.arena is not None else decode_tensor(item)
 
-    def answer(self, job: int, output: torch.Tensor | BaseException, seconds: float, out_slot: Slot | None,
-               memory: tuple[int, int]) -> None:
+    def answer(self, job: int, output: torch.Tensor | BaseException, seconds: float, call_tokens: int,
+               out_slot: Slot | None, memory: tuple[int, int]) -> None:
         if isinstance(output, BaseException):
-            message = (job, _picklable(output), 0.0, memory)
+            message = (job, _picklable(output), 0.0, 0, memory)
         elif out_slot is not None and self.arena is not None and out_slot.fits(output):
             self.arena.view(out_slot).copy_(output)
-            message = (job, None, seconds, memory)
+            message = (job, None, seconds, call_tokens, memory)
         else:
-            message = (job, encode_tensor(output), seconds, memory)
+            message = (job, encode_tensor(output), seconds, call_tokens, memory)
         _send(self.sock, message)
 
 
@@ -287,7 +287,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
             try:  # a batch arrives concatenated: one request
                 request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode)
             except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
-                _answer(c, job, exc, 0.0, out_slot, memory)
+                _answer(c, job, exc, 0.0, 0, out_slot, memory)
                 continue
             batches.append((c, job, request, out_slot))
         _run_merged(worker, batches, memory, spec.warm_up_tokens)
@@ -319,21 +319,21 @@ def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max
     for indexes in merge_groups([request for _, _, request, _ in batches], max_tokens):
         group = [batches[i] for i in indexes]
         try:
-            outputs, seconds = worker.run([request for _, _, request, _ in group])
+            outputs, seconds, call_tokens = worker.run([request for _, _, request, _ in group])
         except Exception as exc:  # noqa: BLE001 - alone, each batch gets its own result or error
             if len(group) > 1:
                 for batch in group:
                     _run_merged(worker, [batch], memory, max_tokens)
                 continue
-            outputs, seconds = [exc], 0.0
+            outputs, seconds, call_tokens = [exc], 0.0, 0
         for (c, job, _, out_slot), output in zip(group, outputs):
-            _answer(c, job, output, seconds, out_slot, memory)
+            _answer(c, job, output, seconds, call_tokens, out_slot, memory)
 
 
-def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, seconds: float, out_slot: Slot | None,
-            memory: tuple[int, int]) -> None:
+def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, seconds: float, call_tokens: int,
+            out_slot: Slot | None, memory: tuple[int, int]) -> None:
     try:
-        c.answer(job, output, seconds, out_slot, memory)
+        c.answer(job, output, seconds, call_tokens, out_slot, memory)
     except OSError:
         pass  # that serving process is gone; its socket reads EOF next round
 
@@ -470,7 +470,7 @@ class ProcessComputeWorker:
             lambda: _FrameReader(self._on_answer, self._on_lost), sock=sock)
 
     def submit(self, requests: Sequence[PreparedRequest]) -> Future[BatchOutput]:
-        """Queue one pooled batch; the future gives ``(per-request outputs, seconds in the child)``.
+        """Queue one pooled batch; the future gives its :class:`~lutb_server.worker.BatchOutput` (seconds in the child).
 
         Thread-safe; cheapest from the I/O loop (the batch is written at once). The future
         completes on the I/O loop.
@@ -562,7 +562,7 @@ class ProcessComputeWorker:
         transport.write(_frame(message))
 
     def _on_answer(self, message: Any) -> None:
-        job, result, seconds, self._gpu_memory = message
+        job, result, seconds, call_tokens, self._gpu_memory = message
         with self._lock:
             entry = self._pending.pop(job, None)
         if entry is None:
@@ -583,7 +583,8 @@ class ProcessComputeWorker:
             future.set_exception(result)
         else:
             self.batches += 1
-            future.set_result((list(torch.split(result, tokens)) if len(tokens) > 1 else [result], seconds))
+            future.set_result(BatchOutput(list(torch.split(result, tokens)) if len(tokens) > 1 else [result], seconds,
+                                          call_tokens))
 
     def _on_lost(self, exc: Exception | None) -> None:
         code = self._process.exitcode if self._process is not None else None

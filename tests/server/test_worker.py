@@ -51,9 +51,9 @@ def _engine_pooled(engine: ExpertEngine, requests: list[PreparedRequest]) -> lis
 def test_results_unchanged(engine: ExpertEngine, sizes: list[int], k: int, mode: str, on_input: bool) -> None:
     worker = ComputeWorker(engine)
     requests = _requests(engine, sizes, k=k, mode=mode, on_input=on_input, seed=sum(sizes) + k)
-    outputs, seconds = worker.run(requests)
+    outputs, seconds, call_tokens = worker.run(requests)
     expected = _engine_pooled(engine, requests)
-    assert seconds > 0 and len(outputs) == len(requests)
+    assert seconds > 0 and len(outputs) == len(requests) and call_tokens == sum(sizes)
     for got, want, r in zip(outputs, expected, requests):
         assert got.dtype == engine.model_dtype and got.device.type == "cpu"
         assert got.shape == ((r.tokens, k, engine.config.hidden_size) if mode == "route_major" else (r.tokens, engine.config.hidden_size))
@@ -67,7 +67,7 @@ def test_staging_buffers_are_reused(engine: ExpertEngine) -> None:
     x_ptr = worker._host.get("x", (1, engine.config.hidden_size), engine.model_dtype).data_ptr()
     for seed, sizes in enumerate(([3, 5], [1, 1, 1], [16])):
         requests = _requests(engine, sizes, seed=seed + 2)
-        outputs, _ = worker.run(requests)
+        outputs = worker.run(requests).outputs
         for got, want in zip(outputs, _engine_pooled(engine, requests)):
             assert torch.equal(got, want)
     assert worker._host.grown == grown and worker.staging_bytes["host"] == nbytes
@@ -78,7 +78,7 @@ def test_staging_buffers_are_reused(engine: ExpertEngine) -> None:
 
 def test_outputs_do_not_alias_the_staging_buffers(engine: ExpertEngine) -> None:
     worker = ComputeWorker(engine)
-    first, _ = worker.run(_requests(engine, [4, 4], seed=3))
+    first = worker.run(_requests(engine, [4, 4], seed=3)).outputs
     kept = [o.clone() for o in first]
     worker.run(_requests(engine, [4, 4], seed=4))
     for a, b in zip(first, kept):
@@ -89,7 +89,7 @@ def test_thread_submit_call_and_errors(engine: ExpertEngine) -> None:
     worker = ComputeWorker(engine).start()
     try:
         requests = _requests(engine, [2, 3], seed=5)
-        outputs, _ = worker.submit(requests).result(30)
+        outputs = worker.submit(requests).result(30).outputs
         for got, want in zip(outputs, _engine_pooled(engine, requests)):
             assert torch.equal(got, want)
         import threading
@@ -98,7 +98,7 @@ def test_thread_submit_call_and_errors(engine: ExpertEngine) -> None:
         bad = PreparedRequest(0, torch.zeros(2, 5), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1), False, "combined")
         with pytest.raises(Exception):
             worker.submit([bad]).result(30)
-        outputs, _ = worker.submit(requests[:1]).result(30)  # still alive after a failure
+        outputs = worker.submit(requests[:1]).result(30).outputs  # still alive after a failure
         assert outputs[0].shape == (2, engine.config.hidden_size)
     finally:
         worker.close(10)
@@ -131,7 +131,7 @@ def test_warm_up_runs_every_eager_size_on_the_gpu(tiny_checkpoint: Path) -> None
     try:
         assert worker.call(worker.warm_up, 512).result(timeout=300) > 0.0
         requests = _requests(gpu_engine, [300], k=2)
-        outputs, _ = worker.submit(requests).result(timeout=60)
+        outputs = worker.submit(requests).result(timeout=60).outputs
         assert outputs[0].shape == (300, gpu_engine.config.hidden_size) and torch.isfinite(outputs[0].float()).all()
     finally:
         worker.close()

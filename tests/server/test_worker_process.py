@@ -89,9 +89,9 @@ def test_outputs_equal_the_thread_worker(process_worker: ProcessComputeWorker, t
     for layer, sizes, mode in cases:
         requests = _requests(catalog, layer, sizes, seed=layer * 10 + len(sizes), output_mode=mode)
         _poison_arena(process_worker)
-        got, seconds = process_worker.submit(requests).result(60)
-        want, _ = ComputeWorker(full).run(requests)
-        assert seconds > 0 and len(got) == len(sizes)
+        got, seconds, call_tokens = process_worker.submit(requests).result(60)
+        want = ComputeWorker(full).run(requests).outputs
+        assert seconds > 0 and len(got) == len(sizes) and call_tokens == sum(sizes)
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
     inline = process_worker.inline_batches - inline_before
@@ -110,7 +110,7 @@ def test_a_failing_batch_fails_alone(process_worker: ProcessComputeWorker, tiny_
     unknown_layer = PreparedRequest(9, r.x, r.topk_ids, r.topk_weights, False, "combined")  # bypasses validation
     failed = process_worker.submit([unknown_layer])
     assert isinstance(failed.exception(60), KeyError)
-    outputs, _ = process_worker.submit(good).result(60)  # the child carries on
+    outputs = process_worker.submit(good).result(60).outputs  # the child carries on
     assert outputs[0].shape == (2, 128)
 
 
@@ -120,7 +120,7 @@ def test_many_batches_in_flight_complete_in_any_interleaving(process_worker: Pro
     with ThreadPoolExecutor(4) as pool:
         futures = list(pool.map(process_worker.submit, batches))
     for batch, future in zip(batches, futures):
-        got, _ = future.result(60)
+        got = future.result(60).outputs
         assert torch.equal(got[0], ComputeWorker(full).run(batch)[0][0])
 
 
@@ -237,8 +237,9 @@ def test_an_engine_without_experts_validates_but_does_not_compute(tiny_checkpoin
 
 
 def test_one_compute_process_serves_several_front_ends(tiny_checkpoint: Path) -> None:
-    """Two connections to one child (two front ends): batches that meet in the child run as one call, each gets
-    its own outputs, a failing batch fails only its own future, and the child exits once both disconnect."""
+    """Two connections to one child (two front ends): batches that meet in the child run as one call (each
+    reports that call's tokens), each gets its own outputs, a failing batch fails only its own future, and the
+    child exits once both disconnect."""
     catalog, full = _engines(tiny_checkpoint)
     spec = WorkerSpec(str(tiny_checkpoint), "reference", "cpu", validate_tiles=False)
     process, (first, second) = spawn_compute_process(spec, 2)
@@ -247,6 +248,7 @@ def test_one_compute_process_serves_several_front_ends(tiny_checkpoint: Path) ->
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda w: w.start(), (owner, other)))
     try:
+        merged = 0
         for round_ in range(6):
             busy = owner.submit(_requests(catalog, 0, (300,), seed=round_))  # keeps the child busy while the next two queue
             a = _requests(catalog, 1, (3, 4), seed=50 + round_)
@@ -254,9 +256,14 @@ def test_one_compute_process_serves_several_front_ends(tiny_checkpoint: Path) ->
             got_a, got_b = owner.submit(a), other.submit(b)
             assert torch.equal(busy.result(60)[0][0], ComputeWorker(full).run(_requests(catalog, 0, (300,), seed=round_))[0][0])
             for got, batch in ((got_a, a), (got_b, b)):
-                outputs, _ = got.result(60)
-                for g, w in zip(outputs, ComputeWorker(full).run(batch)[0]):
+                outputs, _, call_tokens = got.result(60)
+                assert call_tokens in (sum(r.tokens for r in batch), 12)  # alone, or merged with the other front end's
+                for g, w in zip(outputs, ComputeWorker(full).run(batch).outputs):
                     assert torch.equal(g, w)
+            assert got_a.result().call_tokens == got_b.result().call_tokens or 12 not in (
+                got_a.result().call_tokens, got_b.result().call_tokens)
+            merged += got_a.result().call_tokens == 12
+        assert merged, "the two front ends' batches never met in one call (the child runs a 300-token batch first)"
         r = _requests(catalog, 1, (2,), seed=7)[0]
         bad = PreparedRequest(9, r.x, r.topk_ids, r.topk_weights, False, "combined")  # an unknown layer, past validation
         busy = owner.submit(_requests(catalog, 0, (300,), seed=99))
