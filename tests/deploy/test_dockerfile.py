@@ -155,6 +155,8 @@ SERVE_ENV = {
     "LUTB_SHUTDOWN_GRACE_S": "--shutdown-grace-s",
     "LUTB_CONFIG": "--config",
     "LUTB_DEMO_DIR": "--demo-dir",
+    "LUTB_COMPUTE_WORKER": "--compute-worker",
+    "LUTB_FRONT_ENDS": "--front-ends",
 }
 
 
@@ -200,6 +202,7 @@ def test_configured_settings_load_from_the_environment(instructions, monkeypatch
     assert loaded.port == int(settings["LUTB_PORT"])
     assert loaded.metrics_port == int(settings["LUTB_METRICS_PORT"])
     assert loaded.shutdown_grace_s == float(settings["LUTB_SHUTDOWN_GRACE_S"])
+    assert (loaded.compute_worker, loaded.front_ends) == (settings["LUTB_COMPUTE_WORKER"], int(settings["LUTB_FRONT_ENDS"]))
     assert str(loaded.demo_dir).startswith("/tmp/")
 
 
