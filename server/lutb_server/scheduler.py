@@ -241,9 +241,12 @@ class BatchScheduler:
         loop = self._loop
         assert loop is not None
 
-        def done(_: Future[BatchOutput]) -> None:  # on the worker thread
+        def done(_: Future[BatchOutput]) -> None:  # on the worker thread, or on the loop (a compute process's answer)
             try:
-                loop.call_soon_threadsafe(self._on_done, running)
+                if _on_loop(loop):  # no self-pipe write and wake-up needed
+                    loop.call_soon(self._on_done, running)
+                else:
+                    loop.call_soon_threadsafe(self._on_done, running)
             except RuntimeError:  # the loop is closed: nobody waits for these results
                 pass
 
@@ -380,6 +383,14 @@ class BatchScheduler:
     def _set_depth(self) -> None:
         if self._metrics is not None:
             self._metrics.queue_depth.set(len(self._pending))
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the calling thread is running ``loop``."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def _fail(item: _Item, exc: BaseException) -> None:

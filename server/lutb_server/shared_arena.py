@@ -74,6 +74,7 @@ class SharedArena:
         self._owner = owner
         self._map = mmap.mmap(fd, size)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        self._typed: dict[str, torch.Tensor] = {}  # the whole arena as a flat tensor of each dtype met (for view)
         self._live: deque[tuple[int, int]] = deque()  # (start, end) of taken spans, oldest first
 
     @classmethod
@@ -96,6 +97,7 @@ class SharedArena:
     def close(self) -> None:
         """Unmap and close the descriptor (the memory goes when both processes have closed it)."""
         self._bytes = torch.empty(0, dtype=torch.uint8)
+        self._typed.clear()
         try:
             self._map.close()
         except BufferError:  # a tensor view is still alive somewhere: the mapping goes with it
@@ -124,8 +126,9 @@ class SharedArena:
     def place(self, tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[Slot] | None:
         """Take one span for ``tensors`` (dtype, shape) and lay them out in it (:func:`layout`); None
         when the ring has no room now. Release it with ``release(slots[0].offset)``."""
-        start = self.take(layout(0, tensors)[1])
-        return None if start is None else layout(start, tensors)[0]
+        slots, nbytes = layout(0, tensors)
+        start = self.take(nbytes)
+        return None if start is None else [slot._replace(offset=slot.offset + start) for slot in slots]
 
     def release(self, start: int) -> None:
         """Give back the span taken at ``start`` (normally the oldest)."""
@@ -150,7 +153,18 @@ class SharedArena:
         nbytes = slot.nbytes
         if slot.offset < 0 or slot.offset + nbytes > self.size:
             raise ValueError(f"slot {slot} lies outside the arena ({self.size} bytes)")
-        return self._bytes[slot.offset:slot.offset + nbytes].view(getattr(torch, slot.dtype)).view(slot.shape)
+        flat = self._typed.get(slot.dtype)
+        if flat is None:  # the arena's size is a multiple of ALIGN, so of every itemsize
+            flat = self._typed[slot.dtype] = self._bytes.view(getattr(torch, slot.dtype))
+        itemsize = flat.element_size()
+        if slot.offset % itemsize:
+            raise ValueError(f"slot {slot} is not aligned to its dtype ({itemsize} bytes)")
+        strides, step = [], 1
+        for s in reversed(slot.shape):
+            strides.append(step)
+            step *= s
+        # one as_strided instead of slice + two views: ~3x cheaper, and a batch makes 8 of them
+        return flat.as_strided(slot.shape, strides[::-1], slot.offset // itemsize)
 
 
 def layout(start: int, tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[list[Slot], int]:
