@@ -175,15 +175,16 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         done_tokens = 0
         # the measured window: after warmup_s, and after every caller's first answer (a first call that is slow,
         # e.g. a cold server path on a busy machine, must not swallow a short window); moved when that comes later
-        window = [time.perf_counter() + spec["warmup_s"], 0.0]
-        window[1] = window[0] + spec["duration_s"]
-        unanswered = [spec["concurrency"]]  # callers still waiting for their first answer
+        t_start = time.perf_counter() + spec["warmup_s"]
+        t_end = t_start + spec["duration_s"]
+        unanswered = spec["concurrency"]  # callers still waiting for their first answer
 
         def first_answer() -> None:
-            unanswered[0] -= 1
+            nonlocal t_start, t_end, unanswered
+            unanswered -= 1
             now = time.perf_counter()
-            if unanswered[0] == 0 and now > window[0]:
-                window[:] = [now, now + spec["duration_s"]]
+            if unanswered == 0 and now > t_start:
+                t_start, t_end = now, now + spec["duration_s"]
 
         async def caller(index: int) -> None:
             # api "stream": one ForwardStream per caller for the whole cell, one request in
@@ -196,7 +197,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
             answered = False
             while True:
                 now = time.perf_counter()
-                if now >= window[1]:
+                if now >= t_end:
                     break
                 payload = payloads[i % len(payloads)]
                 i += 1
@@ -219,7 +220,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                 if not answered:
                     answered = True
                     first_answer()
-                if t0 >= window[0] and t1 <= window[1]:
+                if t0 >= t_start and t1 <= t_end:
                     latencies.append(t1 - t0)
                     done_tokens += spec["tokens"]
                     if spec["kind"] == "expert":

@@ -46,7 +46,7 @@ from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
 from lutb_server.errors import DeadlineExpired, QueueFull, Unavailable
 from lutb_server.metrics import ServerMetrics
-from lutb_server.worker import BatchOutput, BatchWorker, ComputeWorker
+from lutb_server.worker import BatchOutput, BatchWorker, ComputeWorker, running_loop
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class BatchScheduler:
 
         def done(_: Future[BatchOutput]) -> None:  # on the worker thread, or on the loop (a compute process's answer)
             try:
-                if _on_loop(loop):  # no self-pipe write and wake-up needed
+                if running_loop() is loop:  # no self-pipe write and wake-up needed
                     loop.call_soon(self._on_done, running)
                 else:
                     loop.call_soon_threadsafe(self._on_done, running)
@@ -383,14 +383,6 @@ class BatchScheduler:
     def _set_depth(self) -> None:
         if self._metrics is not None:
             self._metrics.queue_depth.set(len(self._pending))
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether the calling thread is running ``loop``."""
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
 
 
 def _fail(item: _Item, exc: BaseException) -> None:

@@ -28,6 +28,7 @@ captured on first use.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -59,6 +60,14 @@ class BatchOutput(NamedTuple):
     call_tokens: int
     """Tokens of the experts call that ran the batch: the batch's own, or more when the compute process merged it
     with other front ends' batches (what the GPU actually saw)."""
+
+
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop the calling thread is running, or None (a worker's future may complete on either side)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class BatchWorker(Protocol):
@@ -382,4 +391,4 @@ def _generic_forward(engine: ForwardEngine, requests: list[PreparedRequest]) -> 
     return _split(out, requests)
 
 
-__all__ = ["BatchOutput", "BatchWorker", "ComputeWorker", "ForwardEngine"]
+__all__ = ["BatchOutput", "BatchWorker", "ComputeWorker", "ForwardEngine", "running_loop"]

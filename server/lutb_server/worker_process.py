@@ -31,9 +31,10 @@ Frames on one Unix stream socket, each an 8-byte little-endian length and a pick
 - parent -> child: ``(job, (layer, x, topk_ids, topk_weights, apply_router_weight_on_input,
   output_mode), output_slot)`` per batch, its requests concatenated (they share the pool key), and
   ``output_slot`` where the child writes the batch's output (None: send it inline); ``None`` to stop;
-- child -> parent: ``(job, output, seconds, gpu_memory)`` or ``(job, exception, 0.0, gpu_memory)``,
-  ``output`` None when it is in the output slot, else a codec message; the serving process splits
-  it back per request;
+- child -> parent: ``(job, output, seconds, call_tokens, gpu_memory)`` or ``(job, exception, 0.0, 0,
+  gpu_memory)``, ``output`` None when it is in the output slot, else a codec message (the serving
+  process splits it back per request), ``call_tokens`` the tokens of the call that ran the batch
+  (more than its own when merged with other front ends' batches);
   ``gpu_memory`` the child's ``(allocated, reserved)`` CUDA allocator bytes as last read (the
   child reads them at most every :data:`GPU_MEMORY_PERIOD_S`, after answering, off the batch's
   critical path: a reading builds two ``torch.cuda.memory_stats`` dictionaries).
@@ -71,7 +72,7 @@ from lutb_server.engine import PreparedRequest
 from lutb_server.errors import Unavailable
 from lutb_server.metrics import torch_gpu_memory
 from lutb_server.shared_arena import SharedArena, Slot, arena_supported
-from lutb_server.worker import BatchOutput
+from lutb_server.worker import BatchOutput, running_loop
 
 log = logging.getLogger(__name__)
 
@@ -424,7 +425,7 @@ class ProcessComputeWorker:
         """
         if self._started:
             return self
-        if self._loop is not None and self._loop.is_running() and _running_loop() is self._loop:
+        if self._loop is not None and self._loop.is_running() and running_loop() is self._loop:
             raise RuntimeError("ProcessComputeWorker.start() blocks: call it off its event loop (asyncio.to_thread)")
         if self._connection is None:
             self._process, (ours,) = spawn_compute_process(self.spec)
@@ -502,7 +503,7 @@ class ProcessComputeWorker:
             out = None
         batch = (job, (first.layer, x, ids, w, first.apply_router_weight_on_input, first.output_mode), out)
         assert self._loop is not None
-        if _running_loop() is self._loop:
+        if running_loop() is self._loop:
             self._write(batch)
         else:
             self._loop.call_soon_threadsafe(self._write, batch)
@@ -622,13 +623,6 @@ def _concat(parts: list[torch.Tensor], out: torch.Tensor) -> None:
         out.copy_(parts[0])
     else:
         torch.cat(parts, out=out)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 __all__ = ["DEFAULT_ARENA_BYTES", "GPU_MEMORY_PERIOD_S", "ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec", "merge_groups",
