@@ -11,7 +11,12 @@
 #   3. full bench: bench/kernels.py, all shapes, all T (+ prefill path A/B) <= 170 s
 #   4. tune sweep: GEMM alone, decode + large T, mixtral/deepseek           <= 80 s (stops starting shapes at 50 s)
 #   5. SASS counts of the compiled packed kernels (from the Triton cache)  <= 20 s
+#   pdl (not in the default list): bench/kernels.py at decode T (1 8 32), all shapes, packed also timed
+#      with programmatic dependent launch off (--pdl-ab)                     <= 200 s
+#   stalls (not in the default list): Nsight Compute's stall reasons (cycles per issued instruction
+#      by reason) and top stall sites of the two GEMMs of a mixtral T=1 forward  <= 150 s
 # Files under $OUT (8): gpu_tests.log breakdown.log breakdown.json bench.log results.json results.md tune.log tune.json
+# (pdl writes pdl.log and results.json; stalls writes stalls.log)
 # The short tables are printed LAST.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,8 +37,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader 2
 
 if want tests; then
   stamp "1. GPU kernel tests"
-  timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/kernels/test_lut_b_dequant.py \
-    tests/kernels/test_lut_b_gemm_selectors.py tests/kernels/test_experts_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  timeout 200 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/kernels/test_lut_b_dequant.py \
+    tests/kernels/test_lut_b_gemm_selectors.py tests/kernels/test_experts_gpu.py tests/kernels/test_cuda_graphs.py > "$OUT/gpu_tests.log" 2>&1
   echo "rc=$?" >> "$OUT/gpu_tests.log"
   tail -4 "$OUT/gpu_tests.log"
 fi
@@ -56,6 +61,21 @@ if want tune; then
   cp "$WORK/tune/tune.json" "$OUT/" 2>/dev/null
 fi
 
+if want pdl; then
+  stamp "pdl: decode T, PDL on/off"
+  timeout 200 "$PY" bench/kernels.py --tokens 1 8 32 --pdl-ab --out "$WORK/pdl" > "$OUT/pdl.log" 2>&1; echo "rc=$?" >> "$OUT/pdl.log"
+  cp "$WORK/pdl/results.json" "$OUT/" 2>/dev/null || cp "$WORK/pdl/results.partial.json" "$OUT/results.json" 2>/dev/null
+fi
+
+if want stalls; then
+  stamp "stalls: ncu stall reasons, mixtral T=1 GEMMs"
+  NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+  timeout 150 "$NCU" --clock-control none --kernel-name regex:lut_b_moe_gemm_kernel --launch-skip 6 --launch-count 2 \
+    --section WarpStateStats --section SourceCounters \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    "$PY" bench/ncu_gemm.py --shape mixtral-8x7b --tokens 1 > "$OUT/stalls.log" 2>&1; echo "rc=$?" >> "$OUT/stalls.log"
+fi
+
 if want sass; then
   stamp "5. SASS counts (appended to bench.log)"
   { echo "== SASS (bench/sass_summary.py)"; timeout 20 "$PY" bench/sass_summary.py --out "$WORK/sass" 2>&1 | tail -30; } >> "$OUT/bench.log"
@@ -66,6 +86,8 @@ stamp "done; summary"
 echo
 echo "================ GPU tests";   grep -E "passed|failed|error|rc=" "$OUT/gpu_tests.log" | tail -4
 echo "================ breakdown";   sed -n '/^breakdown:/,$p' "$OUT/breakdown.log" | head -40; grep -E "Error|rc=" "$OUT/breakdown.log" | tail -3
+echo "================ stalls";      grep -E "issue_stalled|Warp Cycles|rc=" "$OUT/stalls.log" 2>/dev/null | sort -t' ' -k3 | tail -30
+echo "================ pdl";         sed -n '/^pdl:/,$p' "$OUT/pdl.log" 2>/dev/null | head -20; grep -E "Error|rc=" "$OUT/pdl.log" 2>/dev/null | tail -3
 echo "================ tune";        sed -n '/^tune:/,$p' "$OUT/tune.log" | head -40; grep -E "^\[tune\] budget|Error|rc=" "$OUT/tune.log" | tail -4
 echo "================ bench (targets vs HBM READ bandwidth)"
 if grep -q "^wrote " "$OUT/bench.log"; then sed -n '/^wrote /,/^== SASS/p' "$OUT/bench.log" | grep -v "^== SASS"; else tail -25 "$OUT/bench.log"; fi

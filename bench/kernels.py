@@ -255,6 +255,32 @@ def prefill_paths(packed, x: torch.Tensor, rot: list, weights: torch.Tensor) -> 
     return times
 
 
+PDL_AB = False  # --pdl-ab: also time packed with programmatic dependent launch off
+
+
+def packed_without_pdl(packed, x: torch.Tensor, rot: list, weights: torch.Tensor) -> dict:  # noqa: ANN001
+    """us per packed forward with every kernel launched without PDL (the same code otherwise)."""
+    from lutb_kernels._grouped_gemm_details import launch
+
+    launch.PDL = False
+    try:
+        us, method = time_graph_rot([lambda r=r: packed.forward_unchecked(x, r, weights) for r in rot])
+    finally:
+        launch.PDL = True
+    return {"us": us, "method": method}
+
+
+def pdl_table(results: dict) -> str:
+    """packed with and without PDL, us, per shape and T (``--pdl-ab``)."""
+    lines = ["pdl: packed forward us (CUDA graph), PDL on / off", f"{'shape':16s} {'T':>5s} {'on':>9s} {'off':>9s} {'saved':>7s}"]
+    for name, sres in results["shapes"].items():
+        for t, run in sres["runs"].items():
+            if "packed_no_pdl" in run:
+                on, off = run["packed"]["us"], run["packed_no_pdl"]["us"]
+                lines.append(f"{name:16s} {t:5d} {on:9.1f} {off:9.1f} {off - on:7.1f}")
+    return "\n".join(lines)
+
+
 def bench_shape(name: str, tokens_list: tuple[int, ...], results: dict) -> None:
     experts, hidden, inter, top_k = SHAPES[name]
     fns, info, (packed, emulated) = make_backends(name, experts, hidden, inter)
@@ -281,6 +307,9 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], results: dict) -> None:
                 us, method = float("nan"), f"OOM: {exc}"[:100]
                 torch.cuda.empty_cache()
             run[backend] = {"us": us, "method": method}
+        if PDL_AB:
+            run["packed_no_pdl"] = packed_without_pdl(packed, x, rot, weights)
+            log(f"[{name}] T={tokens:5d} packed without PDL {run['packed_no_pdl']['us']:.1f} us")
         if tokens >= PREFILL_AB_FROM:
             run["packed_paths"] = prefill_paths(packed, x, rot, weights)
             log(f"[{name}] T={tokens:5d} packed paths: {run['packed_paths']}")
@@ -345,7 +374,8 @@ def _packed_only(name: str):  # noqa: ANN202
     return LutBPackedExperts(cfg, layer, "cuda")
 
 
-STAGES_NOT_SUMMED = ("whole forward", "moe_align_block_size (triton)")
+# "held": whole layers (these) build no held mask since whole_layer; the stage stays for shards.
+STAGES_NOT_SUMMED = ("whole forward", "moe_align_block_size (triton)", "held (emap index)")
 
 
 def _stage_label(name: str) -> str:
@@ -769,7 +799,10 @@ def main() -> int:
     parser.add_argument("--breakdown", action="store_true", help="only the per-stage breakdown of the packed forward (T 1/8/32)")
     parser.add_argument("--tune-grouped", action="store_true", help="only the dense grouped GEMM's tile sweep at large T")
     parser.add_argument("--breakdown-shapes", nargs="*", default=["mixtral-8x7b", "deepseek-v3"], choices=list(SHAPES))
+    parser.add_argument("--pdl-ab", action="store_true", help="also time packed with programmatic dependent launch off")
     args = parser.parse_args()
+    global PDL_AB
+    PDL_AB = args.pdl_ab
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -816,6 +849,8 @@ def main() -> int:
     (args.out / "results.md").write_text(markdown(results, targets))
     print(f"\nwrote {args.out}/results.json and results.md in {results['wall_s']:.0f} s\n")
     print(short_table(results, targets))
+    if PDL_AB:
+        print("\n" + pdl_table(results))
     return 0
 
 

@@ -24,6 +24,7 @@ from lutb_kernels._grouped_gemm_details.launch import (
     check_routing,
     interpreting,
     next_pow2,
+    pdl_launch,
     shared_memory_per_block,
     sm_count,
 )
@@ -126,7 +127,10 @@ def grouped_gemm(
     num_valid = m * top_k
     if num_valid == 0 or n == 0 or expert_ids.numel() == 0:
         return out
-    from lutb_kernels._grouped_gemm_details.kernels import grouped_gemm_kernel, split_k_finalize_kernel
+    from lutb_kernels._grouped_gemm_details.kernels import (
+        grouped_gemm_kernel,
+        split_k_finalize_kernel,
+    )
 
     device = a.device
     if config is None:
@@ -146,14 +150,14 @@ def grouped_gemm(
         TOP_K=top_k, ROUTE_BLOCK=block_m, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split_k, MUL_WEIGHT=topk_weights is not None,
         ALLOW_TF32=bool(allow_tf32 and a.dtype == torch.float32 and not interpreting()),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(device),
     )
     if split_k > 1:
         fin_n = min(128, next_pow2(n))
         split_k_finalize_kernel[(expert_ids.numel(), cdiv(n, fin_n))](
             ws, out, topk_weights if topk_weights is not None else ws,
             sorted_token_ids, expert_ids, num_tokens_post_padded, n, num_valid, out.stride(0),
-            ROUTE_BLOCK=block_m, BLOCK_N=fin_n, MUL_WEIGHT=topk_weights is not None, num_warps=4,
+            ROUTE_BLOCK=block_m, BLOCK_N=fin_n, MUL_WEIGHT=topk_weights is not None, num_warps=4, **pdl_launch(device),
         )
     return out
 
@@ -193,13 +197,14 @@ def grouped_gemm_reference(
     return out
 
 
-def moe_combine(y: torch.Tensor, held: torch.Tensor, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def moe_combine(y: torch.Tensor, held: torch.Tensor | None, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum each token's held routes in float32 (spec step 7).
 
     Args:
         y: ``[T * top_k, H]`` per-route outputs in the model dtype (rows of routes not held may
             hold anything; they are not read).
-        held: bool/int8 ``[T * top_k]`` (or ``[T, top_k]``): the route's expert is held here.
+        held: bool/int8 ``[T * top_k]`` (or ``[T, top_k]``): the route's expert is held here;
+            None: every route is (a whole layer), no mask is read.
         top_k: routes per token.
         out: optional ``[T, H]`` in ``y.dtype``.
 
@@ -209,7 +214,7 @@ def moe_combine(y: torch.Tensor, held: torch.Tensor, top_k: int, out: torch.Tens
     if y.dim() != 2 or y.shape[0] % top_k or y.stride(1) != 1:
         raise ValueError(f"y must be [T * top_k, H] with unit column stride, got {tuple(y.shape)}")
     tokens, hidden = y.shape[0] // top_k, y.shape[1]
-    if held.numel() != y.shape[0] or held.dtype not in (torch.bool, torch.int8, torch.uint8):
+    if held is not None and (held.numel() != y.shape[0] or held.dtype not in (torch.bool, torch.int8, torch.uint8)):
         raise ValueError(f"held must be bool/int8 with {y.shape[0]} elements, got {held.dtype} {tuple(held.shape)}")
     if out is None:
         out = torch.empty((tokens, hidden), dtype=y.dtype, device=y.device)
@@ -221,16 +226,16 @@ def moe_combine(y: torch.Tensor, held: torch.Tensor, top_k: int, out: torch.Tens
 
     block_h = min(1024, next_pow2(hidden))
     moe_combine_kernel[(tokens, cdiv(hidden, block_h))](
-        y, held.reshape(-1).view(torch.int8), out, hidden, y.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+        y, held.reshape(-1).view(torch.int8) if held is not None else y, out, hidden, y.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_H=block_h, HAS_HELD=held is not None, num_warps=4, **pdl_launch(y.device),
     )
     return out
 
 
-def moe_combine_reference(y: torch.Tensor, held: torch.Tensor, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def moe_combine_reference(y: torch.Tensor, held: torch.Tensor | None, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-PyTorch twin of :func:`moe_combine`."""
     tokens = y.shape[0] // top_k
-    keep = held.reshape(tokens, top_k, 1).bool()
+    keep = held.reshape(tokens, top_k, 1).bool() if held is not None else torch.ones(tokens, top_k, 1, dtype=torch.bool, device=y.device)
     yy = y.reshape(tokens, top_k, -1).float()
     res = torch.where(keep, yy, torch.zeros_like(yy)).sum(dim=1).to(y.dtype)
     if out is not None:

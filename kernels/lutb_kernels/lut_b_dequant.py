@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lutb_kernels._grouped_gemm_details.launch import interpreting
+from lutb_kernels._grouped_gemm_details.launch import interpreting, pdl_launch
 from lutb_kernels.tiles import TILE, TILE_BYTES, tiles_to_dense
 
 ROWS_PER_PROGRAM = 32
@@ -63,6 +63,7 @@ def lut_b_dequantize(w_packed: torch.Tensor, out: torch.Tensor | None = None, *,
     words = w_packed.contiguous().view(torch.int32)
     lut_b_dequant_kernel[(e * nt * kt, TILE // ROWS_PER_PROGRAM)](
         words, out, nt * kt, kt, out.stride(0), out.stride(1), ROWS=ROWS_PER_PROGRAM, num_warps=4,
+        **pdl_launch(w_packed.device),
     )
     return out
 

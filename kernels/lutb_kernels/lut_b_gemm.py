@@ -38,6 +38,7 @@ from lutb_kernels._grouped_gemm_details.launch import (
     interpreting,
     is_nvidia,
     next_pow2,
+    pdl_launch,
     sm_count,
 )
 from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize
@@ -257,7 +258,10 @@ def lut_b_moe_gemm(
     num_valid = m * top_k
     if num_valid == 0 or n == 0 or expert_ids.numel() == 0:
         return out
-    from lutb_kernels._lut_b_gemm_details.kernels import lut_b_moe_gemm_kernel, split_k_reduce_kernel
+    from lutb_kernels._lut_b_gemm_details.kernels import (
+        lut_b_moe_gemm_kernel,
+        split_k_reduce_kernel,
+    )
 
     device = a_mxfp8.device
     if config is None:
@@ -293,6 +297,7 @@ def lut_b_moe_gemm(
         PREFETCH=config.prefetch,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg is not None and not interpreting() else {}),
+        **pdl_launch(device),
     )
     if split_k > 1:
         fin_r = min(block_m, 16)
@@ -301,7 +306,7 @@ def lut_b_moe_gemm(
             ws, out, topk_weights if topk_weights is not None else ws,
             sorted_token_ids, expert_ids, num_tokens_post_padded, n, num_valid, out.stride(0),
             ROUTE_BLOCK=block_m, BLOCK_R=fin_r, BLOCK_N=fin_n, SPLIT_K=split_k,
-            MUL_WEIGHT=topk_weights is not None, num_warps=4,
+            MUL_WEIGHT=topk_weights is not None, num_warps=4, **pdl_launch(device),
         )
     return out
 

@@ -30,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from lutb_kernels._grouped_gemm_details.launch import pdl_launch
 from lutb_kernels.activations import apply_activation, check_activation, is_gated
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.mxfp8 import BLOCK, ScaleMode, check_scale_mode
@@ -144,6 +145,7 @@ def _launch(
             BLOCK_R=block_r,
             BLOCK_K=block_k,
             num_warps=4,
+            **pdl_launch(device),
         )
     if own_flag and m and k_out and bool(flag.item()):
         raise NonFiniteInputError("MXFP8 quantization refuses NaN or infinite input")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from lutb_kernels._grouped_gemm_details.launch import pdl_launch
 from lutb_kernels.routing import max_padded_routes
 from lutb_kernels.routing import moe_align_block_size as moe_align_block_size_reference
 
@@ -189,5 +190,6 @@ def moe_align_block_size_triton(
         FILL_C=launch.fill_chunk,
         BLK_C=launch.block_chunk,
         num_warps=launch.num_warps,
+        **pdl_launch(device),
     )
     return sorted_ids, expert_ids, total

@@ -83,3 +83,11 @@ def test_a_deepseek_shard_splits_k_as_its_share_of_the_batch(h200: torch.device)
     assert held_routes == 1
     shard = op.default_config(held_routes, 2 * inter, hidden, 32, 16, h200).split_k
     assert shard > op.default_config(top_k, 2 * inter, hidden, 32, 16, h200).split_k
+
+
+def test_pdl_only_on_cuda() -> None:
+    """Kernels launch with PDL only on an NVIDIA GPU of compute capability 9.0+, never on the CPU interpreter."""
+    from lutb_kernels._grouped_gemm_details.launch import pdl_launch, use_pdl
+
+    assert not use_pdl(torch.device("cpu"))
+    assert pdl_launch(torch.device("cpu")) == {"PDL": False}

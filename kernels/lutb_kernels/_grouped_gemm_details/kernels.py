@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lutb_kernels._pdl_details import pdl_prologue
+
 
 @triton.jit
 def grouped_gemm_kernel(
@@ -32,7 +34,9 @@ def grouped_gemm_kernel(
     SPLIT_K: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     ALLOW_TF32: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
+    pdl_prologue(PDL)
     SUBS: tl.constexpr = ROUTE_BLOCK // BLOCK_M
     pid0 = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -94,8 +98,10 @@ def split_k_finalize_kernel(
     ROUTE_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
     """Rows of held routes only: ``out[route] = (ws[route] * w[route]).to(out dtype)``."""
+    pdl_prologue(PDL)
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     ntpp = tl.load(ntpp_ptr)
@@ -119,22 +125,28 @@ def split_k_finalize_kernel(
 @triton.jit
 def moe_combine_kernel(
     y_ptr,  # [T * k, H] model dtype
-    held_ptr,  # int8 [T * k]
+    held_ptr,  # int8 [T * k] (HAS_HELD)
     out_ptr,  # [T, H]
     H,
     stride_ym,
     stride_om,
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    HAS_HELD: tl.constexpr,  # False: every route is held (a whole layer)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
     """``out[t] = sum_j held[t, j] ? y[t*k + j] : 0`` in float32, rounded to the out dtype (spec step 7)."""
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < H
     acc = tl.full((BLOCK_H,), 0.0, tl.float32)
     for j in tl.static_range(TOP_K):
         r = t * TOP_K + j
-        held = tl.load(held_ptr + r) != 0
-        y = tl.load(y_ptr + r * stride_ym + cols, mask=cmask & held, other=0.0)
+        if HAS_HELD:
+            held = tl.load(held_ptr + r) != 0
+            y = tl.load(y_ptr + r * stride_ym + cols, mask=cmask & held, other=0.0)
+        else:
+            y = tl.load(y_ptr + r * stride_ym + cols, mask=cmask, other=0.0)
         acc += y.to(tl.float32)
     tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from lutb_kernels._lut_b_gemm_details.kernels import load_lut_words
+from lutb_kernels._pdl_details import pdl_prologue
 
 TILE_WORDS = tl.constexpr(1668)  # 6672 bytes
 
@@ -24,12 +25,14 @@ def lut_b_dequant_kernel(
     stride_oe,
     stride_on,
     ROWS: tl.constexpr,  # tile rows per program (divides 128)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
     """Program (tile, row block): ``out[e, 128 nt + r, 128 kt + c] = lut[code] * 2**(s - 127)``.
 
     The value is computed in float32 (the LUT entry widened, times the exact power of two; E8M0
     255 gives NaN) and rounded once to the output dtype, as the spec's dequantization says.
     """
+    pdl_prologue(PDL)
     tile = tl.program_id(0)
     rblk = tl.program_id(1)
     e = tile // tiles_per_expert

@@ -38,6 +38,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lutb_kernels._pdl_details import pdl_prologue
+
 
 @triton.jit
 def pow2_e8m0_f32(s):
@@ -438,7 +440,9 @@ def lut_b_moe_gemm_kernel(
     G: tl.constexpr,  # 32-column groups per K step: 4 (a whole tile), 2 or 1 (fewer registers)
     TILE_LOOP: tl.constexpr = False,  # one loop iteration per tile: all its words loaded up front (G == 1)
     PREFETCH: tl.constexpr = False,  # TILE_LOOP: load tile t+1's words while decoding tile t
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
+    pdl_prologue(PDL)
     SUBS: tl.constexpr = ROUTE_BLOCK // BLOCK_M
     pid0 = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -604,8 +608,10 @@ def split_k_reduce_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
     """Rows of held routes only: ``out[route] = (sum_s ws[s, route] * w[route]).to(out dtype)``."""
+    pdl_prologue(PDL)
     SUBS: tl.constexpr = ROUTE_BLOCK // BLOCK_R
     pid0 = tl.program_id(0)
     blk = pid0 // SUBS

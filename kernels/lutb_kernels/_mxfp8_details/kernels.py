@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lutb_kernels._pdl_details import pdl_prologue
+
 # Activation ids (constexpr ACT); 0 = none (quantize the input as it is).
 ACT_IDS = {
     None: 0,
@@ -172,7 +174,9 @@ def mxfp8_quantize_kernel(
     HAS_ROW_MASK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
+    pdl_prologue(PDL)
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)

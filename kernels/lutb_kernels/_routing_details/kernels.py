@@ -34,6 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lutb_kernels._pdl_details import pdl_prologue
+
 
 @triton.jit
 def _add(a, b):
@@ -84,7 +86,9 @@ def moe_align_block_size_kernel(
     HIST_C: tl.constexpr,  # routes per chunk in phase 1
     FILL_C: tl.constexpr,  # positions / blocks per chunk of the fills (phases 2 and 4)
     BLK_C: tl.constexpr,  # blocks per chunk of the block-expert search (phase 4)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
+    pdl_prologue(PDL)
     e_idx = tl.arange(0, E_PAD)
 
     # 1. count the held routes of every expert

@@ -3,7 +3,7 @@
 The skeleton (spec section 4, for every backend that batches the experts with grouped GEMMs)::
 
     check_forward_args (host sync: topk id range)
-    held = expert_map[topk_ids] >= 0                              [T, k]
+    held = expert_map[topk_ids] >= 0                              [T, k]; None for a whole layer
     routing = moe_align_block_size(topk_ids, route_block, E, expert_map)   one Triton launch at decode
                                                                   sizes, torch ops above (triton_routing_wins)
     y = backend._routed_forward(...)                              [T*k, H], rows of held routes
@@ -116,6 +116,8 @@ class RoutedTritonExperts(LayerExperts):
     def __init__(self, config: CheckpointConfig, weights: LayerWeights, device: torch.device | str) -> None:
         super().__init__(config, weights, device)
         self._emap = self.expert_map()
+        self.whole_layer = self.num_local_experts == config.num_experts
+        """Every expert of the layer is held: every (valid) route is, so no held mask is built."""
 
     def route_block(self, num_routes: int) -> int:
         """Rows per routing block for a batch of ``num_routes`` routes (``tokens * top_k``).
@@ -140,7 +142,7 @@ class RoutedTritonExperts(LayerExperts):
         self,
         x: torch.Tensor,
         topk_weights: torch.Tensor,
-        held: torch.Tensor,
+        held: torch.Tensor | None,
         routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         top_k: int,
         route_block: int,
@@ -149,7 +151,10 @@ class RoutedTritonExperts(LayerExperts):
         weight_on_input: bool,
         weight_on_output: bool,
     ) -> torch.Tensor:
-        """Spec steps 1-6 for the held routes: ``[T*k, H]`` in ``x.dtype`` (other rows unspecified)."""
+        """Spec steps 1-6 for the held routes: ``[T*k, H]`` in ``x.dtype`` (other rows unspecified).
+
+        ``held``: bool ``[T, k]``, the routes whose expert is held here; None when all are.
+        """
         raise NotImplementedError
 
     def _check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -211,7 +216,7 @@ class RoutedTritonExperts(LayerExperts):
             nonfinite = torch.zeros(1, dtype=torch.int32, device=self.device)
         x = x.contiguous()
         weights = topk_weights.float().contiguous()
-        held = self._emap[topk_ids.long()] >= 0  # [T, k]
+        held = None if self.whole_layer else self._emap[topk_ids.long()] >= 0  # [T, k]; three launches saved when whole
         route_block = self.route_block(tokens * top_k)
         align = moe_align_block_size_triton if triton_routing_wins(topk_ids.numel(), self.config.num_experts) else moe_align_block_size
         routing = align(topk_ids, route_block, self.config.num_experts, expert_map=self._emap)
@@ -221,5 +226,6 @@ class RoutedTritonExperts(LayerExperts):
             weight_on_output=output_mode == "combined" and not apply_router_weight_on_input,
         )
         if output_mode == "route_major":
-            return y.view(tokens, top_k, hidden).masked_fill(~held.unsqueeze(-1), 0)
+            y = y.view(tokens, top_k, hidden)
+            return y if held is None else y.masked_fill(~held.unsqueeze(-1), 0)
         return moe_combine(y, held, top_k)

@@ -69,14 +69,14 @@ class LutBEmulationTritonExperts(RoutedTritonExperts):
             raise ValueError(f"hidden_states must be {self.dtype} (the checkpoint's model dtype), got {x.dtype}")
         mode = self.config.mxfp8_scale_mode
         sorted_ids, expert_ids, ntpp = routing
-        routes = held.numel()
+        routes = topk_weights.numel()
         a1 = mxfp8_qdq(x, mode, row_weight=topk_weights[:, 0].contiguous() if weight_on_input else None,  # type: ignore[arg-type]
                        nonfinite=nonfinite)
         h = torch.empty((routes, self.w13.shape[1]), dtype=x.dtype, device=self.device)
         expected = self.held_routes(routes)
         grouped_gemm(a1, self.w13, h, None, sorted_ids, expert_ids, ntpp, top_k, block_m=route_block, allow_tf32=True,
                      held_routes=expected)
-        a2 = act_mxfp8_qdq(h, self.config.activation, mode, row_mask=held.reshape(-1), nonfinite=nonfinite)  # type: ignore[arg-type]
+        a2 = act_mxfp8_qdq(h, self.config.activation, mode, row_mask=held.reshape(-1) if held is not None else None, nonfinite=nonfinite)  # type: ignore[arg-type]
         y = torch.empty((routes, self.config.hidden_size), dtype=x.dtype, device=self.device)
         grouped_gemm(a2, self.w2, y, topk_weights if weight_on_output else None, sorted_ids, expert_ids, ntpp, 1,
                      block_m=route_block, allow_tf32=True, held_routes=expected)

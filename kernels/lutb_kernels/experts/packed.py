@@ -115,7 +115,7 @@ class LutBPackedExperts(RoutedTritonExperts):
         from lutb_kernels.mxfp8_triton import act_mxfp8_qdq, act_mxfp8_quantize, interpreting, mxfp8_qdq, mxfp8_quantize
 
         mode = self.config.mxfp8_scale_mode
-        routes = held.numel()
+        routes = topk_weights.numel()
         row_weight = topk_weights[:, 0].contiguous() if weight_on_input else None
         a_dtype = torch.float32 if interpreting() else torch.bfloat16  # the interpreter mishandles bf16
         dense = self.uses_dense_weights(routes)
@@ -128,7 +128,7 @@ class LutBPackedExperts(RoutedTritonExperts):
             a1, s1 = mxfp8_quantize(x, mode, k_order=order, row_weight=row_weight, nonfinite=nonfinite)  # type: ignore[arg-type]
         h = torch.empty((routes, self.w13.shape[1] * 128), dtype=x.dtype, device=self.device)
         gemm(a1, s1, self.w13, h, None, routing, top_k, route_block)
-        row_mask = held.reshape(-1)
+        row_mask = held.reshape(-1) if held is not None else None
         if dequantized:
             a2, s2 = act_mxfp8_qdq(h, self.config.activation, mode, row_mask=row_mask, k_order=order,  # type: ignore[arg-type]
                                    out_dtype=a_dtype, nonfinite=nonfinite), None

@@ -59,8 +59,16 @@ def test_weights_on_input(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
-def test_route_major(backend: str) -> None:
-    _check(backend, "swigluoai", "float32", 5, 2, [0, 3], mode="route_major")
+@pytest.mark.parametrize("held", [[0, 3], [3, 1, 0, 2]], ids=["shard", "whole-permuted"])
+def test_route_major(backend: str, held: list[int]) -> None:
+    _check(backend, "swigluoai", "float32", 5, 2, held, mode="route_major")
+
+
+def test_whole_layer_builds_no_held_mask() -> None:
+    """A layer holding every expert (in any order) skips the held mask; a shard builds it."""
+    cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=4)
+    assert LutBPackedExperts(cfg, make_layer(cfg, [2, 0, 3, 1]), "cpu").whole_layer
+    assert not LutBPackedExperts(cfg, make_layer(cfg, [0, 1, 2]), "cpu").whole_layer
 
 
 @pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])

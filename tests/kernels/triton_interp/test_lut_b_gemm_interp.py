@@ -105,6 +105,9 @@ def test_grouped_gemm_and_combine(dtype: torch.dtype, split_k: int, held: list[i
     assert rel_l2(out[routed], ref[routed]) < (1e-5 if dtype == torch.float32 else 2e-3)
     combined = moe_combine(out, routed, top_k)
     assert torch.equal(combined, moe_combine_reference(out, routed, top_k))
+    if emap is None:  # a whole layer: no mask at all gives the same sums
+        assert torch.equal(moe_combine(out, None, top_k), combined)
+        assert torch.equal(moe_combine_reference(out, None, top_k), combined)
 
 
 def test_triton_decoder_exact() -> None:
