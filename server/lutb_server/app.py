@@ -17,19 +17,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import multiprocessing as mp
 import os
 import shutil
 import signal
 import socket
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
 
 import grpc
 import torch
@@ -41,6 +37,8 @@ from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_server.backends import BackendChoice, choose_backend, compute_capability, resolve_device
 from lutb_server.engine import ExpertEngine
+from lutb_server.front_ends import STOP_SLACK_S as FRONT_END_STOP_SLACK_S
+from lutb_server.front_ends import FrontEnds
 from lutb_server.interceptors import Gate, GateInterceptor, MetricsInterceptor
 from lutb_server.metrics import ServerMetrics
 from lutb_server.scheduler import BatchScheduler
@@ -50,13 +48,6 @@ from lutb_server.worker import BatchWorker, ComputeWorker
 from lutb_server.worker_process import ProcessComputeWorker, WorkerSpec, spawn_compute_process
 
 log = logging.getLogger(__name__)
-
-FRONT_END_WATCH_S = 0.2
-"""Seconds between checks that the other front ends still run."""
-FRONT_END_START_S = 300.0
-"""Seconds front ends 1..N-1 get to report SERVING after the compute process is ready."""
-FRONT_END_STOP_SLACK_S = 10.0
-"""Seconds past the shutdown grace that front ends get to exit before they are killed."""
 
 RESPONSE_FLUSH_S = 1.0
 """Seconds a draining server waits, once every ExpertService handler has returned, for their responses to go out."""
@@ -194,9 +185,10 @@ class ExpertServer:
     """One serving process's worth of state; several can live in one process (tests).
 
     With ``front_ends = N > 1`` this server is front end 0: it spawns the compute process with N
-    connections and front ends 1..N-1 (:func:`_front_end_main`, each an ``ExpertServer`` on its
-    connection, bound to the same port), watches them (one that exits takes the whole server out
-    of service, as a dead compute process does), and stops them before itself.
+    connections and front ends 1..N-1 (:class:`~lutb_server.front_ends.FrontEnds`, each an
+    ``ExpertServer`` on its connection, bound to the same port), watches them (one that exits
+    takes the whole server out of service, as a dead compute process does), and stops them
+    before itself.
 
     Args:
         settings: the configuration.
@@ -221,10 +213,8 @@ class ExpertServer:
         self.metrics_port: int | None = None
         self._engine_loader = engine_loader
         self._compute_connection = compute_connection
-        self.front_ends: list[BaseProcess] = []
+        self.front_ends = FrontEnds()
         """Front ends 1..N-1, where this is front end 0 of several."""
-        self._front_ends_ready: list[Any] = []  # multiprocessing Events, set when each is SERVING
-        self._watching: asyncio.Task[None] | None = None
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.failed = asyncio.Event()
@@ -300,12 +290,13 @@ class ExpertServer:
                 if connection is None and s.front_ends > 1:
                     process, connections = spawn_compute_process(spec, s.front_ends)
                     connection = connections[0]
-                    self._spawn_front_ends(connections[1:])
+                    self.front_ends.spawn(s, self.port, connections[1:])
+                    self.front_ends.watch(self._front_end_exited)
                 worker = ProcessComputeWorker(spec, connection=connection, process=process, loop=loop,
                                               on_gone=self._compute_gone, arena_bytes=arena_bytes(plan, s))
                 await asyncio.to_thread(worker.start)  # loads, captures graphs, warms up: before SERVING
                 if self.front_ends:  # SERVING only when every front end serves: clients stay on the one they reach
-                    await asyncio.to_thread(self._wait_front_ends_ready, FRONT_END_START_S)
+                    await asyncio.to_thread(self.front_ends.wait_ready)
                 weight_bytes, gpu_memory = worker.weight_bytes, worker.gpu_memory
             else:
                 worker = ComputeWorker(engine, cuda_graph_max_tokens=s.cuda_graph_max_tokens, cuda_graph_top_k=s.cuda_graph_top_k)
@@ -320,7 +311,7 @@ class ExpertServer:
             )
             await scheduler.start()
         except BaseException:
-            self._stop_front_ends()
+            self.front_ends.terminate()
             if worker is not None:  # the scheduler that would close it is not running
                 await asyncio.to_thread(worker.close, 10)
             await self.stop(0)
@@ -339,65 +330,10 @@ class ExpertServer:
         log.info("SERVING %s (%d layer(s), %s, backend %s on %s)", engine.checkpoint.path, len(engine.layer_ids),
                  engine.content_hash[:19], engine.backend.name, engine.device)
 
-    def _spawn_front_ends(self, connections: list[socket.socket]) -> None:
-        """Start front ends 1..N-1 on ``connections`` (same port; metrics on loopback ``metrics_port + k``) and watch them."""
-        ctx = mp.get_context("spawn")
-        s = self.settings
-        for k, connection in enumerate(connections, 1):
-            settings = s.model_copy(update={"port": self.port, "front_ends": 1,
-                                            "metrics_port": s.metrics_port + k if s.metrics_port else 0})
-            ready = ctx.Event()
-            process = ctx.Process(target=_front_end_main, args=(settings.model_dump(), k, connection, ready, os.getpid()),
-                                  name=f"lutb-front-end-{k}", daemon=True)
-            process.start()
-            connection.close()  # the front end holds its own copy
-            self.front_ends.append(process)
-            self._front_ends_ready.append(ready)
-        log.info("front ends 1-%d started (pids %s) on port %d", len(connections), [p.pid for p in self.front_ends], self.port)
-        self._watching = asyncio.ensure_future(self._watch_front_ends())
-
-    def _wait_front_ends_ready(self, timeout: float) -> None:
-        """Block until every front end is SERVING; RuntimeError if one exits first or ``timeout`` passes."""
-        end = time.monotonic() + timeout
-        for k, (process, ready) in enumerate(zip(self.front_ends, self._front_ends_ready), 1):
-            while not ready.wait(0.1):
-                if process.exitcode is not None:
-                    raise RuntimeError(f"front end {k} (pid {process.pid}) exited with code {process.exitcode} while starting")
-                if time.monotonic() > end:
-                    raise RuntimeError(f"front end {k} (pid {process.pid}) did not start within {timeout:.0f}s")
-
-    async def _watch_front_ends(self) -> None:
-        """A front end that exits while this server serves takes it out of service (its supervisor restarts all)."""
-        while True:
-            await asyncio.sleep(FRONT_END_WATCH_S)
-            for k, process in enumerate(self.front_ends, 1):
-                if process.exitcode is not None and self.gate.state != "draining":
-                    self._compute_gone(RuntimeError(f"front end {k} (pid {process.pid}) exited with code {process.exitcode}"))
-                    return
-
-    def _stop_front_ends(self) -> None:
-        """SIGTERM to the front ends still running: each drains as a server does on SIGTERM."""
-        if self._watching is not None:
-            self._watching.cancel()
-            self._watching = None
-        for process in self.front_ends:
-            if process.exitcode is None and process.pid is not None:
-                try:
-                    os.kill(process.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-
-    async def _join_front_ends(self, timeout: float) -> None:
-        def join() -> None:
-            end = time.monotonic() + timeout
-            for process in self.front_ends:
-                process.join(max(0.0, end - time.monotonic()))
-                if process.exitcode is None:
-                    log.warning("front end pid %d did not stop within %.0fs; killing it", process.pid, timeout)
-                    process.kill()
-                    process.join(5)
-
-        await asyncio.to_thread(join)
+    def _front_end_exited(self, error: Exception) -> None:
+        """A front end exited (on the loop): unless draining anyway, out of service as for a dead compute process."""
+        if self.gate.state != "draining":
+            self._compute_gone(error)
 
     def _compute_gone(self, error: Exception) -> None:
         """The compute process died (on the loop): out of service now; :func:`serve` drains and exits 1."""
@@ -412,7 +348,7 @@ class ExpertServer:
         """Drain and stop: NOT_SERVING, UNAVAILABLE for new calls, ``grace`` s for calls in flight."""
         grace = self.settings.shutdown_grace_s if grace is None else grace
         self.gate.state = "draining"
-        self._stop_front_ends()  # they drain alongside this one
+        self.front_ends.terminate()  # they drain alongside this one
         await self.health.enter_graceful_shutdown()
         if self._server is not None:
             loop = asyncio.get_running_loop()
@@ -425,7 +361,7 @@ class ExpertServer:
             await self._server.stop(min(remaining, RESPONSE_FLUSH_S) if idle else remaining)
             self._server = None
         if self.front_ends:  # disconnected from the compute process before this one's worker closes it
-            await self._join_front_ends(grace + FRONT_END_STOP_SLACK_S)
+            await self.front_ends.join(grace + FRONT_END_STOP_SLACK_S)
         if self.scheduler is not None:
             await self.scheduler.close()
         self.metrics.close()
@@ -480,30 +416,6 @@ async def serve(
     log.info("signal received: draining (grace %.1fs)", settings.shutdown_grace_s)
     await server.stop(settings.shutdown_grace_s)
     return 0
-
-
-def _front_end_main(settings: dict, index: int, connection: socket.socket, ready: Any, parent: int) -> None:
-    """Front end ``index`` > 0 of a shared compute process (a spawned process): serve until SIGTERM,
-    set ``ready`` (a multiprocessing Event) once SERVING, exit with serve's code.
-
-    It drains and exits when front end 0 (``parent``) dies, even by SIGKILL: otherwise it would
-    keep serving the port, and keep the compute process alive through its connection.
-    """
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [front end {index}]: %(message)s")
-    _terminate_with_parent(parent)
-    sys.exit(asyncio.run(serve(ServerSettings(**settings), compute_connection=connection, on_ready=lambda _: ready.set())))
-
-
-def _terminate_with_parent(parent: int) -> None:
-    """SIGTERM this process when ``parent`` exits (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != parent:  # it died before the request was in place
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _check_port_free(host: str, port: int) -> None:
