@@ -256,28 +256,43 @@ def prefill_paths(packed, x: torch.Tensor, rot: list, weights: torch.Tensor) -> 
 
 
 PDL_AB = False  # --pdl-ab: also time packed with programmatic dependent launch off
+PDL_AB_REPEATS = 5  # on/off pairs, interleaved, so clock drift between the two cannot pose as a gain
 
 
-def packed_without_pdl(packed, x: torch.Tensor, rot: list, weights: torch.Tensor) -> dict:  # noqa: ANN001
-    """us per packed forward with every kernel launched without PDL (the same code otherwise)."""
+def pdl_ab(packed, x: torch.Tensor, rot: list, weights: torch.Tensor, repeats: int = PDL_AB_REPEATS) -> dict:  # noqa: ANN001
+    """us per packed forward with PDL on and off, ``repeats`` interleaved pairs (fresh graphs each).
+
+    Off launches every kernel without programmatic dependent launch (``launch.PDL = False``);
+    the code is otherwise the same. Returns ``{"on": [us...], "off": [us...], "method": str}``.
+    """
     from lutb_kernels._grouped_gemm_details import launch
 
-    launch.PDL = False
-    try:
-        us, method = time_graph_rot([lambda r=r: packed.forward_unchecked(x, r, weights) for r in rot])
-    finally:
-        launch.PDL = True
-    return {"us": us, "method": method}
+    runs: dict = {"on": [], "off": []}
+    method = ""
+    for _ in range(repeats):
+        for label, enabled in (("on", True), ("off", False)):
+            launch.PDL = enabled
+            try:
+                us, method = time_graph_rot([lambda r=r: packed.forward_unchecked(x, r, weights) for r in rot])
+            finally:
+                launch.PDL = True
+            runs[label].append(us)
+    runs["method"] = method
+    return runs
 
 
 def pdl_table(results: dict) -> str:
-    """packed with and without PDL, us, per shape and T (``--pdl-ab``)."""
-    lines = ["pdl: packed forward us (CUDA graph), PDL on / off", f"{'shape':16s} {'T':>5s} {'on':>9s} {'off':>9s} {'saved':>7s}"]
+    """Median us of packed with and without PDL over the interleaved pairs, and their spread (``--pdl-ab``)."""
+    lines = [f"pdl: packed forward us (CUDA graph), PDL on / off, median of {PDL_AB_REPEATS} interleaved pairs [min-max]",
+             f"{'shape':16s} {'T':>5s} {'on':>9s} {'on range':>15s} {'off':>9s} {'off range':>15s} {'saved':>7s}"]
     for name, sres in results["shapes"].items():
         for t, run in sres["runs"].items():
-            if "packed_no_pdl" in run:
-                on, off = run["packed"]["us"], run["packed_no_pdl"]["us"]
-                lines.append(f"{name:16s} {t:5d} {on:9.1f} {off:9.1f} {off - on:7.1f}")
+            ab = run.get("pdl_ab")
+            if ab:
+                on, off = statistics.median(ab["on"]), statistics.median(ab["off"])
+                on_r = f"{min(ab['on']):.1f}-{max(ab['on']):.1f}"
+                off_r = f"{min(ab['off']):.1f}-{max(ab['off']):.1f}"
+                lines.append(f"{name:16s} {t:5d} {on:9.1f} {on_r:>15s} {off:9.1f} {off_r:>15s} {off - on:7.1f}")
     return "\n".join(lines)
 
 
@@ -308,8 +323,8 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], results: dict) -> None:
                 torch.cuda.empty_cache()
             run[backend] = {"us": us, "method": method}
         if PDL_AB:
-            run["packed_no_pdl"] = packed_without_pdl(packed, x, rot, weights)
-            log(f"[{name}] T={tokens:5d} packed without PDL {run['packed_no_pdl']['us']:.1f} us")
+            run["pdl_ab"] = pdl_ab(packed, x, rot, weights)
+            log(f"[{name}] T={tokens:5d} packed PDL on {run['pdl_ab']['on']} off {run['pdl_ab']['off']} us")
         if tokens >= PREFILL_AB_FROM:
             run["packed_paths"] = prefill_paths(packed, x, rot, weights)
             log(f"[{name}] T={tokens:5d} packed paths: {run['packed_paths']}")
