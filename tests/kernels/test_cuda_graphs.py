@@ -306,13 +306,13 @@ def test_pdl_changes_no_bit(monkeypatch: pytest.MonkeyPatch, backend: str, held:
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs compute capability 9.0 or newer")
-    assert launch.use_pdl(torch.device("cuda")), "PDL must be on by default on sm90+"
     cls = _gpu_backend(backend)
     cfg, layer = _gpu_layer(1024, 512, 8, held, "bfloat16", seed=11)
     inner = cls(cfg, layer, "cuda")
     results = {}
     for pdl in (False, True):
         monkeypatch.setattr(launch, "PDL", pdl)
+        assert launch.use_pdl(torch.device("cuda")) == pdl
         wrapper = CudaGraphExperts(inner, max_tokens=32)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):

@@ -44,9 +44,12 @@ def is_nvidia(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and not interpreting()
 
 
-PDL = True
-"""Launch our kernels with programmatic dependent launch where the GPU has it (sm90+). A
-module-level switch so benchmarks can time the same code without it (``bench/kernels.py``)."""
+PDL = False
+"""Launch our kernels with programmatic dependent launch where the GPU has it (sm90+). Off: on
+the H200 it saved 1.6-3.7 us on the smallest forwards (qwen3 and mixtral T=1) but cost 3-11 us on
+deepseek T=1 and every shape at T=32 (five interleaved on/off pairs, tight ranges:
+bench/results/2026-12-03-pdl-h200.md). A module-level switch, so ``bench/kernels.py --pdl-ab``
+can time the same code both ways when the kernels change."""
 
 
 @functools.lru_cache(maxsize=None)
