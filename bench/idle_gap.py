@@ -10,9 +10,7 @@ bench/results/2026-12-03-front-ends-h200.md). This times the same batch, on the 
 - ``direct``: run on this thread; after the gap this thread slept (``sleep``: the CPU may drop
   into an idle state, the GPU idles) or spun (``spin``: the CPU stays hot, the GPU idles);
 - ``thread``: handed to the worker thread (``submit``, as the server does) after sleeping,
-  and waited for on a ``concurrent.futures.Future``: the server's path minus gRPC and asyncio;
-- ``thread-spin``: the same with the worker's ``idle_spin_us`` longer than the gap (the
-  thread polls instead of sleeping; the server's ``worker_idle_spin_us``).
+  and waited for on a ``concurrent.futures.Future``: the server's path minus gRPC and asyncio.
 
 Gap 0 with ``direct`` is the in-process baseline. If ``spin`` stays near it while ``sleep``
 grows, the cost is the host waking up; if both grow, it is the GPU (or its driver) waking up.
@@ -53,11 +51,10 @@ def measure(worker, prepared: list, mode: str, gap_us: float, calls: int) -> dic
     """Median and p90 us of ``calls`` batches (the caller's wall time, and the worker's own ``seconds``)."""
     wall, own = [], []
     how = "spin" if mode == "direct-spin" else "sleep"
-    worker.idle_spin_s = (gap_us + 1000) / 1e6 if mode == "thread-spin" else 0.0
     for _ in range(calls):
         _wait(gap_us / 1e6, how)
         start = time.perf_counter()
-        out = worker.submit(prepared).result() if mode.startswith("thread") else worker.run(prepared)
+        out = worker.submit(prepared).result() if mode == "thread" else worker.run(prepared)
         wall.append(time.perf_counter() - start)
         own.append(out.seconds)
 
@@ -107,14 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(20):
             worker.run(prepared)
         for gap in args.gaps_us:
-            for mode in ("direct-sleep", "direct-spin", "thread", "thread-spin"):
-                if gap == 0 and mode in ("direct-spin", "thread-spin"):
-                    continue  # the same as direct-sleep and thread at gap 0
+            for mode in ("direct-sleep", "direct-spin", "thread"):
+                if gap == 0 and mode == "direct-spin":
+                    continue  # the same as direct-sleep at gap 0
                 row = {"tokens": tokens, **measure(worker, prepared, mode, gap, args.calls)}
                 rows.append(row)
                 print(f"[idle_gap] T={tokens} {mode:12s} gap {gap:6.0f} us: wall p50 {row['wall_p50_us']:.0f} "
                       f"p90 {row['wall_p90_us']:.0f} run p50 {row['run_p50_us']:.0f}", flush=True)
-    worker.idle_spin_s = 0.0
     worker.close()
     (args.out / "idle_gap.json").write_text(json.dumps({"shape": shape_name, "device": str(engine.device),
                                                         "gpu": torch.cuda.get_device_name() if device == "cuda" else None,

@@ -579,8 +579,6 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         "max_queue_requests": 4096, "gil_switch_interval_us": args.gil_switch_interval_us,
         "compute_worker": args.compute_worker, "front_ends": args.front_ends,
     }
-    if args.worker_idle_spin_us is not None:
-        config["worker_idle_spin_us"] = args.worker_idle_spin_us
     profiler = Profiler(out, shape_name) if args.profile else None
     if profiler is not None and not profiler.py_spy:
         config["_cprofile"] = str(profiler.cprofile)
@@ -753,8 +751,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "that many connections")
     p.add_argument("--gil-switch-interval-us", type=int, default=0,
                    help="server setting (default 0: the server's default, 200 us on a CUDA device; 5000 is Python's)")
-    p.add_argument("--worker-idle-spin-us", type=int, default=None,
-                   help="server setting worker_idle_spin_us (default: the server's default)")
     p.add_argument("--load-procs", type=int, default=4, help="most load-generator processes")
     p.add_argument("--start-timeout-s", type=float, default=420.0)
     p.add_argument("--work-dir", default=None, help="where checkpoints are made once (default: OUT/checkpoints)")

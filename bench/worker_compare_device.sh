@@ -8,8 +8,6 @@
 #                                                         PROFILE_WORKER=thread profiles the thread instead)
 #   FRONT_ENDS="2 4" ...   (and the process worker behind that many front ends, one run each)
 #   WORKERS="process" PACING=0 GPU_TESTS="" ...   (fewer single-front-end runs, no pacing, no GPU tests)
-#   SPINS="0 3000 0 3000" ...   (and the thread worker with worker_idle_spin_us = each value in turn, one run
-#                                each, named spin1, spin2, ... in order: repeats interleave the A/B)
 #
 # Assumes the project is importable from the source tree and the extra wheels are in /tmp/site.
 set -uo pipefail
@@ -43,16 +41,6 @@ for cw in $WORKERS; do
     --inproc-s 0.3 "$@" > "$OUT/serving-$cw.txt" 2>&1 || status=1
   cp "$W/sv-$cw/serving.json" "$OUT/serving-$cw.json" 2>/dev/null
 done
-n=0
-SPIN_RUNS=""
-for spin in ${SPINS:-}; do
-  n=$((n + 1))
-  echo "== serving, compute worker: thread, worker_idle_spin_us $spin (spin$n)"
-  timeout 170 "$PY" bench/serving.py --out "$W/sv-spin$n" --compute-worker thread --worker-idle-spin-us "$spin" --duration-s 1.5 \
-    --warmup-s 0.3 --inproc-s 0.3 "$@" > "$W/serving-spin$n.txt" 2>&1 || status=1
-  cp "$W/sv-spin$n/serving.json" "$OUT/serving-spin$n.json" 2>/dev/null
-  SPIN_RUNS="$SPIN_RUNS spin$n"
-done
 for fe in ${FRONT_ENDS:-}; do
   echo "== serving, compute worker: process, $fe front ends"
   timeout 170 "$PY" bench/serving.py --out "$W/sv-fe$fe" --compute-worker process --front-ends "$fe" --duration-s 1.5 \
@@ -67,7 +55,7 @@ if [[ -n ${PROFILE_ARGS:-} ]]; then  # e.g. "--concurrency 64 --apis stream": th
   cp "$W"/sv-profile/profile-*.top.txt "$OUT/profile-${PROFILE_WORKER:-process}.top.txt" 2>/dev/null
 fi
 [[ ${PACING:-1} != 0 ]] && { echo; echo "== pacing"; grep -A 40 '^| T | mode' "$OUT/worker-pacing.txt" || tail -20 "$OUT/worker-pacing.txt"; }
-for cw in $WORKERS ${FRONT_ENDS:+$(printf 'fe%s ' $FRONT_ENDS)} $SPIN_RUNS; do
+for cw in $WORKERS ${FRONT_ENDS:+$(printf 'fe%s ' $FRONT_ENDS)}; do
   echo; echo "== serving ($cw)"; grep -A 30 '^| shape' "$W/sv-$cw/serving.md" 2>/dev/null || tail -15 "$OUT/serving-$cw.txt" "$W/serving-$cw.txt" 2>/dev/null
 done
 exit $status

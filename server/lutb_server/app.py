@@ -299,8 +299,7 @@ class ExpertServer:
                     await asyncio.to_thread(self.front_ends.wait_ready)
                 weight_bytes, gpu_memory = worker.weight_bytes, worker.gpu_memory
             else:
-                worker = ComputeWorker(engine, cuda_graph_max_tokens=s.cuda_graph_max_tokens, cuda_graph_top_k=s.cuda_graph_top_k,
-                                       idle_spin_us=s.worker_idle_spin_us)
+                worker = ComputeWorker(engine, cuda_graph_max_tokens=s.cuda_graph_max_tokens, cuda_graph_top_k=s.cuda_graph_top_k)
                 worker.start()
                 await asyncio.wrap_future(worker.call(worker.capture_graphs))  # logs the time; before SERVING
                 await asyncio.wrap_future(worker.call(worker.warm_up, s.max_batch_tokens))  # compiles, before SERVING

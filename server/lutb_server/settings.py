@@ -87,11 +87,6 @@ class ServerSettings(BaseSettings):
         "keeps gRPC, validation and batching, and its event loop no longer holds up the compute's GIL hand-overs: "
         "faster with several concurrent callers, ~0.3 ms slower for a lone one on an H200)",
     )
-    worker_idle_spin_us: int = Field(
-        0, ge=0, le=1_000_000, description="compute_worker = thread: after each batch, how long the worker thread polls "
-        "for the next one before it sleeps (microseconds; 0: sleep at once). A batch that arrives within the window "
-        "skips the thread's wake-up on a cold core; costs up to one CPU core for the window after each batch",
-    )
     front_ends: int = Field(
         1, ge=1, le=64, description="serving processes (needs compute_worker = process when > 1): each its own event "
         "loop and gRPC server on the same port (SO_REUSEPORT: the kernel spreads client connections over them), all "
@@ -107,13 +102,6 @@ class ServerSettings(BaseSettings):
     def _front_ends_need_the_compute_process(self) -> ServerSettings:
         if self.front_ends > 1 and self.compute_worker != "process":
             raise ValueError(f"front_ends = {self.front_ends} needs compute_worker = process (one compute process serves them all)")
-        return self
-
-    @model_validator(mode="after")
-    def _idle_spin_needs_the_worker_thread(self) -> ServerSettings:
-        if self.worker_idle_spin_us and self.compute_worker != "thread":
-            raise ValueError(f"worker_idle_spin_us = {self.worker_idle_spin_us} needs compute_worker = thread (the compute "
-                             "process waits on its sockets, not on a job queue)")
         return self
 
     @field_validator("device")

@@ -24,13 +24,6 @@ backend is capture-safe is wrapped in ``CudaGraphExperts``; :meth:`ComputeWorker
 captures the ``combined`` / weights-on-output / ``cuda_graph_top_k`` variant for every
 bucket at start-up (the server calls it before it reports SERVING); other variants are
 captured on first use.
-
-Idle spin: with ``idle_spin_us > 0`` the thread, after each job, polls its queue for that
-long (giving up the GIL between polls) before it blocks on it. A batch arriving within the
-window then finds the thread awake on a warm core; on the H200 machine a batch that followed
-a sleep of 1 ms or more took ~170 us longer than one run back to back, and a spinning caller
-kept it within ~40 us (bench/results/2026-12-03-idle-gap-h200.md). The price is up to one
-CPU core busy for the window after each batch.
 """
 
 from __future__ import annotations
@@ -133,8 +126,6 @@ class ComputeWorker:
         cuda_graph_top_k: the top-k whose graphs :meth:`capture_graphs` captures at start-up
             (0: capture nothing up front; every variant on first use).
         name: the thread's name.
-        idle_spin_us: after each job, how long the thread polls for the next one before it
-            sleeps (0: sleep at once; see the module docstring).
     """
 
     def __init__(
@@ -144,11 +135,9 @@ class ComputeWorker:
         cuda_graph_max_tokens: int = DEFAULT_MAX_TOKENS,
         cuda_graph_top_k: int = 8,
         name: str = "lutb-compute",
-        idle_spin_us: int = 0,
     ) -> None:
         self.engine = engine
         self.name = name
-        self.idle_spin_s = idle_spin_us / 1e6
         self.cuda_graph_top_k = cuda_graph_top_k
         self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -198,7 +187,7 @@ class ComputeWorker:
                 log.error("compute worker cannot use %s: %s", self.device, exc)
                 broken = exc
         while True:
-            job = self._next_job()
+            job = self._jobs.get()
             if job is None:
                 return
             fn, args, future = job
@@ -211,14 +200,6 @@ class ComputeWorker:
                 future.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
                 future.set_exception(exc)
-
-    def _next_job(self) -> tuple[Callable[..., Any], tuple[Any, ...], Future[Any]] | None:
-        """The next job: polled for ``idle_spin_s`` (the GIL released between polls), then waited for."""
-        if self.idle_spin_s > 0 and self._jobs.empty():
-            end = time.perf_counter() + self.idle_spin_s
-            while self._jobs.empty() and time.perf_counter() < end:
-                time.sleep(0)  # a system call: lets the event loop thread take the GIL
-        return self._jobs.get()
 
     def call(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run ``fn(*args)`` on the worker thread; returns its future."""

@@ -139,9 +139,7 @@ def test_expired_deadline_is_not_computed(pooling_server: ServerThread) -> None:
 
 def test_health_and_unavailable_over_the_server_life(tiny_checkpoint: Path) -> None:
     """NOT_SERVING (UNAVAILABLE calls) while loading -> SERVING -> NOT_SERVING while draining; in-flight calls finish."""
-    # the worker polls 0.2 s after each batch (worker_idle_spin_us): stopping must not wait on it
-    settings = ServerSettings(checkpoint=tiny_checkpoint, host="127.0.0.1", port=0, metrics_port=0, max_wait_us=400_000,
-                              worker_idle_spin_us=200_000)
+    settings = ServerSettings(checkpoint=tiny_checkpoint, host="127.0.0.1", port=0, metrics_port=0, max_wait_us=400_000)
     release = threading.Event()
 
     def slow_loader():
@@ -171,7 +169,6 @@ def test_health_and_unavailable_over_the_server_life(tiny_checkpoint: Path) -> N
                 release.set()
                 started.result(30)
                 assert status() == SERVING and status("") == SERVING
-                assert server.scheduler.worker.idle_spin_s == 0.2
 
                 x, ids, w = _batch(4, 2, seed=9)
                 with ThreadPoolExecutor(3) as pool:

@@ -106,38 +106,6 @@ def test_thread_submit_call_and_errors(engine: ExpertEngine) -> None:
         worker.submit(requests)
 
 
-def test_idle_spin_serves_jobs_in_and_after_the_window_and_lets_other_threads_run(engine: ExpertEngine) -> None:
-    """``idle_spin_us``: jobs arriving while the thread polls and after it went to sleep both run; the polling
-    thread gives up the GIL (this thread's Python keeps running) and ``close`` stops it mid-window."""
-    import threading
-    import time
-
-    worker = ComputeWorker(engine, idle_spin_us=300_000).start()
-    try:
-        requests = _requests(engine, [3, 2], seed=9)
-        want = _engine_pooled(engine, requests)
-        for pause in (0.0, 0.01, 0.4):  # back to back, inside the 0.3 s window, after it
-            time.sleep(pause)
-            for got, w in zip(worker.submit(requests).result(30).outputs, want):
-                assert torch.equal(got, w), pause
-        def python_work(seconds: float = 0.1) -> int:
-            start, count = time.perf_counter(), 0
-            while time.perf_counter() - start < seconds:
-                count += 1
-            return count
-
-        time.sleep(0.4)
-        alone = python_work()  # the worker sleeps
-        worker.submit(requests).result(30)  # the worker now polls for 0.3 s
-        beside = python_work()
-        # a poller that kept the GIL would take about half of it (the interpreter hands it over each switch interval)
-        assert beside > 0.75 * alone, (beside, alone)
-    finally:
-        start = time.perf_counter()
-        worker.close(10)
-    assert time.perf_counter() - start < 5 and not any(t.name == "lutb-compute" for t in threading.enumerate())
-
-
 @pytest.mark.parametrize("limit, sizes", [(0, []), (1, [1]), (8, [1, 2, 4, 8]), (12, [1, 2, 4, 8, 12])])
 def test_warm_up_sizes_are_powers_of_two_then_the_limit(limit: int, sizes: list[int]) -> None:
     from lutb_server.worker import _powers_of_two_upto
