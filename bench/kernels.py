@@ -255,44 +255,56 @@ def prefill_paths(packed, x: torch.Tensor, rot: list, weights: torch.Tensor) -> 
     return times
 
 
-PDL_AB = False  # --pdl-ab: also time packed with programmatic dependent launch off
-PDL_AB_REPEATS = 5  # on/off pairs, interleaved, so clock drift between the two cannot pose as a gain
+AB_REPEATS = 5  # on/off pairs, interleaved, so clock drift between the two cannot pose as a gain
+# --pdl-ab / --unroll-ab: the same packed forward timed with one module-level switch on and off:
+# name -> (module, attribute, "on" value, "off" value)
+AB_SWITCHES = {
+    "pdl": ("lutb_kernels._grouped_gemm_details.launch", "PDL", True, False),
+    "unroll": ("lutb_kernels.lut_b_gemm", "TILE_UNROLL", 2, 1),
+}
+AB = ()  # the switches to A/B (set from the command line)
 
 
-def pdl_ab(packed, x: torch.Tensor, rot: list, weights: torch.Tensor, repeats: int = PDL_AB_REPEATS) -> dict:  # noqa: ANN001
-    """us per packed forward with PDL on and off, ``repeats`` interleaved pairs (fresh graphs each).
+def interleaved_ab(name: str, packed, x: torch.Tensor, rot: list, weights: torch.Tensor,  # noqa: ANN001
+                   repeats: int = AB_REPEATS) -> dict:
+    """us per packed forward with switch ``name`` (AB_SWITCHES) on and off, ``repeats`` interleaved pairs.
 
-    Off launches every kernel without programmatic dependent launch (``launch.PDL = False``);
-    the code is otherwise the same. Returns ``{"on": [us...], "off": [us...], "method": str}``.
+    Fresh CUDA graphs each time; the switch is restored afterwards. Returns
+    ``{"on": [us...], "off": [us...], "method": str}``.
     """
-    from lutb_kernels._grouped_gemm_details import launch
+    import importlib
 
+    module_name, attr, on_value, off_value = AB_SWITCHES[name]
+    module = importlib.import_module(module_name)
+    saved = getattr(module, attr)
     runs: dict = {"on": [], "off": []}
     method = ""
-    for _ in range(repeats):
-        for label, enabled in (("on", True), ("off", False)):
-            launch.PDL = enabled
-            try:
+    try:
+        for _ in range(repeats):
+            for label, value in (("on", on_value), ("off", off_value)):
+                setattr(module, attr, value)
                 us, method = time_graph_rot([lambda r=r: packed.forward_unchecked(x, r, weights) for r in rot])
-            finally:
-                launch.PDL = True
-            runs[label].append(us)
+                runs[label].append(us)
+    finally:
+        setattr(module, attr, saved)
     runs["method"] = method
     return runs
 
 
-def pdl_table(results: dict) -> str:
-    """Median us of packed with and without PDL over the interleaved pairs, and their spread (``--pdl-ab``)."""
-    lines = [f"pdl: packed forward us (CUDA graph), PDL on / off, median of {PDL_AB_REPEATS} interleaved pairs [min-max]",
+def ab_table(results: dict, name: str) -> str:
+    """Median us of packed with switch ``name`` on and off over the interleaved pairs, and their spread."""
+    module_name, attr, on_value, off_value = AB_SWITCHES[name]
+    lines = [f"{name}: packed forward us (CUDA graph), {attr} = {on_value} (on) / {off_value} (off), "
+             f"median of {AB_REPEATS} interleaved pairs [min-max]",
              f"{'shape':16s} {'T':>5s} {'on':>9s} {'on range':>15s} {'off':>9s} {'off range':>15s} {'saved':>7s}"]
-    for name, sres in results["shapes"].items():
+    for shape, sres in results["shapes"].items():
         for t, run in sres["runs"].items():
-            ab = run.get("pdl_ab")
+            ab = run.get("ab", {}).get(name)
             if ab:
                 on, off = statistics.median(ab["on"]), statistics.median(ab["off"])
                 on_r = f"{min(ab['on']):.1f}-{max(ab['on']):.1f}"
                 off_r = f"{min(ab['off']):.1f}-{max(ab['off']):.1f}"
-                lines.append(f"{name:16s} {t:5d} {on:9.1f} {on_r:>15s} {off:9.1f} {off_r:>15s} {off - on:7.1f}")
+                lines.append(f"{shape:16s} {t:5d} {on:9.1f} {on_r:>15s} {off:9.1f} {off_r:>15s} {off - on:7.1f}")
     return "\n".join(lines)
 
 
@@ -322,9 +334,9 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], results: dict) -> None:
                 us, method = float("nan"), f"OOM: {exc}"[:100]
                 torch.cuda.empty_cache()
             run[backend] = {"us": us, "method": method}
-        if PDL_AB:
-            run["pdl_ab"] = pdl_ab(packed, x, rot, weights)
-            log(f"[{name}] T={tokens:5d} packed PDL on {run['pdl_ab']['on']} off {run['pdl_ab']['off']} us")
+        for switch in AB:
+            ab = run.setdefault("ab", {})[switch] = interleaved_ab(switch, packed, x, rot, weights)
+            log(f"[{name}] T={tokens:5d} packed {switch} on {ab['on']} off {ab['off']} us")
         if tokens >= PREFILL_AB_FROM:
             run["packed_paths"] = prefill_paths(packed, x, rot, weights)
             log(f"[{name}] T={tokens:5d} packed paths: {run['packed_paths']}")
@@ -814,10 +826,11 @@ def main() -> int:
     parser.add_argument("--breakdown", action="store_true", help="only the per-stage breakdown of the packed forward (T 1/8/32)")
     parser.add_argument("--tune-grouped", action="store_true", help="only the dense grouped GEMM's tile sweep at large T")
     parser.add_argument("--breakdown-shapes", nargs="*", default=["mixtral-8x7b", "deepseek-v3"], choices=list(SHAPES))
-    parser.add_argument("--pdl-ab", action="store_true", help="also time packed with programmatic dependent launch off")
+    parser.add_argument("--pdl-ab", action="store_true", help="also time packed with programmatic dependent launch on and off")
+    parser.add_argument("--unroll-ab", action="store_true", help="also time packed with the K loop unrolled (TILE_UNROLL) 2 and 1")
     args = parser.parse_args()
-    global PDL_AB
-    PDL_AB = args.pdl_ab
+    global AB
+    AB = tuple(name for name, on in (("pdl", args.pdl_ab), ("unroll", args.unroll_ab)) if on)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -864,8 +877,8 @@ def main() -> int:
     (args.out / "results.md").write_text(markdown(results, targets))
     print(f"\nwrote {args.out}/results.json and results.md in {results['wall_s']:.0f} s\n")
     print(short_table(results, targets))
-    if PDL_AB:
-        print("\n" + pdl_table(results))
+    for switch in AB:
+        print("\n" + ab_table(results, switch))
     return 0
 
 

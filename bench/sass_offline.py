@@ -30,7 +30,7 @@ LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(
 
 def compile_variant(block_m: int, block_n: int, warps: int, g: int, *, decoder: int = 1, a_deq: bool = True,
                     tile_loop: bool = True, prefetch: bool = True, split_k: int = 2, stages: int = 3,
-                    swap: bool = True, maxnreg: int | None = None) -> tuple[str, int, int]:
+                    swap: bool = True, maxnreg: int | None = None, unroll: int = 1) -> tuple[str, int, int]:
     """SASS of one variant, its registers per thread and its local-memory bytes (spills) per thread.
 
     (``CompiledKernel.n_regs``/``n_spills`` are only filled when a GPU loads the cubin; the
@@ -44,7 +44,7 @@ def compile_variant(block_m: int, block_n: int, warps: int, g: int, *, decoder: 
     }
     consts = dict(TOP_K=1, ROUTE_BLOCK=max(16, block_m), BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k,
                   MUL_WEIGHT=False, DECODER=decoder, A_PERMUTED=True, A_DEQUANTIZED=a_deq, SWAP_AB=swap,
-                  DOT_BF16=True, G=g, TILE_LOOP=tile_loop, PREFETCH=prefetch)
+                  DOT_BF16=True, G=g, TILE_LOOP=tile_loop, PREFETCH=prefetch, UNROLL=unroll)
     for k, v in consts.items():
         sig[k] = "constexpr"
     # pointers 16-byte aligned, N/K/strides multiples of 16 (what triton specializes on at launch)
@@ -101,6 +101,9 @@ VARIANTS = {
 # the same tile-loop variants with the "prmt2" decoder (DECODER=2)
 VARIANTS.update({f"{name} prmt2": (bm, bn, w, g, dict(kw, decoder=2))
                  for name, (bm, bn, w, g, kw) in list(VARIANTS.items()) if kw.get("tile_loop")})
+# the decode default with its K loop unrolled (LutBGemmConfig.unroll): "loop" then holds that many tiles
+VARIANTS.update({f"16,128,w4 tile loop prmt2 unroll={u}": (16, 128, 4, 1, dict(tile_loop=True, prefetch=False, decoder=2, unroll=u))
+                 for u in (2, 4)})
 # register caps on the decode default (ncu: 127 registers hold an SM to 4 blocks of 4 warps)
 VARIANTS.update({f"16,128,w4 tile loop prmt2 maxnreg={r}": (16, 128, 4, 1, dict(tile_loop=True, prefetch=False, decoder=2, maxnreg=r))
                  for r in (96, 80, 64)})
@@ -123,7 +126,7 @@ def main() -> int:
             print(f"{name:38s} compile failed: {type(exc).__name__}: {str(exc)[:300]}")
             continue
         body, counts = main_loop(sass)
-        per_iter = 4 if kw.get("tile_loop") else g  # 32-column groups per loop iteration
+        per_iter = 4 * kw.get("unroll", 1) if kw.get("tile_loop") else g  # 32-column groups per loop iteration
         w_thr = bn * 32 * per_iter / (32 * warps)
         widths = collections.Counter(re.match(r"(LDG\S*)", ln).group(1) for ln in body if ln.startswith("LDG"))
         spill = f" SPILLS(local {spills} B)" if spills or "STL" in sass else ""

@@ -78,6 +78,11 @@ class LutBGemmConfig:
     prefetch: bool = False
     """``tile_loop``: load tile t+1 into registers while decoding tile t (Triton's own cp.async
     pipelining with ``num_stages`` already does this; kept for the tuning sweep)."""
+    unroll: int = 1
+    """``tile_loop``: K tiles per loop iteration after unrolling (Triton's ``loop_unroll_factor``;
+    1: none). The per-iteration work (pipeline indexes, barriers, address arithmetic) is then
+    shared by that many tiles: offline sm90 SASS of the decode config, 924 instead of 2 x 498 loop
+    instructions per 2 tiles (``bench/sass_offline.py``)."""
     maxnreg: int | None = None
     """Registers per thread the compiler may use (PTX ``.maxnreg``; NVIDIA only), or None for its
     own choice. At decode configs the kernel takes 127, which holds an SM to 4 blocks of 4 warps
@@ -108,6 +113,9 @@ DEFAULT_TABLE: dict[int, tuple[int, int, int, int, int, int | None]] = {
     256: (128, 128, 8, 3, 1, None),
 }
 MIN_TILES_PER_SPLIT = 4
+# K tiles per unrolled loop iteration in the default configs (LutBGemmConfig.unroll); a module
+# constant so that bench/kernels.py --unroll-ab can time the same forward with 1.
+TILE_UNROLL = 2
 # Decode (16-row routing blocks, at most 256 routes): split K at least in two. On the H200 every
 # GEMM whose heuristic split was 1 ran faster at 2: mixtral T=8/32 w13 -12%/-8%, deepseek T=8/32
 # w13 -10%/-5% and w2 -2%/-4%, in two runs (bench/results/2026-12-02-kernels-maxnreg-h200.md, run B;
@@ -160,7 +168,7 @@ def default_config(num_routes: int, n: int, k: int, num_experts: int, route_bloc
                               split_k=tuned.get("split_k", 1), swap_ab=True, decoder=decoder,
                               num_warps=tuned.get("num_warps", warps), num_stages=tuned.get("num_stages", stages),
                               groups_per_step=1, tile_loop=tuned.get("tile_loop", True), prefetch=tuned.get("prefetch", False),
-                              maxnreg=tuned.get("maxnreg", maxnreg))
+                              unroll=tuned.get("unroll", TILE_UNROLL), maxnreg=tuned.get("maxnreg", maxnreg))
     programs = expected_blocks(num_routes, num_experts, route_block) * (route_block // block_m) * (n // block_n)
     target = waves * sm_count(device)
     split_k = 1
@@ -169,7 +177,8 @@ def default_config(num_routes: int, n: int, k: int, num_experts: int, route_bloc
     if split_k == 1 and route_block == 16 and num_routes <= DECODE_MIN_SPLIT_ROUTES and k_tiles // 2 >= MIN_TILES_PER_SPLIT:
         split_k = 2
     return LutBGemmConfig(block_m=block_m, block_n=block_n, split_k=split_k, swap_ab=True, decoder=decoder,
-                          num_warps=warps, num_stages=stages, groups_per_step=1, tile_loop=True, maxnreg=maxnreg)
+                          num_warps=warps, num_stages=stages, groups_per_step=1, tile_loop=True, unroll=TILE_UNROLL,
+                          maxnreg=maxnreg)
 
 
 def _check_args(
@@ -269,7 +278,7 @@ def lut_b_moe_gemm(
     bm = min(config.block_m, block_m)
     if (block_m % bm or config.block_n not in (16, 32, 64, 128) or config.split_k < 1 or config.groups_per_step not in (1, 2, 4)
             or (config.tile_loop and config.groups_per_step != 1) or config.decoder not in DECODER_IDS
-            or (config.maxnreg is not None and not 32 <= config.maxnreg <= 255)):
+            or (config.maxnreg is not None and not 32 <= config.maxnreg <= 255) or config.unroll not in (1, 2, 4)):
         raise ValueError(f"bad config {config} for block_m={block_m}")
     k_tiles = k // TILE
     split_k = min(config.split_k, k_tiles)
@@ -295,6 +304,7 @@ def lut_b_moe_gemm(
         G=config.groups_per_step,
         TILE_LOOP=config.tile_loop,
         PREFETCH=config.prefetch,
+        UNROLL=config.unroll,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg is not None and not interpreting() else {}),
         **pdl_launch(device),

@@ -45,6 +45,13 @@ CONFIGS = [
     LutBGemmConfig(block_m=128, block_n=128, split_k=1, swap_ab=True, decoder="prmt", num_warps=8, groups_per_step=1, tile_loop=True),
     LutBGemmConfig(block_m=128, block_n=64, split_k=1, swap_ab=False, decoder="prmt", num_warps=4, groups_per_step=1, tile_loop=True),
     LutBGemmConfig(block_m=16, block_n=64, split_k=2, swap_ab=True, decoder="triton", groups_per_step=1, tile_loop=True),
+    # the tile loop unrolled (the defaults' unroll=2), with split-K leaving odd tile counts per split
+    LutBGemmConfig(block_m=16, block_n=128, split_k=3, swap_ab=True, decoder="prmt", groups_per_step=1, tile_loop=True, unroll=2),
+    LutBGemmConfig(block_m=16, block_n=128, split_k=1, swap_ab=True, decoder="prmt", groups_per_step=1, tile_loop=True, unroll=4),
+    LutBGemmConfig(block_m=64, block_n=128, split_k=1, swap_ab=True, decoder="prmt", groups_per_step=1, tile_loop=True, unroll=2),
+    LutBGemmConfig(block_m=128, block_n=128, split_k=1, swap_ab=True, decoder="prmt", num_warps=8, groups_per_step=1, tile_loop=True,
+                   unroll=2),
+    LutBGemmConfig(block_m=16, block_n=64, split_k=2, swap_ab=True, decoder="triton", groups_per_step=1, tile_loop=True, unroll=2),
     LutBGemmConfig(block_m=16, block_n=64, split_k=2, swap_ab=True, decoder="triton"),
     LutBGemmConfig(block_m=64, block_n=64, split_k=1, swap_ab=False, decoder="triton"),
 ]
@@ -109,4 +116,27 @@ def test_dequantized_bf16_a_gpu(block: int) -> None:
     ref = out.clone()
     lut_b_moe_gemm(a, None, w, out, None, sorted_ids, expert_ids, ntpp, top_k, block_m=block, a_k_order="decoder")
     lut_b_moe_gemm_reference(q, s, w, ref, None, sorted_ids, expert_ids, ntpp, top_k, block_m=block, a_k_order="decoder")
+    assert rel_l2(out, ref) < 5e-3
+
+
+@pytest.mark.parametrize("unroll", [1, 2, 4])
+@pytest.mark.parametrize("k_tiles,split_k", [(1, 1), (3, 1), (5, 1), (7, 1), (7, 2), (6, 4)])
+def test_unrolled_k_loop_any_tile_count(unroll: int, k_tiles: int, split_k: int) -> None:
+    """The unrolled per-tile K loop over tile counts that are not a multiple of the unroll (its remainder
+    iterations), alone and per split; bf16 activations, prmt2, outputs poisoned."""
+    from lutb_kernels import mxfp8_triton as mt
+
+    tokens, top_k, experts, n, k = 3, 2, 4, 256, 128 * k_tiles
+    w = random_tiles((experts, n // 128, k_tiles), k=k, device="cuda")
+    x = torch.randn(tokens, k, device="cuda").to(torch.bfloat16)
+    q, s = mt.mxfp8_quantize(x, k_order="decoder")
+    ids, _, (sorted_ids, expert_ids, ntpp) = _routing(tokens, top_k, experts, None, 16)
+    tw = torch.rand(tokens, top_k, device="cuda")
+    out = torch.full((tokens * top_k, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ref = out.clone()
+    config = LutBGemmConfig(block_m=16, block_n=128, split_k=split_k, swap_ab=True, decoder="prmt2", groups_per_step=1,
+                            tile_loop=True, unroll=unroll)
+    lut_b_moe_gemm(q, s, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order="decoder", config=config)
+    lut_b_moe_gemm_reference(q, s, w, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order="decoder")
+    assert not out.isnan().any()
     assert rel_l2(out, ref) < 5e-3

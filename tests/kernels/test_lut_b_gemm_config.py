@@ -36,7 +36,7 @@ def test_decode_split_k_is_the_measured_best(h200: torch.device, shape: str, tok
     n, k = (2 * inter, hidden) if gemm == "w13" else (hidden, inter)
     config = op.default_config(tokens * top_k, n, k, experts, 16, h200)
     assert config.split_k == split_k
-    assert config.tile_loop and config.swap_ab and config.maxnreg is None
+    assert config.tile_loop and config.swap_ab and config.maxnreg is None and config.unroll == op.TILE_UNROLL
 
 
 @pytest.mark.parametrize("tokens,route_block", [(128, 16), (512, 16), (2048, 64), (8192, 128)])

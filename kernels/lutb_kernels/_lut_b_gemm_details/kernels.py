@@ -440,6 +440,7 @@ def lut_b_moe_gemm_kernel(
     G: tl.constexpr,  # 32-column groups per K step: 4 (a whole tile), 2 or 1 (fewer registers)
     TILE_LOOP: tl.constexpr = False,  # one loop iteration per tile: all its words loaded up front (G == 1)
     PREFETCH: tl.constexpr = False,  # TILE_LOOP: load tile t+1's words while decoding tile t
+    UNROLL: tl.constexpr = 1,  # TILE_LOOP: tiles per loop iteration after unrolling (1: none)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
     pdl_prologue(PDL)
@@ -499,7 +500,7 @@ def lut_b_moe_gemm_kernel(
             v1 = tl.load(w_words_ptr + tw + pv_off + 4)
             v2 = tl.load(w_words_ptr + tw + pv_off + 8)
             swd = tl.load(w_words_ptr + tw + sw_off)
-        for t in range(k_lo, k_hi):
+        for t in tl.range(k_lo, k_hi, loop_unroll_factor=UNROLL):
             if PREFETCH:
                 w0, w1, w2, w3 = lw0, lw1, lw2, lw3
                 c0, c1, c2, cs = v0, v1, v2, swd

@@ -84,6 +84,10 @@ def test_lut_b_moe_gemm_refuses_bad_arguments() -> None:
         with pytest.raises(ValueError, match="bad config"):
             lut_b_moe_gemm(q, s, w, out, None, st, ei, nt, 1, block_m=16,
                            config=LutBGemmConfig(block_m=16, block_n=64, decoder="triton", maxnreg=regs))
+    for unroll in (0, 3):  # tiles per unrolled iteration: 1, 2 or 4
+        with pytest.raises(ValueError, match="bad config"):
+            lut_b_moe_gemm(q, s, w, out, None, st, ei, nt, 1, block_m=16,
+                           config=LutBGemmConfig(block_m=16, block_n=64, decoder="triton", unroll=unroll))
 
 
 @pytest.mark.parametrize("dtype,split_k,held", [(torch.float32, 1, None), (torch.float16, 2, [0, 2])])
@@ -143,14 +147,18 @@ def test_lut_b_moe_gemm_dequantized_a(order: str) -> None:
     assert rel_l2(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,held,dtype,split_k,prefetch,order,k", [
-    (5, 2, 3, None, torch.float32, 1, False, "decoder", 256),
-    (5, 2, 3, None, torch.float32, 3, True, "natural", 384),  # uneven split-K: 2 + 1 tiles
-    (17, 1, 4, [1, 3], torch.float16, 2, True, "decoder", 512),
-    (3, 2, 4, [0, 2], torch.float32, 2, False, "decoder", 256),
+@pytest.mark.parametrize("tokens,top_k,experts,held,dtype,split_k,prefetch,order,k,unroll", [
+    (5, 2, 3, None, torch.float32, 1, False, "decoder", 256, 1),
+    (5, 2, 3, None, torch.float32, 3, True, "natural", 384, 2),  # uneven split-K: 2 + 1 tiles
+    (17, 1, 4, [1, 3], torch.float16, 2, True, "decoder", 512, 2),
+    (3, 2, 4, [0, 2], torch.float32, 2, False, "decoder", 256, 4),
+    (4, 2, 3, None, torch.float32, 1, False, "decoder", 384, 2),  # 3 tiles, unrolled by 2
 ])
-def test_lut_b_moe_gemm_tile_loop(tokens, top_k, experts, held, dtype, split_k, prefetch, order, k) -> None:  # noqa: ANN001
-    """The per-tile K loop (16-byte plane loads, 4 groups per iteration) and the store-based split-K."""
+def test_lut_b_moe_gemm_tile_loop(tokens, top_k, experts, held, dtype, split_k, prefetch, order, k, unroll) -> None:  # noqa: ANN001
+    """The per-tile K loop (16-byte plane loads, 4 groups per iteration), unrolled or not, and the store-based split-K.
+
+    (The interpreter runs the loop as written; the unrolled machine code is checked on the GPU by
+    tests/kernels/test_lut_b_gemm.py::test_unrolled_k_loop_any_tile_count.)"""
     n = 128
     e_local = len(held) if held is not None else experts
     gen = torch.Generator().manual_seed(tokens * 11 + k)
@@ -162,7 +170,7 @@ def test_lut_b_moe_gemm_tile_loop(tokens, top_k, experts, held, dtype, split_k, 
     out = torch.full((tokens * top_k, n), float("nan"), dtype=dtype)
     ref = out.clone()
     cfg = LutBGemmConfig(block_m=16, block_n=64, split_k=split_k, swap_ab=True, decoder="triton", num_stages=1,
-                         groups_per_step=1, tile_loop=True, prefetch=prefetch)
+                         groups_per_step=1, tile_loop=True, prefetch=prefetch, unroll=unroll)
     lut_b_moe_gemm(q, s, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order, config=cfg)
     lut_b_moe_gemm_reference(q, s, w, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order)
     routed = torch.ones(tokens * top_k, dtype=torch.bool) if emap is None else (emap[ids.long()] >= 0).reshape(-1)
