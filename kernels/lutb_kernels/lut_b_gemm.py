@@ -82,7 +82,8 @@ class LutBGemmConfig:
     """``tile_loop``: K tiles per loop iteration after unrolling (Triton's ``loop_unroll_factor``;
     1: none). The per-iteration work (pipeline indexes, barriers, address arithmetic) is then
     shared by that many tiles: offline sm90 SASS of the decode config, 924 instead of 2 x 498 loop
-    instructions per 2 tiles (``bench/sass_offline.py``)."""
+    instructions per 2 tiles (``bench/sass_offline.py``), yet slower on the H200 at decode sizes
+    (``TILE_UNROLL``)."""
     maxnreg: int | None = None
     """Registers per thread the compiler may use (PTX ``.maxnreg``; NVIDIA only), or None for its
     own choice. At decode configs the kernel takes 127, which holds an SM to 4 blocks of 4 warps
@@ -114,8 +115,11 @@ DEFAULT_TABLE: dict[int, tuple[int, int, int, int, int, int | None]] = {
 }
 MIN_TILES_PER_SPLIT = 4
 # K tiles per unrolled loop iteration in the default configs (LutBGemmConfig.unroll); a module
-# constant so that bench/kernels.py --unroll-ab can time the same forward with 1.
-TILE_UNROLL = 2
+# constant so that bench/kernels.py --unroll-ab can time the same forward both ways. 1: unrolling
+# by 2 cuts the decode loop from 498 to 462 instructions per tile but made the H200 slower at
+# decode (mixtral T=1/8/32 +10/+8/+9%, deepseek T=8 +7%) and faster only at deepseek T=128/512
+# (-2/-3%), bench/results/2026-12-03-unroll-h200.md.
+TILE_UNROLL = 1
 # Decode (16-row routing blocks, at most 256 routes): split K at least in two. On the H200 every
 # GEMM whose heuristic split was 1 ran faster at 2: mixtral T=8/32 w13 -12%/-8%, deepseek T=8/32
 # w13 -10%/-5% and w2 -2%/-4%, in two runs (bench/results/2026-12-02-kernels-maxnreg-h200.md, run B;
