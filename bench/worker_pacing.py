@@ -9,7 +9,11 @@ one process, no gRPC:
 - ``direct``: ``worker.run`` back to back on this thread (the serving bench's in-process baseline);
 - ``direct+gap``: the same with an idle gap between calls, as between the requests of one client
   at concurrency 1 (the GPU and the CPU core idle in between: clocks, sleep states, caches);
-- ``thread``: each batch submitted to the worker thread, this thread blocking on its future;
+- ``direct+spin``: the same gaps spent spinning on this thread: the GPU idles but the CPU core
+  stays busy, which tells the host's wake-up from the GPU's (on the H200 machine, gaps up to
+  1 ms cost ~175-200 us slept and 0-35 us spun: bench/results/2026-12-03-idle-gap-h200.md);
+- ``thread``: each batch submitted to the worker thread, this thread blocking on its future
+  (``thread+gap``: after sleeping 1 ms);
 - ``asyncio``: submitted from an asyncio loop awaiting ``asyncio.wrap_future`` (the server's path);
 - ``asyncio+busy``: the same while another task keeps the loop always busy with small Python steps
   (what gRPC's callbacks do under load), competing for the GIL; once per GIL switch interval in
@@ -60,12 +64,16 @@ class _Samples:
         return {"compute_us": median_us(self.compute), "round_trip_us": median_us(self.trip), "calls": len(self.compute)}
 
 
-def run_blocking(call, seconds: float, gap_s: float = 0.0) -> dict:  # noqa: ANN001
-    """``call() -> BatchOutput`` back to back (after an idle ``gap_s`` each) for ``seconds``."""
+def run_blocking(call, seconds: float, gap_s: float = 0.0, spin: bool = False) -> dict:  # noqa: ANN001
+    """``call() -> BatchOutput`` back to back (after a gap of ``gap_s`` each: slept, or spun if ``spin``) for ``seconds``."""
     samples = _Samples()
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
-        if gap_s:
+        if gap_s and spin:
+            gap_end = time.perf_counter() + gap_s
+            while time.perf_counter() < gap_end:
+                pass
+        elif gap_s:
             time.sleep(gap_s)
         t0 = time.perf_counter()
         samples.add(t0, call().seconds)
@@ -151,7 +159,10 @@ def main() -> int:
         modes = {"direct": lambda: run_blocking(lambda: worker.run(prepared), args.seconds)}
         for gap in GAPS_US:
             modes[f"direct+gap {gap}us"] = lambda gap=gap: run_blocking(lambda: worker.run(prepared), args.seconds, gap / 1e6)
+        for gap in GAPS_US:
+            modes[f"direct+spin {gap}us"] = lambda gap=gap: run_blocking(lambda: worker.run(prepared), args.seconds, gap / 1e6, spin=True)
         modes["thread"] = lambda: run_blocking(lambda: worker.submit(prepared).result(), args.seconds)
+        modes["thread+gap 1000us"] = lambda: run_blocking(lambda: worker.submit(prepared).result(), args.seconds, 1e-3)
         modes["asyncio"] = lambda: loop.run_until_complete(_asyncio(worker, prepared, args.seconds, 0))
         for interval in args.busy_switch_intervals_us:
             modes[f"asyncio+busy si={interval}us"] = lambda interval=interval: _with_switch_interval(
