@@ -293,7 +293,7 @@ def interleaved_ab(name: str, packed, x: torch.Tensor, rot: list, weights: torch
 
 def ab_table(results: dict, name: str) -> str:
     """Median us of packed with switch ``name`` on and off over the interleaved pairs, and their spread."""
-    module_name, attr, on_value, off_value = AB_SWITCHES[name]
+    _, attr, on_value, off_value = AB_SWITCHES[name]
     lines = [f"{name}: packed forward us (CUDA graph), {attr} = {on_value} (on) / {off_value} (off), "
              f"median of {AB_REPEATS} interleaved pairs [min-max]",
              f"{'shape':16s} {'T':>5s} {'on':>9s} {'on range':>15s} {'off':>9s} {'off range':>15s} {'saved':>7s}"]

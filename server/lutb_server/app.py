@@ -37,7 +37,6 @@ from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_server.backends import BackendChoice, choose_backend, compute_capability, resolve_device
 from lutb_server.engine import ExpertEngine
-from lutb_server.front_ends import STOP_SLACK_S as FRONT_END_STOP_SLACK_S
 from lutb_server.front_ends import FrontEnds
 from lutb_server.interceptors import Gate, GateInterceptor, MetricsInterceptor
 from lutb_server.metrics import ServerMetrics
@@ -361,7 +360,7 @@ class ExpertServer:
             await self._server.stop(min(remaining, RESPONSE_FLUSH_S) if idle else remaining)
             self._server = None
         if self.front_ends:  # disconnected from the compute process before this one's worker closes it
-            await self.front_ends.join(grace + FRONT_END_STOP_SLACK_S)
+            await self.front_ends.join(grace)
         if self.scheduler is not None:
             await self.scheduler.close()
         self.metrics.close()

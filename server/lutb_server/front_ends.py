@@ -94,8 +94,9 @@ class FrontEnds:
                 except ProcessLookupError:
                     pass
 
-    async def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` s in all for the front ends to exit; kill the ones that do not."""
+    async def join(self, grace: float) -> None:
+        """Wait up to ``grace`` + STOP_SLACK_S s in all for the front ends to exit; kill the ones that do not."""
+        timeout = grace + STOP_SLACK_S
 
         def join() -> None:
             end = time.monotonic() + timeout
