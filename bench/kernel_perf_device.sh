@@ -12,13 +12,15 @@
 #   4. tune sweep: GEMM alone, decode + large T, mixtral/deepseek           <= 80 s (stops starting shapes at 50 s)
 #   5. SASS counts of the compiled packed kernels (from the Triton cache)  <= 20 s
 #   pdl (not in the default list): bench/kernels.py at decode T (1 8 32), all shapes, packed also timed
-#      with programmatic dependent launch off (--pdl-ab)                     <= 200 s
+#      with programmatic dependent launch off (--ab pdl)                     <= 200 s
 #   unroll (not in the default list): bench/kernels.py at T 1..512, all shapes, packed also timed with the
-#      K loop not unrolled (--unroll-ab: TILE_UNROLL 2 vs 1, 5 interleaved pairs)  <= 260 s
+#      K loop not unrolled (--ab unroll: TILE_UNROLL 2 vs 1, 5 interleaved pairs)  <= 260 s
+#   streamk (not in the default list): bench/kernels.py at T 1..512, all shapes, packed also timed on the
+#      plain grid (--ab stream_k: STREAM_K_PER_SM 4 vs 0, 5 interleaved pairs)  <= 260 s
 #   stalls (not in the default list): Nsight Compute's stall reasons (cycles per issued instruction
 #      by reason) and top stall sites of the two GEMMs of a mixtral T=1 forward  <= 150 s
 # Files under $OUT (8): gpu_tests.log breakdown.log breakdown.json bench.log results.json results.md tune.log tune.json
-# (pdl writes pdl.log and results.json; unroll unroll.log and results.json; stalls writes stalls.log)
+# (pdl writes pdl.log and results.json; unroll unroll.log, streamk streamk.log, each with results.json; stalls writes stalls.log)
 # The short tables are printed LAST.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,13 +67,19 @@ fi
 
 if want unroll; then
   stamp "unroll: T 1..512, TILE_UNROLL 2 vs 1"
-  timeout 260 "$PY" bench/kernels.py --tokens 1 8 32 128 512 --unroll-ab --out "$WORK/unroll" > "$OUT/unroll.log" 2>&1; echo "rc=$?" >> "$OUT/unroll.log"
+  timeout 260 "$PY" bench/kernels.py --tokens 1 8 32 128 512 --ab unroll --out "$WORK/unroll" > "$OUT/unroll.log" 2>&1; echo "rc=$?" >> "$OUT/unroll.log"
   cp "$WORK/unroll/results.json" "$OUT/" 2>/dev/null || cp "$WORK/unroll/results.partial.json" "$OUT/results.json" 2>/dev/null
+fi
+
+if want streamk; then
+  stamp "streamk: T 1..512, stream-K vs plain grid"
+  timeout 260 "$PY" bench/kernels.py --tokens 1 8 32 128 512 --ab stream_k --out "$WORK/streamk" > "$OUT/streamk.log" 2>&1; echo "rc=$?" >> "$OUT/streamk.log"
+  cp "$WORK/streamk/results.json" "$OUT/" 2>/dev/null || cp "$WORK/streamk/results.partial.json" "$OUT/results.json" 2>/dev/null
 fi
 
 if want pdl; then
   stamp "pdl: decode T, PDL on/off"
-  timeout 200 "$PY" bench/kernels.py --tokens 1 8 32 --pdl-ab --out "$WORK/pdl" > "$OUT/pdl.log" 2>&1; echo "rc=$?" >> "$OUT/pdl.log"
+  timeout 200 "$PY" bench/kernels.py --tokens 1 8 32 --ab pdl --out "$WORK/pdl" > "$OUT/pdl.log" 2>&1; echo "rc=$?" >> "$OUT/pdl.log"
   cp "$WORK/pdl/results.json" "$OUT/" 2>/dev/null || cp "$WORK/pdl/results.partial.json" "$OUT/results.json" 2>/dev/null
 fi
 
@@ -96,6 +104,7 @@ echo "================ GPU tests";   grep -E "passed|failed|error|rc=" "$OUT/gpu
 echo "================ breakdown";   sed -n '/^breakdown:/,$p' "$OUT/breakdown.log" | head -40; grep -E "Error|rc=" "$OUT/breakdown.log" | tail -3
 echo "================ stalls";      grep -E "issue_stalled|Warp Cycles|rc=" "$OUT/stalls.log" 2>/dev/null | sort -t' ' -k3 | tail -30
 echo "================ unroll";      sed -n '/^unroll:/,$p' "$OUT/unroll.log" 2>/dev/null | head -20; grep -E "Error|rc=" "$OUT/unroll.log" 2>/dev/null | tail -3
+echo "================ streamk";     sed -n '/^stream_k:/,$p' "$OUT/streamk.log" 2>/dev/null | head -20; grep -E "Error|rc=" "$OUT/streamk.log" 2>/dev/null | tail -3
 echo "================ pdl";         sed -n '/^pdl:/,$p' "$OUT/pdl.log" 2>/dev/null | head -20; grep -E "Error|rc=" "$OUT/pdl.log" 2>/dev/null | tail -3
 echo "================ tune";        sed -n '/^tune:/,$p' "$OUT/tune.log" | head -40; grep -E "^\[tune\] budget|Error|rc=" "$OUT/tune.log" | tail -4
 echo "================ bench (targets vs HBM READ bandwidth)"

@@ -256,11 +256,12 @@ def prefill_paths(packed, x: torch.Tensor, rot: list, weights: torch.Tensor) -> 
 
 
 AB_REPEATS = 5  # on/off pairs, interleaved, so clock drift between the two cannot pose as a gain
-# --pdl-ab / --unroll-ab: the same packed forward timed with one module-level switch on and off:
+# --ab NAME...: the same packed forward timed with one module-level switch on and off:
 # name -> (module, attribute, "on" value, "off" value)
 AB_SWITCHES = {
     "pdl": ("lutb_kernels._grouped_gemm_details.launch", "PDL", True, False),
     "unroll": ("lutb_kernels.lut_b_gemm", "TILE_UNROLL", 2, 1),
+    "stream_k": ("lutb_kernels.lut_b_gemm", "STREAM_K_PER_SM", 4, 0),
 }
 AB = ()  # the switches to A/B (set from the command line)
 
@@ -413,6 +414,7 @@ def breakdown(results: dict, shapes: list[str]) -> None:
     """Per-stage CUDA-graph time of the packed forward at decode sizes (rotated routings: fresh weights)."""
     from lutb_kernels.experts._triton_common import choose_route_block
     from lutb_kernels.grouped_gemm import moe_combine
+    import lutb_kernels.lut_b_gemm as lbg
     from lutb_kernels.lut_b_gemm import LutBGemmConfig, default_config, lut_b_moe_gemm
     from lutb_kernels.mxfp8_triton import act_mxfp8_qdq, mxfp8_qdq
     from lutb_kernels.routing import moe_align_block_size
@@ -494,9 +496,15 @@ def breakdown(results: dict, shapes: list[str]) -> None:
             # the GEMMs alone under a few configs (defaults first)
             for gname, gfn, (n, k, tk) in (("gemm1", g1, (2 * inter, hidden, top_k)), ("gemm2", g2, (hidden, inter, 1))):
                 base = default_config(tokens * top_k, n, k, experts, block, dev)
-                cands = {"default": base,
-                         "old per-group loop": LutBGemmConfig(block_m=min(16, block), block_n=128, split_k=base.split_k, swap_ab=True,
-                                                              num_warps=4, num_stages=3, groups_per_step=1, tile_loop=False)}
+                saved, lbg.STREAM_K_PER_SM = lbg.STREAM_K_PER_SM, 0
+                plain = default_config(tokens * top_k, n, k, experts, block, dev)
+                lbg.STREAM_K_PER_SM = saved
+                cands = {"default": base}
+                if plain != base:
+                    cands["plain grid"] = plain
+                if base.stream_k:  # programs per SM with the register cap that fits them
+                    cands["stream_k=3 no cap"] = LutBGemmConfig(**{**base.__dict__, "stream_k": 3, "maxnreg": None})
+                    cands["stream_k=5 maxnreg=96"] = LutBGemmConfig(**{**base.__dict__, "stream_k": 5, "maxnreg": 96})
                 for sk in (base.split_k // 2, base.split_k * 2, base.split_k * 4):
                     if sk >= 1:
                         cands[f"split_k={sk}"] = LutBGemmConfig(**{**base.__dict__, "split_k": sk})
@@ -826,11 +834,12 @@ def main() -> int:
     parser.add_argument("--breakdown", action="store_true", help="only the per-stage breakdown of the packed forward (T 1/8/32)")
     parser.add_argument("--tune-grouped", action="store_true", help="only the dense grouped GEMM's tile sweep at large T")
     parser.add_argument("--breakdown-shapes", nargs="*", default=["mixtral-8x7b", "deepseek-v3"], choices=list(SHAPES))
-    parser.add_argument("--pdl-ab", action="store_true", help="also time packed with programmatic dependent launch on and off")
-    parser.add_argument("--unroll-ab", action="store_true", help="also time packed with the K loop unrolled (TILE_UNROLL) 2 and 1")
+    parser.add_argument("--ab", nargs="*", default=[], choices=list(AB_SWITCHES),
+                        help="also time packed with each of these switches on and off (interleaved pairs): pdl "
+                             "(programmatic dependent launch), unroll (TILE_UNROLL 2 vs 1), stream_k (STREAM_K_PER_SM 4 vs 0)")
     args = parser.parse_args()
     global AB
-    AB = tuple(name for name, on in (("pdl", args.pdl_ab), ("unroll", args.unroll_ab)) if on)
+    AB = tuple(args.ab)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -30,7 +30,8 @@ LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(
 
 def compile_variant(block_m: int, block_n: int, warps: int, g: int, *, decoder: int = 1, a_deq: bool = True,
                     tile_loop: bool = True, prefetch: bool = True, split_k: int = 2, stages: int = 3,
-                    swap: bool = True, maxnreg: int | None = None, unroll: int = 1) -> tuple[str, int, int]:
+                    swap: bool = True, maxnreg: int | None = None, unroll: int = 1,
+                    stream_k: bool = False) -> tuple[str, int, int]:
     """SASS of one variant, its registers per thread and its local-memory bytes (spills) per thread.
 
     (``CompiledKernel.n_regs``/``n_spills`` are only filled when a GPU loads the cubin; the
@@ -40,11 +41,12 @@ def compile_variant(block_m: int, block_n: int, warps: int, g: int, *, decoder: 
         "a_ptr": "*bf16" if a_deq else "*u8", "as_ptr": "*u8" if not a_deq else "*bf16", "w_bytes_ptr": "*u8",
         "w_words_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "topk_w_ptr": "*fp32", "sorted_ptr": "*i32",
         "eid_ptr": "*i32", "ntpp_ptr": "*i32", "N": "i32", "K": "i32", "num_valid": "i32", "tiles_per_split": "i32",
-        "stride_am": "i32", "stride_asm": "i32", "stride_om": "i32",
+        "num_programs": "i32", "num_route_blocks": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_om": "i32",
     }
     consts = dict(TOP_K=1, ROUTE_BLOCK=max(16, block_m), BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k,
                   MUL_WEIGHT=False, DECODER=decoder, A_PERMUTED=True, A_DEQUANTIZED=a_deq, SWAP_AB=swap,
-                  DOT_BF16=True, G=g, TILE_LOOP=tile_loop, PREFETCH=prefetch, UNROLL=unroll)
+                  DOT_BF16=True, G=g, TILE_LOOP=tile_loop, PREFETCH=prefetch, UNROLL=unroll,
+                  STREAM_K=stream_k)
     for k, v in consts.items():
         sig[k] = "constexpr"
     # pointers 16-byte aligned, N/K/strides multiples of 16 (what triton specializes on at launch)
@@ -107,6 +109,8 @@ VARIANTS.update({f"16,128,w4 tile loop prmt2 unroll={u}": (16, 128, 4, 1, dict(t
 # register caps on the decode default (ncu: 127 registers hold an SM to 4 blocks of 4 warps)
 VARIANTS.update({f"16,128,w4 tile loop prmt2 maxnreg={r}": (16, 128, 4, 1, dict(tile_loop=True, prefetch=False, decoder=2, maxnreg=r))
                  for r in (96, 80, 64)})
+# the decode default on a stream-K grid (LutBGemmConfig.stream_k): the same K loop inside a loop over units
+VARIANTS["16,128,w4 tile loop prmt2 stream-K"] = (16, 128, 4, 1, dict(tile_loop=True, prefetch=False, decoder=2, stream_k=True))
 
 
 def main() -> int:

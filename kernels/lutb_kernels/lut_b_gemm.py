@@ -19,9 +19,10 @@ Configs (:class:`LutBGemmConfig`, :func:`default_config`): decoder ``prmt`` (inl
 sm80+), ``prmt2`` (the same values bit for bit, fewer instructions per weight: unscaled LUT split
 once per tile, scale applied after the lookup, cheaper selectors) or ``triton`` (pure Triton: the
 CPU interpreter and other GPUs), rows per program, output
-columns per program (a divisor of 128: a program stays inside one tile row), split-K (fp32
-atomics into a zeroed workspace, then a finalize pass), swap-AB (weights as the MMA's M side for
-small batches), warps and pipeline stages.
+columns per program (a divisor of 128: a program stays inside one tile row), split-K (one float32
+slice per split, then a reduce pass), stream-K (a persistent grid splitting all K tiles evenly,
+the default at decode), swap-AB (weights as the MMA's M side for small batches), warps and
+pipeline stages.
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ class LutBGemmConfig:
     shared by that many tiles: offline sm90 SASS of the decode config, 924 instead of 2 x 498 loop
     instructions per 2 tiles (``bench/sass_offline.py``), yet slower on the H200 at decode sizes
     (``TILE_UNROLL``)."""
+    stream_k: int = 0
+    """Programs per SM of a stream-K launch, or 0 for one program per (routing sub-block, column
+    block, split). Stream-K (``swap_ab`` decode sizes): a grid of ``stream_k`` x SMs programs
+    splits the sequence of every unit's K tiles into equal contiguous runs of at least
+    ``ceil(K tiles / split_k)`` tiles, so every program does the same work whatever the routing
+    and however few routing blocks are in use (the plain grid's last wave runs part-full); a unit
+    split between programs gets one partial per program, summed by the same deterministic reduce
+    as split-K (at most ``split_k + 1`` slices)."""
     maxnreg: int | None = None
     """Registers per thread the compiler may use (PTX ``.maxnreg``; NVIDIA only), or None for its
     own choice. At decode configs the kernel takes 127, which holds an SM to 4 blocks of 4 warps
@@ -115,7 +124,7 @@ DEFAULT_TABLE: dict[int, tuple[int, int, int, int, int, int | None]] = {
 }
 MIN_TILES_PER_SPLIT = 4
 # K tiles per unrolled loop iteration in the default configs (LutBGemmConfig.unroll); a module
-# constant so that bench/kernels.py --unroll-ab can time the same forward both ways. 1: unrolling
+# constant so that bench/kernels.py --ab unroll can time the same forward both ways. 1: unrolling
 # by 2 cuts the decode loop from 498 to 462 instructions per tile but made the H200 slower at
 # decode (mixtral T=1/8/32 +10/+8/+9%, deepseek T=8 +7%) and faster only at deepseek T=128/512
 # (-2/-3%), bench/results/2026-12-03-unroll-h200.md.
@@ -127,6 +136,11 @@ TILE_UNROLL = 1
 # (:func:`expected_blocks` in place of min(E, routes) takes mixtral T=8 w2 from 2 to 4 splits:
 # -22% in the same runs.)
 DECODE_MIN_SPLIT_ROUTES = 256
+# Decode (16-row routing blocks): programs per SM of a stream-K launch (LutBGemmConfig.stream_k;
+# 0: the plain grid), and its register cap: the stream-K loop takes 161 registers uncapped (3
+# blocks of 4 warps per SM); 128 keeps 4 with no spills (offline sm90 SASS, bench/sass_offline.py).
+STREAM_K_PER_SM = 4
+STREAM_K_MAXNREG = 128
 # Routing blocks from which the defaults keep the prmt decoder: on the H200 prmt2 made every
 # decode-sized forward faster (mixtral T=1 209 -> 120 us) but prefill ones slower (qwen3 T=2048
 # 933 -> 1025 us, T=8192 2598 -> 2917 us), bench/results/2026-12-02-kernels-prmt2-h200.md.
@@ -174,6 +188,14 @@ def default_config(num_routes: int, n: int, k: int, num_experts: int, route_bloc
                               groups_per_step=1, tile_loop=tuned.get("tile_loop", True), prefetch=tuned.get("prefetch", False),
                               unroll=tuned.get("unroll", TILE_UNROLL), maxnreg=tuned.get("maxnreg", maxnreg))
     programs = expected_blocks(num_routes, num_experts, route_block) * (route_block // block_m) * (n // block_n)
+    if route_block == 16 and STREAM_K_PER_SM:
+        # runs of at least MIN_TILES_PER_SPLIT tiles and half the expected share of a program
+        # (bounds the workspace: a unit meets at most k_tiles / run + 1 programs)
+        share = programs * k_tiles / (STREAM_K_PER_SM * sm_count(device))
+        run = max(MIN_TILES_PER_SPLIT, int(share // 2))
+        return LutBGemmConfig(block_m=block_m, block_n=block_n, split_k=max(1, k_tiles // run), swap_ab=True,
+                              decoder=decoder, num_warps=warps, num_stages=stages, groups_per_step=1, tile_loop=True,
+                              unroll=TILE_UNROLL, stream_k=STREAM_K_PER_SM, maxnreg=STREAM_K_MAXNREG)
     target = waves * sm_count(device)
     split_k = 1
     while programs * split_k < target and k_tiles // (split_k * 2) >= MIN_TILES_PER_SPLIT:
@@ -282,21 +304,29 @@ def lut_b_moe_gemm(
     bm = min(config.block_m, block_m)
     if (block_m % bm or config.block_n not in (16, 32, 64, 128) or config.split_k < 1 or config.groups_per_step not in (1, 2, 4)
             or (config.tile_loop and config.groups_per_step != 1) or config.decoder not in DECODER_IDS
-            or (config.maxnreg is not None and not 32 <= config.maxnreg <= 255) or config.unroll not in (1, 2, 4)):
+            or (config.maxnreg is not None and not 32 <= config.maxnreg <= 255) or config.unroll not in (1, 2, 4)
+            or config.stream_k < 0 or (config.stream_k and not config.swap_ab)):
         raise ValueError(f"bad config {config} for block_m={block_m}")
     k_tiles = k // TILE
     split_k = min(config.split_k, k_tiles)
     tiles_per_split = cdiv(k_tiles, split_k)
     split_k = cdiv(k_tiles, tiles_per_split)
-    # split-K: one float32 slice per split, written with plain stores (no zeroing, no atomics)
+    blocks = expert_ids.numel()
+    programs = config.stream_k * sm_count(device)
+    if config.stream_k:
+        # runs of >= tiles_per_split tiles: a unit's K tiles meet at most this many programs
+        split_k = cdiv(k_tiles, tiles_per_split) + 1
+        grid: tuple[int, ...] = (programs,)
+    else:
+        grid = (blocks * (block_m // bm), n // config.block_n, split_k)
+    # split-K: one float32 slice per partial, written with plain stores (no zeroing, no atomics)
     ws = torch.empty((split_k, num_valid, n), dtype=torch.float32, device=device) if split_k > 1 else out
-    grid = (expert_ids.numel() * (block_m // bm), n // config.block_n, split_k)
     lut_b_moe_gemm_kernel[grid](
         a_mxfp8.view(torch.uint8) if a_scales is not None else a_mxfp8,
         a_scales if a_scales is not None else a_mxfp8, w_packed, w_packed.view(torch.int32), out, ws,
         topk_weights if topk_weights is not None else ws,
         sorted_token_ids, expert_ids, num_tokens_post_padded,
-        n, k, num_valid, tiles_per_split,
+        n, k, num_valid, tiles_per_split, programs, blocks,
         a_mxfp8.stride(0), a_scales.stride(0) if a_scales is not None else 0, out.stride(0),
         TOP_K=top_k, ROUTE_BLOCK=block_m, BLOCK_M=bm, BLOCK_N=config.block_n, SPLIT_K=split_k,
         MUL_WEIGHT=topk_weights is not None,
@@ -309,18 +339,21 @@ def lut_b_moe_gemm(
         TILE_LOOP=config.tile_loop,
         PREFETCH=config.prefetch,
         UNROLL=config.unroll,
+        STREAM_K=config.stream_k > 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg is not None and not interpreting() else {}),
         **pdl_launch(device),
     )
     if split_k > 1:
-        fin_r = min(block_m, 16)
-        fin_n = min(256, next_pow2(n))
-        split_k_reduce_kernel[(expert_ids.numel() * (block_m // fin_r), cdiv(n, fin_n))](
+        # stream-K: the reduce walks the GEMM's units (sub-block, column block) to find their slices
+        fin_r = bm if config.stream_k else min(block_m, 16)
+        fin_n = config.block_n if config.stream_k else min(256, next_pow2(n))
+        split_k_reduce_kernel[(blocks * (block_m // fin_r), cdiv(n, fin_n))](
             ws, out, topk_weights if topk_weights is not None else ws,
             sorted_token_ids, expert_ids, num_tokens_post_padded, n, num_valid, out.stride(0),
+            k_tiles, tiles_per_split, programs, blocks,
             ROUTE_BLOCK=block_m, BLOCK_R=fin_r, BLOCK_N=fin_n, SPLIT_K=split_k,
-            MUL_WEIGHT=topk_weights is not None, num_warps=4, **pdl_launch(device),
+            MUL_WEIGHT=topk_weights is not None, STREAM_K=config.stream_k > 0, num_warps=4, **pdl_launch(device),
         )
     return out
 

@@ -54,6 +54,13 @@ CONFIGS = [
     LutBGemmConfig(block_m=16, block_n=64, split_k=2, swap_ab=True, decoder="triton", groups_per_step=1, tile_loop=True, unroll=2),
     LutBGemmConfig(block_m=16, block_n=64, split_k=2, swap_ab=True, decoder="triton"),
     LutBGemmConfig(block_m=64, block_n=64, split_k=1, swap_ab=False, decoder="triton"),
+    # stream-K grids (the decode default: 4 programs per SM, 128 registers), short and long runs
+    LutBGemmConfig(block_m=16, block_n=128, split_k=4, swap_ab=True, decoder="prmt", groups_per_step=1, tile_loop=True,
+                   stream_k=4, maxnreg=128),
+    LutBGemmConfig(block_m=16, block_n=64, split_k=1, swap_ab=True, decoder="prmt", groups_per_step=1, tile_loop=True,
+                   stream_k=1),
+    LutBGemmConfig(block_m=32, block_n=128, split_k=8, swap_ab=True, decoder="prmt", groups_per_step=1, tile_loop=True,
+                   stream_k=2, unroll=2),
 ]
 # every "prmt" config again with "prmt2" (the same values bit for bit, fewer instructions)
 CONFIGS += [replace(c, decoder="prmt2") for c in CONFIGS if c.decoder == "prmt"]
@@ -138,5 +145,35 @@ def test_unrolled_k_loop_any_tile_count(unroll: int, k_tiles: int, split_k: int)
                             tile_loop=True, unroll=unroll)
     lut_b_moe_gemm(q, s, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order="decoder", config=config)
     lut_b_moe_gemm_reference(q, s, w, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order="decoder")
+    assert not out.isnan().any()
+    assert rel_l2(out, ref) < 5e-3
+
+
+@pytest.mark.parametrize("tokens,route_block,block_m,per_sm,split_k,k_tiles", [
+    (1, 16, 16, 4, 8, 8),  # runs of one tile: a unit meets 8 programs, most programs idle
+    (3, 32, 16, 4, 2, 7),  # two sub-blocks per routing block, odd tile count
+    (40, 16, 16, 1, 1, 5),  # more work than programs: runs of many units
+    (64, 64, 16, 2, 4, 12),
+])
+def test_stream_k_any_work_split(tokens: int, route_block: int, block_m: int, per_sm: int, split_k: int,
+                                 k_tiles: int) -> None:
+    """Stream-K runs that start and end inside units, units met by several programs, idle programs, sub-blocks:
+    the result matches the reference and only routed rows are written (prmt2, bf16, outputs poisoned)."""
+    from lutb_kernels import mxfp8_triton as mt
+
+    top_k, experts, n, k = 2, 6, 384, 128 * k_tiles
+    w = random_tiles((experts, n // 128, k_tiles), k=k, device="cuda")
+    x = torch.randn(tokens, k, device="cuda").to(torch.bfloat16)
+    q, s = mt.mxfp8_quantize(x, k_order="decoder")
+    ids, _, (sorted_ids, expert_ids, ntpp) = _routing(tokens, top_k, experts, None, route_block)
+    tw = torch.rand(tokens, top_k, device="cuda")
+    out = torch.full((tokens * top_k, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ref = out.clone()
+    config = LutBGemmConfig(block_m=block_m, block_n=128, split_k=split_k, swap_ab=True, decoder="prmt2",
+                            groups_per_step=1, tile_loop=True, stream_k=per_sm, maxnreg=128)
+    lut_b_moe_gemm(q, s, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=route_block, a_k_order="decoder",
+                   config=config)
+    lut_b_moe_gemm_reference(q, s, w, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=route_block,
+                             a_k_order="decoder")
     assert not out.isnan().any()
     assert rel_l2(out, ref) < 5e-3

@@ -23,6 +23,13 @@ def h200(monkeypatch: pytest.MonkeyPatch) -> torch.device:
     return torch.device("cpu")
 
 
+@pytest.fixture
+def plain_grid(h200: torch.device, monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    """The H200 with the plain (one program per unit and split) decode grid, no stream-K."""
+    monkeypatch.setattr(op, "STREAM_K_PER_SM", 0)
+    return h200
+
+
 @pytest.mark.parametrize("shape,tokens,gemm,split_k", [
     ("mixtral", 1, "w13", 2), ("mixtral", 1, "w2", 16),
     ("mixtral", 8, "w13", 2), ("mixtral", 8, "w2", 4),  # were 1 and 2: 185.6 -> 162.7 us, 112.8 -> 87.5 us
@@ -31,19 +38,20 @@ def h200(monkeypatch: pytest.MonkeyPatch) -> torch.device:
     ("deepseek", 8, "w13", 2), ("deepseek", 8, "w2", 2),  # were 1: 425.4 -> 382.0 us, 218.7 -> 214.3 us
     ("deepseek", 32, "w13", 2), ("deepseek", 32, "w2", 2),  # were 1: 1088.2 -> 1032.0 us, 578.6 -> 555.6 us
 ])
-def test_decode_split_k_is_the_measured_best(h200: torch.device, shape: str, tokens: int, gemm: str, split_k: int) -> None:
+def test_decode_split_k_is_the_measured_best(plain_grid: torch.device, shape: str, tokens: int, gemm: str,
+                                             split_k: int) -> None:
     experts, hidden, inter, top_k = SHAPES[shape]
     n, k = (2 * inter, hidden) if gemm == "w13" else (hidden, inter)
-    config = op.default_config(tokens * top_k, n, k, experts, 16, h200)
+    config = op.default_config(tokens * top_k, n, k, experts, 16, plain_grid)
     assert config.split_k == split_k
     assert config.tile_loop and config.swap_ab and config.maxnreg is None and config.unroll == op.TILE_UNROLL
 
 
 @pytest.mark.parametrize("tokens,route_block", [(128, 16), (512, 16), (2048, 64), (8192, 128)])
-def test_larger_batches_keep_one_split(h200: torch.device, tokens: int, route_block: int) -> None:
+def test_larger_batches_keep_one_split(plain_grid: torch.device, tokens: int, route_block: int) -> None:
     """The decode minimum of two splits stops at 256 routes: larger batches fill the GPU without it."""
     experts, hidden, inter, top_k = SHAPES["deepseek"]
-    assert op.default_config(tokens * top_k, 2 * inter, hidden, experts, route_block, h200).split_k == 1
+    assert op.default_config(tokens * top_k, 2 * inter, hidden, experts, route_block, plain_grid).split_k == 1
 
 
 @pytest.mark.parametrize("routes,experts,block,expected", [
@@ -75,14 +83,14 @@ def test_a_shard_estimates_its_blocks_from_its_share_of_the_routes(routes: int, 
         assert op.expected_blocks(routes, held, 16) - routes // 16 > 1.1 * touched
 
 
-def test_a_deepseek_shard_splits_k_as_its_share_of_the_batch(h200: torch.device) -> None:
+def test_a_deepseek_shard_splits_k_as_its_share_of_the_batch(plain_grid: torch.device) -> None:
     """Decode on 32 of deepseek's 256 experts (8-way expert parallel): one token's 8 routes put ~1 on the shard
     (one block); sized on all 8 routes over 32 experts the grid would look 7x larger and split K less."""
     _, hidden, inter, top_k = SHAPES["deepseek"]
     held_routes = -(-1 * top_k * 32 // 256)
     assert held_routes == 1
-    shard = op.default_config(held_routes, 2 * inter, hidden, 32, 16, h200).split_k
-    assert shard > op.default_config(top_k, 2 * inter, hidden, 32, 16, h200).split_k
+    shard = op.default_config(held_routes, 2 * inter, hidden, 32, 16, plain_grid).split_k
+    assert shard > op.default_config(top_k, 2 * inter, hidden, 32, 16, plain_grid).split_k
 
 
 def test_pdl_only_on_cuda() -> None:
@@ -91,3 +99,26 @@ def test_pdl_only_on_cuda() -> None:
 
     assert not use_pdl(torch.device("cpu"))
     assert pdl_launch(torch.device("cpu")) == {"PDL": False}
+
+
+@pytest.mark.parametrize("shape,tokens,gemm", [(s, t, g) for s in SHAPES for t in (1, 8, 32, 128) for g in ("w13", "w2")])
+def test_decode_runs_stream_k_with_bounded_runs(h200: torch.device, shape: str, tokens: int, gemm: str) -> None:
+    """16-row routing blocks launch stream-K (4 programs per SM, 128 registers); a program's run is at least
+    MIN_TILES_PER_SPLIT tiles and at least half its expected share (or a whole K row), which bounds the workspace
+    slices."""
+    experts, hidden, inter, top_k = SHAPES[shape]
+    n, k = (2 * inter, hidden) if gemm == "w13" else (hidden, inter)
+    k_tiles = k // 128
+    config = op.default_config(tokens * top_k, n, k, experts, 16, h200)
+    assert config.stream_k == op.STREAM_K_PER_SM == 4 and config.maxnreg == op.STREAM_K_MAXNREG == 128
+    assert config.tile_loop and config.swap_ab
+    run = -(-k_tiles // config.split_k)  # the least run lut_b_moe_gemm derives from split_k
+    share = op.expected_blocks(tokens * top_k, experts, 16) * (n // 128) * k_tiles / (4 * 132)
+    assert run >= min(k_tiles, max(op.MIN_TILES_PER_SPLIT, share // 2))
+    assert config.split_k + 1 <= k_tiles // op.MIN_TILES_PER_SPLIT + 1  # workspace slices
+
+
+def test_larger_routing_blocks_keep_the_plain_grid(h200: torch.device) -> None:
+    experts, hidden, inter, top_k = SHAPES["deepseek"]
+    for block in (32, 64, 128):
+        assert op.default_config(2048 * top_k, 2 * inter, hidden, experts, block, h200).stream_k == 0

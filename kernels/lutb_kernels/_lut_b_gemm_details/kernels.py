@@ -408,13 +408,172 @@ def _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg,
 
 
 @triton.jit
+def _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi,
+               BLOCK_N: tl.constexpr, DECODER: tl.constexpr, A_DEQUANTIZED: tl.constexpr, SWAP_AB: tl.constexpr,
+               DOT_BF16: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr):
+    """The per-tile K loop over tiles ``k_lo .. k_hi - 1`` of the row of tiles starting at ``tile0``.
+
+    One iteration per tile. Each thread owns whole tile rows: 3 x 16-byte loads fetch the 12
+    plane words of a row (4 groups x 3 planes, contiguous), one word its 4 scale bytes, so a
+    program has 4x (8x with PREFETCH) the bytes in flight of the per-group loop; the 4 groups are
+    then decoded and fed to the MMA one at a time (the G == 1 register layout). Returns ``acc``
+    plus the range's products.
+    """
+    jj = tl.arange(0, 4)
+    pv_off = 132 + 12 * rows[:, None] + jj[None, :]  # [BN, 4] words 4v + j of the row's planes
+    sw_off = 4 + rows  # word holding the row's 4 scale bytes
+    if PREFETCH:
+        tw = (tile0 + k_lo) * 1668
+        lw0, lw1, lw2, lw3 = load_lut_words(w_words_ptr, tw)
+        v0 = tl.load(w_words_ptr + tw + pv_off)
+        v1 = tl.load(w_words_ptr + tw + pv_off + 4)
+        v2 = tl.load(w_words_ptr + tw + pv_off + 8)
+        swd = tl.load(w_words_ptr + tw + sw_off)
+    for t in tl.range(k_lo, k_hi, loop_unroll_factor=UNROLL):
+        if PREFETCH:
+            w0, w1, w2, w3 = lw0, lw1, lw2, lw3
+            c0, c1, c2, cs = v0, v1, v2, swd
+            twn = (tile0 + tl.minimum(t + 1, k_hi - 1)) * 1668  # the last iteration reloads its own tile
+            lw0, lw1, lw2, lw3 = load_lut_words(w_words_ptr, twn)
+            v0 = tl.load(w_words_ptr + twn + pv_off)
+            v1 = tl.load(w_words_ptr + twn + pv_off + 4)
+            v2 = tl.load(w_words_ptr + twn + pv_off + 8)
+            swd = tl.load(w_words_ptr + twn + sw_off)
+        else:
+            tw = (tile0 + t) * 1668
+            w0, w1, w2, w3 = load_lut_words(w_words_ptr, tw)
+            c0 = tl.load(w_words_ptr + tw + pv_off)
+            c1 = tl.load(w_words_ptr + tw + pv_off + 4)
+            c2 = tl.load(w_words_ptr + tw + pv_off + 8)
+            cs = tl.load(w_words_ptr + tw + sw_off)
+        # plane word index 4v + j = 3g + b
+        q0, q1, q2, q3 = split4(c0)  # words 0-3: g0 b0,b1,b2; g1 b0
+        q4, q5, q6, q7 = split4(c1)  # words 4-7: g1 b1,b2; g2 b0,b1
+        q8, q9, q10, q11 = split4(c2)  # words 8-11: g2 b2; g3 b0,b1,b2
+        csu = cs.to(tl.uint32, bitcast=True)
+        if DECODER == 2:  # once per tile: the LUT's byte split and the 4 groups' bf16 scales
+            l0, l1, h0, h1 = lut_bytes(w0, w1, w2, w3, (BLOCK_N, 1, 4))
+            s02, s13 = e8m0_pairs_bf16x2(csu)
+        for g in tl.static_range(4):
+            if g == 0:
+                p0, p1, p2 = q0, q1, q2
+            elif g == 1:
+                p0, p1, p2 = q3, q4, q5
+            elif g == 2:
+                p0, p1, p2 = q6, q7, q8
+            else:
+                p0, p1, p2 = q9, q10, q11
+            sc = ((csu >> (8 * g)) & 0xFF).to(tl.int32)
+            p0 = p0.to(tl.uint32, bitcast=True)[:, None]
+            p1 = p1.to(tl.uint32, bitcast=True)[:, None]
+            p2 = p2.to(tl.uint32, bitcast=True)[:, None]
+            sc = sc[:, None]
+            if DECODER == 1:
+                w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
+            elif DECODER == 2:
+                sw = bf16x2_broadcast_half(s02 if g % 2 == 0 else s13, g // 2)[:, None]
+                w_op = decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N, 1)
+            else:
+                w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
+            step = t * 4 + g
+            if A_DEQUANTIZED:
+                af = tl.load(a_base + step * 32, mask=valid[:, None], other=0.0)
+            else:
+                a8 = tl.load(a_base + step * 32, mask=valid[:, None], other=0)
+                sa = tl.load(as_base + step, mask=valid[:, None], other=0).to(tl.int32)
+                af = a8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * pow2_e8m0_f32(sa)
+            if DOT_BF16:
+                a_op = af.to(tl.bfloat16)
+                w_op = w_op.to(tl.bfloat16)
+            else:
+                a_op = af
+                w_op = w_op.to(tl.float32)
+            if SWAP_AB:
+                acc = tl.dot(w_op, tl.trans(a_op), acc)
+            else:
+                acc = tl.dot(a_op, tl.trans(w_op), acc)
+    return acc
+
+
+@triton.jit
+def stream_k_run(ntpp, num_blocks, n_units, k_tiles, num_programs, min_run, ROUTE_BLOCK: tl.constexpr,
+                 SUBS: tl.constexpr):
+    """Stream-K split of a launch: ``(run, items)``.
+
+    The work is the sequence of ``items`` K tiles of every unit (routing sub-block, column block),
+    unit-major, over the sub-blocks in use (``num_tokens_post_padded`` on the device); program
+    ``p`` takes items ``[p * run, (p + 1) * run)``, ``run = max(ceil(items / num_programs),
+    min_run)``. The GEMM and its reduce compute the same split from the same inputs.
+    """
+    blocks = tl.minimum((ntpp + ROUTE_BLOCK - 1) // ROUTE_BLOCK, num_blocks)
+    items = blocks * SUBS * n_units * k_tiles
+    run = tl.maximum((items + num_programs - 1) // num_programs, min_run)
+    return run, items
+
+
+@triton.jit
+def _unit_partial(a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, offs_m, n0, k_lo, k_hi,
+                  N, K, num_valid, stride_am, stride_asm,
+                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODER: tl.constexpr,
+                  A_PERMUTED: tl.constexpr, A_DEQUANTIZED: tl.constexpr, SWAP_AB: tl.constexpr, DOT_BF16: tl.constexpr,
+                  G: tl.constexpr, TILE_LOOP: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr):
+    """Float32 products of one unit (routed rows ``offs_m``, output columns ``n0 .. n0 + BLOCK_N``)
+    over its K tiles ``k_lo .. k_hi - 1``: ``(acc, route, valid)``; ``acc`` is ``[BLOCK_N, BLOCK_M]``
+    with ``SWAP_AB``, else ``[BLOCK_M, BLOCK_N]``."""
+    route = tl.load(sorted_ptr + offs_m)
+    valid = route < num_valid
+    a_row = (route // TOP_K).to(tl.int64)
+    n_tiles = N // 128
+    k_tiles = K // 128
+    rows = (n0 % 128) + tl.arange(0, BLOCK_N)  # rows inside the tile
+    gg = tl.arange(0, G)
+    tile0 = (expert.to(tl.int64) * n_tiles + n0 // 128) * k_tiles  # index of tile (expert, n0 // 128, 0)
+
+    kk = tl.arange(0, 32 * G)
+    if A_PERMUTED:
+        a_cols = kk
+    else:  # gather the decoder order by address: position 8w + 2i + h holds column i + 8w + 4h
+        kp = kk % 32
+        a_cols = kk - kp + (kp % 8) // 2 + 8 * (kp // 8) + 4 * (kp % 2)
+    a_base = a_ptr + a_row[:, None] * stride_am + a_cols[None, :]
+    as_base = as_ptr + a_row[:, None] * stride_asm + gg[None, :]
+
+    if SWAP_AB:
+        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+    else:
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    if TILE_LOOP:
+        acc = _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi, BLOCK_N, DECODER,
+                         A_DEQUANTIZED, SWAP_AB, DOT_BF16, PREFETCH, UNROLL)
+    else:
+        acc = _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg, valid, k_lo, k_hi,
+                          BLOCK_N, DECODER, A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, BLOCK_M)
+    return acc, route, valid
+
+
+@triton.jit
+def _store_partial(ws_ptr, slot, acc, route, valid, n0, N, num_valid, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Deterministic split-K: a partial goes into its own float32 slice ``ws[slot]`` (no zeroing
+    pass, no atomics); :func:`split_k_reduce_kernel` sums the slices."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    route64 = route.to(tl.int64)
+    if SWAP_AB:
+        ws_off = (route64 * N)[None, :] + cols[:, None]
+        mask = valid[None, :]
+    else:
+        ws_off = (route64 * N)[:, None] + cols[None, :]
+        mask = valid[:, None]
+    tl.store(ws_ptr + slot.to(tl.int64) * num_valid * N + ws_off, acc, mask=mask)
+
+
+@triton.jit
 def lut_b_moe_gemm_kernel(
     a_ptr,  # uint8 [M, K]: float8_e4m3fn bytes; or [M, K] float values (A_DEQUANTIZED)
     as_ptr,  # uint8 [M, K/32]: E8M0 (unused when A_DEQUANTIZED)
     w_bytes_ptr,  # uint8 [E, N/128, K/128, 6672]
     w_words_ptr,  # int32 view of the same memory, [E, N/128, K/128, 1668]
     out_ptr,  # [num_valid, N] out dtype (SPLIT_K == 1)
-    ws_ptr,  # float32 [num_valid, N] zeroed workspace (SPLIT_K > 1)
+    ws_ptr,  # float32 [SPLIT_K, num_valid, N] workspace (SPLIT_K > 1): one slice per partial
     topk_w_ptr,  # float32, flat route index
     sorted_ptr,  # int32 [EM]
     eid_ptr,  # int32 [EM / ROUTE_BLOCK]
@@ -422,7 +581,9 @@ def lut_b_moe_gemm_kernel(
     N,
     K,
     num_valid,
-    tiles_per_split,
+    tiles_per_split,  # K tiles per split; STREAM_K: the least tiles a program runs
+    num_programs,  # STREAM_K: programs in the grid
+    num_route_blocks,  # EM / ROUTE_BLOCK
     stride_am,
     stride_asm,
     stride_om,
@@ -441,156 +602,76 @@ def lut_b_moe_gemm_kernel(
     TILE_LOOP: tl.constexpr = False,  # one loop iteration per tile: all its words loaded up front (G == 1)
     PREFETCH: tl.constexpr = False,  # TILE_LOOP: load tile t+1's words while decoding tile t
     UNROLL: tl.constexpr = 1,  # TILE_LOOP: tiles per loop iteration after unrolling (1: none)
+    STREAM_K: tl.constexpr = False,  # a 1-D grid of num_programs programs walks the work in equal runs
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
+    """Grid ``(EM / ROUTE_BLOCK * SUBS, N / BLOCK_N, SPLIT_K)``: one program per unit (routing
+    sub-block of BLOCK_M rows, BLOCK_N output columns) and split; or, with ``STREAM_K``,
+    ``(num_programs,)``: program ``p`` runs the K tiles ``[p * run, (p + 1) * run)`` of the
+    unit-major tile sequence (:func:`stream_k_run`), storing one partial per unit it touches
+    into slice ``p - first(unit)`` of ``ws``, where ``first(unit) = unit * k_tiles // run``."""
     pdl_prologue(PDL)
     SUBS: tl.constexpr = ROUTE_BLOCK // BLOCK_M
+    k_tiles = K // 128
+    ntpp = tl.load(ntpp_ptr)
+    if STREAM_K:
+        n_units = N // BLOCK_N
+        pid = tl.program_id(0)
+        run, items = stream_k_run(ntpp, num_route_blocks, n_units, k_tiles, num_programs, tiles_per_split, ROUTE_BLOCK, SUBS)
+        it = pid * run
+        end = tl.minimum(it + run, items)
+        while it < end:
+            unit = it // k_tiles
+            k_lo = it - unit * k_tiles
+            k_hi = tl.minimum(k_tiles, k_lo + end - it)
+            pid0 = unit // n_units
+            n0 = (unit % n_units) * BLOCK_N
+            blk = pid0 // SUBS
+            expert = tl.load(eid_ptr + blk)
+            if expert >= 0:
+                offs_m = blk * ROUTE_BLOCK + (pid0 % SUBS) * BLOCK_M + tl.arange(0, BLOCK_M)
+                acc, route, valid = _unit_partial(
+                    a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, offs_m, n0, k_lo, k_hi,
+                    N, K, num_valid, stride_am, stride_asm, TOP_K, BLOCK_M, BLOCK_N, DECODER, A_PERMUTED,
+                    A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, TILE_LOOP, PREFETCH, UNROLL)
+                _store_partial(ws_ptr, pid - unit * k_tiles // run, acc, route, valid, n0, N, num_valid, BLOCK_N,
+                               SWAP_AB)
+            it += k_hi - k_lo
+        return
+
     pid0 = tl.program_id(0)
-    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     blk = pid0 // SUBS
-    sub = pid0 % SUBS
-    ntpp = tl.load(ntpp_ptr)
     if blk * ROUTE_BLOCK >= ntpp:
         return
     expert = tl.load(eid_ptr + blk)
     if expert < 0:
         return
-    offs_m = blk * ROUTE_BLOCK + sub * BLOCK_M + tl.arange(0, BLOCK_M)
-    route = tl.load(sorted_ptr + offs_m)
-    valid = route < num_valid
-    a_row = (route // TOP_K).to(tl.int64)
-
-    n_tiles = N // 128
-    k_tiles = K // 128
-    n0 = pid_n * BLOCK_N
-    tn = n0 // 128
-    rows = (n0 % 128) + tl.arange(0, BLOCK_N)  # rows inside the tile
-    gg = tl.arange(0, G)
-    tile0 = (expert.to(tl.int64) * n_tiles + tn) * k_tiles  # index of tile (expert, tn, 0)
-
-    kk = tl.arange(0, 32 * G)
-    if A_PERMUTED:
-        a_cols = kk
-    else:  # gather the decoder order by address: position 8w + 2i + h holds column i + 8w + 4h
-        kp = kk % 32
-        a_cols = kk - kp + (kp % 8) // 2 + 8 * (kp // 8) + 4 * (kp % 2)
-    a_base = a_ptr + a_row[:, None] * stride_am + a_cols[None, :]
-    as_base = as_ptr + a_row[:, None] * stride_asm + gg[None, :]
-
-    if SWAP_AB:
-        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
-    else:
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_m = blk * ROUTE_BLOCK + (pid0 % SUBS) * BLOCK_M + tl.arange(0, BLOCK_M)
     k_lo = pid_k * tiles_per_split
     k_hi = tl.minimum(k_lo + tiles_per_split, k_tiles)
-    if TILE_LOOP:
-        # One iteration per tile. Each thread owns whole tile rows: 3 x 16-byte loads fetch the 12
-        # plane words of a row (4 groups x 3 planes, contiguous), one word its 4 scale bytes, so a
-        # program has 4x (8x with PREFETCH) the bytes in flight of the per-group loop; the 4
-        # groups are then decoded and fed to the MMA one at a time (the G == 1 register layout).
-        jj = tl.arange(0, 4)
-        pv_off = 132 + 12 * rows[:, None] + jj[None, :]  # [BN, 4] words 4v + j of the row's planes
-        sw_off = 4 + rows  # word holding the row's 4 scale bytes
-        if PREFETCH:
-            tw = (tile0 + k_lo) * 1668
-            lw0, lw1, lw2, lw3 = load_lut_words(w_words_ptr, tw)
-            v0 = tl.load(w_words_ptr + tw + pv_off)
-            v1 = tl.load(w_words_ptr + tw + pv_off + 4)
-            v2 = tl.load(w_words_ptr + tw + pv_off + 8)
-            swd = tl.load(w_words_ptr + tw + sw_off)
-        for t in tl.range(k_lo, k_hi, loop_unroll_factor=UNROLL):
-            if PREFETCH:
-                w0, w1, w2, w3 = lw0, lw1, lw2, lw3
-                c0, c1, c2, cs = v0, v1, v2, swd
-                twn = (tile0 + tl.minimum(t + 1, k_hi - 1)) * 1668  # the last iteration reloads its own tile
-                lw0, lw1, lw2, lw3 = load_lut_words(w_words_ptr, twn)
-                v0 = tl.load(w_words_ptr + twn + pv_off)
-                v1 = tl.load(w_words_ptr + twn + pv_off + 4)
-                v2 = tl.load(w_words_ptr + twn + pv_off + 8)
-                swd = tl.load(w_words_ptr + twn + sw_off)
-            else:
-                tw = (tile0 + t) * 1668
-                w0, w1, w2, w3 = load_lut_words(w_words_ptr, tw)
-                c0 = tl.load(w_words_ptr + tw + pv_off)
-                c1 = tl.load(w_words_ptr + tw + pv_off + 4)
-                c2 = tl.load(w_words_ptr + tw + pv_off + 8)
-                cs = tl.load(w_words_ptr + tw + sw_off)
-            # plane word index 4v + j = 3g + b
-            q0, q1, q2, q3 = split4(c0)  # words 0-3: g0 b0,b1,b2; g1 b0
-            q4, q5, q6, q7 = split4(c1)  # words 4-7: g1 b1,b2; g2 b0,b1
-            q8, q9, q10, q11 = split4(c2)  # words 8-11: g2 b2; g3 b0,b1,b2
-            csu = cs.to(tl.uint32, bitcast=True)
-            if DECODER == 2:  # once per tile: the LUT's byte split and the 4 groups' bf16 scales
-                l0, l1, h0, h1 = lut_bytes(w0, w1, w2, w3, (BLOCK_N, 1, 4))
-                s02, s13 = e8m0_pairs_bf16x2(csu)
-            for g in tl.static_range(4):
-                if g == 0:
-                    p0, p1, p2 = q0, q1, q2
-                elif g == 1:
-                    p0, p1, p2 = q3, q4, q5
-                elif g == 2:
-                    p0, p1, p2 = q6, q7, q8
-                else:
-                    p0, p1, p2 = q9, q10, q11
-                sc = ((csu >> (8 * g)) & 0xFF).to(tl.int32)
-                p0 = p0.to(tl.uint32, bitcast=True)[:, None]
-                p1 = p1.to(tl.uint32, bitcast=True)[:, None]
-                p2 = p2.to(tl.uint32, bitcast=True)[:, None]
-                sc = sc[:, None]
-                if DECODER == 1:
-                    w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
-                elif DECODER == 2:
-                    sw = bf16x2_broadcast_half(s02 if g % 2 == 0 else s13, g // 2)[:, None]
-                    w_op = decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N, 1)
-                else:
-                    w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
-                step = t * 4 + g
-                if A_DEQUANTIZED:
-                    af = tl.load(a_base + step * 32, mask=valid[:, None], other=0.0)
-                else:
-                    a8 = tl.load(a_base + step * 32, mask=valid[:, None], other=0)
-                    sa = tl.load(as_base + step, mask=valid[:, None], other=0).to(tl.int32)
-                    af = a8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * pow2_e8m0_f32(sa)
-                if DOT_BF16:
-                    a_op = af.to(tl.bfloat16)
-                    w_op = w_op.to(tl.bfloat16)
-                else:
-                    a_op = af
-                    w_op = w_op.to(tl.float32)
-                if SWAP_AB:
-                    acc = tl.dot(w_op, tl.trans(a_op), acc)
-                else:
-                    acc = tl.dot(a_op, tl.trans(w_op), acc)
-    else:
-        acc = _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg, valid, k_lo, k_hi,
-                          BLOCK_N, DECODER, A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, BLOCK_M)
-
-    cols = n0 + tl.arange(0, BLOCK_N)
-    route64 = route.to(tl.int64)
-    if SWAP_AB:
-        o_off = route64[None, :] * stride_om + cols[:, None]
-        o_mask = valid[None, :]
-    else:
-        o_off = route64[:, None] * stride_om + cols[None, :]
-        o_mask = valid[:, None]
+    acc, route, valid = _unit_partial(
+        a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, offs_m, n0, k_lo, k_hi,
+        N, K, num_valid, stride_am, stride_asm, TOP_K, BLOCK_M, BLOCK_N, DECODER, A_PERMUTED,
+        A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, TILE_LOOP, PREFETCH, UNROLL)
     if SPLIT_K == 1:
+        cols = n0 + tl.arange(0, BLOCK_N)
+        route64 = route.to(tl.int64)
         if MUL_WEIGHT:
             w = tl.load(topk_w_ptr + route, mask=valid, other=0.0)
             if SWAP_AB:
                 acc = acc * w[None, :]
             else:
                 acc = acc * w[:, None]
-        tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
         if SWAP_AB:
-            ws_off = (route64 * N)[None, :] + cols[:, None]
+            tl.store(out_ptr + route64[None, :] * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty),
+                     mask=valid[None, :])
         else:
-            ws_off = (route64 * N)[:, None] + cols[None, :]
-        # deterministic split-K: each split stores its float32 partial into its own slice
-        # ws[pid_k] (no zeroing pass, no atomics); split_k_reduce_kernel sums the slices.
-        tl.store(ws_ptr + pid_k.to(tl.int64) * num_valid * N + ws_off, acc, mask=o_mask)
+            tl.store(out_ptr + route64[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=valid[:, None])
+    else:
+        _store_partial(ws_ptr, pid_k, acc, route, valid, n0, N, num_valid, BLOCK_N, SWAP_AB)
 
 
 @triton.jit
@@ -604,14 +685,23 @@ def split_k_reduce_kernel(
     N,
     num_valid,
     stride_om,
+    k_tiles,  # STREAM_K: the GEMM's K tiles, least run, programs and routing blocks (stream_k_run)
+    min_run,
+    num_programs,
+    num_route_blocks,
     ROUTE_BLOCK: tl.constexpr,
-    BLOCK_R: tl.constexpr,  # rows per program (divides ROUTE_BLOCK)
-    BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # rows per program (divides ROUTE_BLOCK; STREAM_K: the GEMM's BLOCK_M)
+    BLOCK_N: tl.constexpr,  # STREAM_K: the GEMM's BLOCK_N
+    SPLIT_K: tl.constexpr,  # slices to sum (STREAM_K: the unit's pieces, at most SPLIT_K)
     MUL_WEIGHT: tl.constexpr,
+    STREAM_K: tl.constexpr = False,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
-    """Rows of held routes only: ``out[route] = (sum_s ws[s, route] * w[route]).to(out dtype)``."""
+    """Rows of held routes only: ``out[route] = (sum_s ws[s, route] * w[route]).to(out dtype)``.
+
+    With ``STREAM_K`` the program's unit (sub-block, column block) has ``last - first + 1``
+    slices, ``first = unit * k_tiles // run`` and ``last = ((unit + 1) * k_tiles - 1) // run``
+    (the GEMM's split, :func:`stream_k_run`)."""
     pdl_prologue(PDL)
     SUBS: tl.constexpr = ROUTE_BLOCK // BLOCK_R
     pid0 = tl.program_id(0)
@@ -630,8 +720,15 @@ def split_k_reduce_kernel(
     mask = valid[:, None] & (cols < N)[None, :]
     off = (route64 * N)[:, None] + cols[None, :]
     acc = tl.load(ws_ptr + off, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(ws_ptr + s * num_valid * N + off, mask=mask, other=0.0)
+    if STREAM_K:
+        run, items = stream_k_run(ntpp, num_route_blocks, N // BLOCK_N, k_tiles, num_programs, min_run, ROUTE_BLOCK, SUBS)
+        unit = pid0 * (N // BLOCK_N) + pid_n
+        pieces = ((unit + 1) * k_tiles - 1) // run - unit * k_tiles // run + 1
+        for s in range(1, pieces):
+            acc += tl.load(ws_ptr + (s * num_valid).to(tl.int64) * N + off, mask=mask, other=0.0)
+    else:
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(ws_ptr + s * num_valid * N + off, mask=mask, other=0.0)
     if MUL_WEIGHT:
         wt = tl.load(topk_w_ptr + route, mask=valid, other=0.0)
         acc = acc * wt[:, None]

@@ -147,15 +147,23 @@ def test_lut_b_moe_gemm_dequantized_a(order: str) -> None:
     assert rel_l2(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,held,dtype,split_k,prefetch,order,k,unroll", [
-    (5, 2, 3, None, torch.float32, 1, False, "decoder", 256, 1),
-    (5, 2, 3, None, torch.float32, 3, True, "natural", 384, 2),  # uneven split-K: 2 + 1 tiles
-    (17, 1, 4, [1, 3], torch.float16, 2, True, "decoder", 512, 2),
-    (3, 2, 4, [0, 2], torch.float32, 2, False, "decoder", 256, 4),
-    (4, 2, 3, None, torch.float32, 1, False, "decoder", 384, 2),  # 3 tiles, unrolled by 2
+@pytest.mark.parametrize("tokens,top_k,experts,held,dtype,split_k,prefetch,order,k,unroll,stream_k", [
+    (5, 2, 3, None, torch.float32, 1, False, "decoder", 256, 1, 0),
+    (5, 2, 3, None, torch.float32, 3, True, "natural", 384, 2, 0),  # uneven split-K: 2 + 1 tiles
+    (17, 1, 4, [1, 3], torch.float16, 2, True, "decoder", 512, 2, 0),
+    (3, 2, 4, [0, 2], torch.float32, 2, False, "decoder", 256, 4, 0),
+    (4, 2, 3, None, torch.float32, 1, False, "decoder", 384, 2, 0),  # 3 tiles, unrolled by 2
+    # stream-K (8 programs per "SM" on the interpreter's 8): runs of >= ceil(k_tiles / split_k) tiles
+    (5, 2, 3, None, torch.float32, 4, False, "decoder", 512, 1, 1),  # 3 blocks x 2 units x 4 tiles: runs of 3
+    (5, 2, 3, None, torch.float16, 1, False, "natural", 384, 1, 1),  # runs of whole units, some straddle two
+    (1, 2, 4, [0, 2], torch.float32, 8, True, "decoder", 1024, 2, 2),  # 16 programs, 16 tiles, one held route
+    (17, 1, 4, [1, 3], torch.float32, 3, False, "decoder", 384, 1, 1),  # 2 routing blocks of 16 rows
+    (0, 2, 3, None, torch.float32, 2, False, "decoder", 256, 1, 1),  # no tokens
 ])
-def test_lut_b_moe_gemm_tile_loop(tokens, top_k, experts, held, dtype, split_k, prefetch, order, k, unroll) -> None:  # noqa: ANN001
-    """The per-tile K loop (16-byte plane loads, 4 groups per iteration), unrolled or not, and the store-based split-K.
+def test_lut_b_moe_gemm_tile_loop(tokens, top_k, experts, held, dtype, split_k, prefetch, order, k, unroll,  # noqa: ANN001
+                                  stream_k) -> None:  # noqa: ANN001
+    """The per-tile K loop (16-byte plane loads, 4 groups per iteration), unrolled or not, the store-based split-K
+    and the stream-K grid.
 
     (The interpreter runs the loop as written; the unrolled machine code is checked on the GPU by
     tests/kernels/test_lut_b_gemm.py::test_unrolled_k_loop_any_tile_count.)"""
@@ -170,10 +178,29 @@ def test_lut_b_moe_gemm_tile_loop(tokens, top_k, experts, held, dtype, split_k, 
     out = torch.full((tokens * top_k, n), float("nan"), dtype=dtype)
     ref = out.clone()
     cfg = LutBGemmConfig(block_m=16, block_n=64, split_k=split_k, swap_ab=True, decoder="triton", num_stages=1,
-                         groups_per_step=1, tile_loop=True, prefetch=prefetch, unroll=unroll)
+                         groups_per_step=1, tile_loop=True, prefetch=prefetch, unroll=unroll, stream_k=stream_k)
     lut_b_moe_gemm(q, s, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order, config=cfg)
     lut_b_moe_gemm_reference(q, s, w, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order)
     routed = torch.ones(tokens * top_k, dtype=torch.bool) if emap is None else (emap[ids.long()] >= 0).reshape(-1)
     assert not out[routed].isnan().any(), "a routed row was not written"
     assert out[~routed].isnan().all(), "a row of an expert not held was touched"
-    assert rel_l2(out[routed], ref[routed]) < (1e-5 if dtype == torch.float32 else 2e-3)
+    if routed.any():
+        assert rel_l2(out[routed], ref[routed]) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_stream_k_sub_blocks() -> None:
+    """Stream-K over routing blocks of 32 rows run as two 16-row sub-blocks (units of half a block)."""
+    tokens, top_k, experts, n, k = 20, 2, 3, 128, 384
+    gen = torch.Generator().manual_seed(5)
+    w = random_tiles((experts, n // 128, k // 128), k=k, generator=gen)
+    x = torch.randn(tokens, k, generator=gen)
+    q, s = mt.mxfp8_quantize(x, k_order="decoder")
+    _, _, (sorted_ids, expert_ids, ntpp) = _routing(tokens, top_k, experts, None, 32, seed=3)
+    out = torch.full((tokens * top_k, n), float("nan"))
+    ref = out.clone()
+    cfg = LutBGemmConfig(block_m=16, block_n=64, split_k=2, swap_ab=True, decoder="triton", num_stages=1,
+                         groups_per_step=1, tile_loop=True, stream_k=1)
+    lut_b_moe_gemm(q, s, w, out, None, sorted_ids, expert_ids, ntpp, top_k, block_m=32, a_k_order="decoder", config=cfg)
+    lut_b_moe_gemm_reference(q, s, w, ref, None, sorted_ids, expert_ids, ntpp, top_k, block_m=32, a_k_order="decoder")
+    assert not out.isnan().any()
+    assert rel_l2(out, ref) < 1e-5
