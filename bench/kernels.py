@@ -410,8 +410,10 @@ def _stage_label(name: str) -> str:
     return name.split(" ")[0] + ("(triton)" if name.endswith("(triton)") else "")
 
 
-def breakdown(results: dict, shapes: list[str]) -> None:
-    """Per-stage CUDA-graph time of the packed forward at decode sizes (rotated routings: fresh weights)."""
+def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> None:
+    """Per-stage CUDA-graph time of the packed forward at decode sizes (rotated routings: fresh weights).
+
+    ``only``: time just the GEMM configs whose name contains one of these strings (and "default")."""
     from lutb_kernels.experts._triton_common import choose_route_block
     from lutb_kernels.grouped_gemm import moe_combine
     import lutb_kernels.lut_b_gemm as lbg
@@ -425,6 +427,7 @@ def breakdown(results: dict, shapes: list[str]) -> None:
     for name in shapes:
         experts, hidden, inter, top_k = SHAPES[name]
         pk = _packed_only(name)
+        rotated = {}  # the prmt2r candidate's weights (rotate_planes), made on first use
         per_expert = pk.weight_bytes // experts
         w13_bytes = pk.w13[0].numel()
         w2_bytes = pk.w2[0].numel()
@@ -450,12 +453,19 @@ def breakdown(results: dict, shapes: list[str]) -> None:
                 y = torch.empty((tokens * top_k, hidden), dtype=torch.bfloat16, device="cuda")
                 st.append(dict(ids=ids, routing=routing, held=held, a1=a1, h=h, a2=a2, y=y))
 
+            def weights_for(w: torch.Tensor, cfg) -> torch.Tensor:  # noqa: ANN001
+                if cfg is None or cfg.decoder != "prmt2r":
+                    return w
+                if id(w) not in rotated:
+                    rotated[id(w)] = lbg.rotate_planes(w)
+                return rotated[id(w)]
+
             def g1(d, cfg=None):  # noqa: ANN001, ANN202
-                lut_b_moe_gemm(d["a1"], None, pk.w13, d["h"], None, *d["routing"], top_k, block_m=block,
+                lut_b_moe_gemm(d["a1"], None, weights_for(pk.w13, cfg), d["h"], None, *d["routing"], top_k, block_m=block,
                                a_k_order="decoder", config=cfg)
 
             def g2(d, cfg=None):  # noqa: ANN001, ANN202
-                lut_b_moe_gemm(d["a2"], None, pk.w2, d["y"], wflat, *d["routing"], 1, block_m=block,
+                lut_b_moe_gemm(d["a2"], None, weights_for(pk.w2, cfg), d["y"], wflat, *d["routing"], 1, block_m=block,
                                a_k_order="decoder", config=cfg)
 
             stages = {
@@ -510,11 +520,15 @@ def breakdown(results: dict, shapes: list[str]) -> None:
                         cands[f"split_k={sk}"] = LutBGemmConfig(**{**base.__dict__, "split_k": sk})
                 cands["block_n=64"] = LutBGemmConfig(**{**base.__dict__, "block_n": 64})
                 cands["decoder=prmt"] = LutBGemmConfig(**{**base.__dict__, "decoder": "prmt"})
+                cands["decoder=prmt2r"] = LutBGemmConfig(**{**base.__dict__, "decoder": "prmt2r"})
+                cands["plain grid prmt2r"] = LutBGemmConfig(**{**plain.__dict__, "decoder": "prmt2r"})
                 cands["prefetch"] = LutBGemmConfig(**{**base.__dict__, "prefetch": True})
                 cands["stages=4"] = LutBGemmConfig(**{**base.__dict__, "num_stages": 4})
                 for regs in (None, 96, 80):  # the compiler's choice (127 at decode: 4 blocks per SM), 5 and 6 blocks
                     if regs != base.maxnreg:
                         cands[f"maxnreg={regs}"] = LutBGemmConfig(**{**base.__dict__, "maxnreg": regs})
+                if only:
+                    cands = {c: cfg for c, cfg in cands.items() if c == "default" or any(o in c for o in only)}
                 tb = (w13_bytes if gname == "gemm1" else w2_bytes) * te
                 for cname, cfg in cands.items():
                     try:
@@ -531,6 +545,7 @@ def breakdown(results: dict, shapes: list[str]) -> None:
                 log(f"   {k:28s} {v['us']:8.1f} us {v['TBps']:5.2f} TB/s")
             del st
         routing_prefill(results, name, experts, top_k, emap)
+        rotated.clear()
         del pk
         torch.cuda.empty_cache()
 
@@ -834,6 +849,8 @@ def main() -> int:
     parser.add_argument("--breakdown", action="store_true", help="only the per-stage breakdown of the packed forward (T 1/8/32)")
     parser.add_argument("--tune-grouped", action="store_true", help="only the dense grouped GEMM's tile sweep at large T")
     parser.add_argument("--breakdown-shapes", nargs="*", default=["mixtral-8x7b", "deepseek-v3"], choices=list(SHAPES))
+    parser.add_argument("--breakdown-configs", nargs="*", default=[],
+                        help="time only the GEMM configs whose name contains one of these (and the default)")
     parser.add_argument("--ab", nargs="*", default=[], choices=list(AB_SWITCHES),
                         help="also time packed with each of these switches on and off (interleaved pairs): pdl "
                              "(programmatic dependent launch), unroll (TILE_UNROLL 2 vs 1), stream_k (STREAM_K_PER_SM 4 vs 0)")
@@ -861,7 +878,7 @@ def main() -> int:
         return 0
     if args.breakdown or args.tune_only:
         if args.breakdown:
-            breakdown(results, args.breakdown_shapes)
+            breakdown(results, args.breakdown_shapes, tuple(args.breakdown_configs))
         else:
             tune(results, args.quick, args.out, args.tune_budget)
         fname = "breakdown.json" if args.breakdown else "tune_results.json"

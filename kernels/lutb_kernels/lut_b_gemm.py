@@ -46,9 +46,9 @@ from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize
 from lutb_kernels.mxfp8_triton import decoder_column_order
 from lutb_kernels.tiles import TILE, TILE_BYTES, tiles_to_dense
 
-Decoder = Literal["prmt", "prmt2", "triton"]
+Decoder = Literal["prmt", "prmt2", "prmt2r", "triton"]
 # the kernel's constexpr DECODER for each decoder name
-DECODER_IDS: dict[str, int] = {"triton": 0, "prmt": 1, "prmt2": 2}
+DECODER_IDS: dict[str, int] = {"triton": 0, "prmt": 1, "prmt2": 2, "prmt2r": 3}
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,9 @@ class LutBGemmConfig:
     ``block_m``: rows per program (divides the routing block); ``block_n``: output columns per
     program (16..128, divides 128); ``split_k``: programs sharing one output tile along K;
     ``swap_ab``: compute ``W @ A^T`` so the weights fill the MMA's M side; ``decoder``: "prmt",
-    "prmt2" (NVIDIA sm80+, identical results) or "triton"; ``groups_per_step``: 32-column groups
+    "prmt2" (NVIDIA sm80+, identical results) or "triton"; "prmt2r" (an experiment, never a
+    default) is "prmt2" for tiles re-laid out by :func:`rotate_planes`, and gives wrong results
+    on any other tiles; ``groups_per_step``: 32-column groups
     decoded per K step (4 = a whole tile; 2 or 1 hold fewer decoded weights in registers, for
     large ``block_m``).
     """
@@ -422,6 +424,24 @@ def lut_b_moe_gemm_reference(
 def with_config(config: LutBGemmConfig, **changes: object) -> LutBGemmConfig:
     """A copy of ``config`` with fields replaced (for tuning scripts)."""
     return replace(config, **changes)  # type: ignore[arg-type]
+
+
+def rotate_planes(tiles: torch.Tensor) -> torch.Tensor:
+    """A copy of LUT-B v1 tiles ``uint8 [..., 6672]`` with every bit-plane 1 word rotated left by 1
+    bit and every plane 2 word by 2 (the same bytes per weight), for the ``prmt2r`` decoder.
+
+    Plane ``b`` of (row, group) is int32 word ``132 + 3 (4 row + group) + b`` of a tile; stored
+    this way, the bits of column ``c`` sit at bit ``c`` of plane 0, ``c + 1`` of plane 1 and
+    ``c + 2`` of plane 2 (mod 32), so a selector needs no per-plane shifts.
+    """
+    if tiles.dtype != torch.uint8 or tiles.shape[-1] != TILE_BYTES:
+        raise ValueError(f"tiles must be uint8 [..., {TILE_BYTES}], got {tiles.dtype} {tuple(tiles.shape)}")
+    words = tiles.contiguous().view(torch.int32).clone()
+    planes = words[..., 132:].unflatten(-1, (-1, 3))
+    p1, p2 = planes[..., 1], planes[..., 2]
+    planes[..., 1] = (p1 << 1) | ((p1 >> 31) & 1)
+    planes[..., 2] = (p2 << 2) | ((p2 >> 30) & 3)
+    return words.view(torch.uint8)
 
 
 def random_tiles(

@@ -29,6 +29,10 @@ Three decoders produce the same values (constexpr ``DECODER``):
   3 LOP3 (:func:`prmt2_lookup`); and, in the tile loop, turns a row's 4 scale bytes into two
   bf16x2 words once per tile (:func:`e8m0_pairs_bf16x2`), read through HMUL2's half swizzle.
   Offline sm90 SASS, 16x128 tile loop: 498 instead of 638 loop instructions (3.9 per weight).
+- ``DECODER == 3`` ("prmt2r", an experiment): ``prmt2`` on tiles whose planes 1 and 2 are stored
+  rotated left by 1 and 2 bits (``lutb_kernels.lut_b_gemm.rotate_planes``, the same bytes per
+  weight): the selector becomes two bit-selects, a mask and one rotation with per-thread masks
+  (4 integer instructions instead of 6). Same values bit for bit.
 - ``DECODER == 0`` (pure Triton, for the interpreter and other GPUs): shifts, masks and a
   3-level select over the LUT, float32 scale multiply.
 """
@@ -338,17 +342,68 @@ def prmt2_lookup(p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word):
 
 
 @triton.jit
-def decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N: tl.constexpr, G: tl.constexpr):
+def rotated_selector_masks(SHAPE: tl.constexpr):
+    """Per-thread registers of the ``prmt2r`` selectors: ``i``, ``m0 = 0x11111111 << i``,
+    ``m01 = m0 | rotl(m0, 1)`` and ``m012 = m01 | rotl(m0, 2)`` (``i`` along the last axis of
+    ``SHAPE``, as :func:`selector_shifts`)."""
+    ii = tl.broadcast_to(tl.reshape(tl.arange(0, 4).to(tl.uint32), (1, 1, 4)), SHAPE)
+    m0 = (ii * 0 + 0x11111111) << ii
+    m1 = (m0 << 1) | (m0 >> 31)
+    m2 = (m0 << 2) | (m0 >> 30)
+    return ii, m0, m0 | m1, m0 | m1 | m2
+
+
+# prmt2r_lookup's PTX: PRMT2_LOOKUP_ASM with the selector of pre-rotated planes ($5 = rotl(p1, 1),
+# $6 = rotl(p2, 2)): two bit-selects, a mask and one rotation. $7 i; $8 m0; $9 m01; $10 m012;
+# $11..$14 l0, l1, h0, h1; $15 the bf16x2 scale. lop3 0xE4 = (a & c) | (b & ~c).
+PRMT2R_LOOKUP_ASM = tl.constexpr("""{
+    .reg .b32 x, y, s, s2, lo, hi, lo2, hi2, t0, t1, t2, t3, nz;
+    lop3.b32 x, $4, $5, $8, 0xE4;
+    lop3.b32 y, x, $6, $9, 0xE4;
+    and.b32 y, y, $10;
+    shf.r.wrap.b32 s, y, y, $7;
+    shr.b32 s2, s, 16;
+    prmt.b32 lo, $11, $12, s;
+    prmt.b32 hi, $13, $14, s;
+    prmt.b32 lo2, $11, $12, s2;
+    prmt.b32 hi2, $13, $14, s2;
+    prmt.b32 t0, lo, hi, 0x5140;
+    prmt.b32 t1, lo, hi, 0x7362;
+    prmt.b32 t2, lo2, hi2, 0x5140;
+    prmt.b32 t3, lo2, hi2, 0x7362;
+    mov.b32 nz, 0x80008000;
+    fma.rn.bf16x2 $0, t0, $15, nz;
+    fma.rn.bf16x2 $1, t1, $15, nz;
+    fma.rn.bf16x2 $2, t2, $15, nz;
+    fma.rn.bf16x2 $3, t3, $15, nz;
+}""")
+
+
+@triton.jit
+def decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N: tl.constexpr, G: tl.constexpr, ROTATED: tl.constexpr = False):
     """``prmt2`` decoder: the same bfloat16 ``[BLOCK_N, 32 G]`` as :func:`decode_prmt`, bit for bit.
 
-    ``p0, p1, p2``: uint32 ``[BLOCK_N, G]`` plane words; ``sw``: uint32 ``[BLOCK_N, G]``, the
-    bf16 scale of each (row, group) in both halves (:func:`e8m0_bf16x2` or a broadcast half of
+    ``p0, p1, p2``: uint32 ``[BLOCK_N, G]`` plane words (``ROTATED``: planes 1 and 2 as stored by
+    ``lutb_kernels.lut_b_gemm.rotate_planes``, rotated left by 1 and 2 bits; the selector then
+    takes 4 instead of 6 integer instructions); ``sw``: uint32 ``[BLOCK_N, G]``, the bf16 scale of
+    each (row, group) in both halves (:func:`e8m0_bf16x2` or a broadcast half of
     :func:`e8m0_pairs_bf16x2`); ``l0, l1, h0, h1``: the tile's :func:`lut_bytes`, shape
     ``[BLOCK_N, G, 4]``.
     """
-    r0, r1, r2 = selector_shifts((BLOCK_N, G, 4))
-    o0, o1, o2, o3 = prmt2_lookup(p0[:, :, None], p1[:, :, None], p2[:, :, None], r0, r1, r2, l0, l1, h0, h1,
-                                  sw[:, :, None])
+    if ROTATED:
+        ii, m0, m01, m012 = rotated_selector_masks((BLOCK_N, G, 4))
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            asm=PRMT2R_LOOKUP_ASM,
+            constraints="=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
+            args=[p0[:, :, None], p1[:, :, None], p2[:, :, None], ii, m0, m01, m012, l0, l1, h0, h1, sw[:, :, None]],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        r0, r1, r2 = selector_shifts((BLOCK_N, G, 4))
+        o0, o1, o2, o3 = prmt2_lookup(p0[:, :, None], p1[:, :, None], p2[:, :, None], r0, r1, r2, l0, l1, h0, h1,
+                                      sw[:, :, None])
     return words_to_decoder_order(o0, o1, o2, o3, BLOCK_N, G)
 
 
@@ -380,9 +435,9 @@ def _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg,
         p2 = tl.load(pw + 2).to(tl.uint32, bitcast=True)
         if DECODER == 1:
             w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
-        elif DECODER == 2:
+        elif DECODER >= 2:
             l0, l1, h0, h1 = lut_bytes(w0, w1, w2, w3, (BLOCK_N, G, 4))
-            w_op = decode_prmt2(p0, p1, p2, e8m0_bf16x2(sc), l0, l1, h0, h1, BLOCK_N, G)
+            w_op = decode_prmt2(p0, p1, p2, e8m0_bf16x2(sc), l0, l1, h0, h1, BLOCK_N, G, DECODER == 3)
         else:
             w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
 
@@ -451,7 +506,7 @@ def _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi
         q4, q5, q6, q7 = split4(c1)  # words 4-7: g1 b1,b2; g2 b0,b1
         q8, q9, q10, q11 = split4(c2)  # words 8-11: g2 b2; g3 b0,b1,b2
         csu = cs.to(tl.uint32, bitcast=True)
-        if DECODER == 2:  # once per tile: the LUT's byte split and the 4 groups' bf16 scales
+        if DECODER >= 2:  # once per tile: the LUT's byte split and the 4 groups' bf16 scales
             l0, l1, h0, h1 = lut_bytes(w0, w1, w2, w3, (BLOCK_N, 1, 4))
             s02, s13 = e8m0_pairs_bf16x2(csu)
         for g in tl.static_range(4):
@@ -470,9 +525,9 @@ def _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi
             sc = sc[:, None]
             if DECODER == 1:
                 w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
-            elif DECODER == 2:
+            elif DECODER >= 2:
                 sw = bf16x2_broadcast_half(s02 if g % 2 == 0 else s13, g // 2)[:, None]
-                w_op = decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N, 1)
+                w_op = decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N, 1, DECODER == 3)
             else:
                 w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
             step = t * 4 + g
