@@ -420,6 +420,7 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
     from lutb_kernels.lut_b_gemm import LutBGemmConfig, default_config, lut_b_moe_gemm
     from lutb_kernels.mxfp8_triton import act_mxfp8_qdq, mxfp8_qdq
     from lutb_kernels.routing import moe_align_block_size
+    from lutb_kernels.tiles import rotate_planes
     from lutb_kernels.routing_triton import moe_align_block_size_triton
 
     out = results.setdefault("breakdown", {})
@@ -427,7 +428,8 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
     for name in shapes:
         experts, hidden, inter, top_k = SHAPES[name]
         pk = _packed_only(name)
-        rotated = {}  # the prmt2r candidate's weights (rotate_planes), made on first use
+        assert pk.planes_rotated
+        unrotated = {}  # the checkpoint-layout candidates' weights (rotate_planes inverse), made on first use
         per_expert = pk.weight_bytes // experts
         w13_bytes = pk.w13[0].numel()
         w2_bytes = pk.w2[0].numel()
@@ -453,20 +455,20 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
                 y = torch.empty((tokens * top_k, hidden), dtype=torch.bfloat16, device="cuda")
                 st.append(dict(ids=ids, routing=routing, held=held, a1=a1, h=h, a2=a2, y=y))
 
-            def weights_for(w: torch.Tensor, cfg) -> torch.Tensor:  # noqa: ANN001
-                if cfg is None or cfg.decoder != "prmt2r":
+            def weights_for(w: torch.Tensor, rotated: bool) -> torch.Tensor:
+                if rotated:
                     return w
-                if id(w) not in rotated:
-                    rotated[id(w)] = lbg.rotate_planes(w)
-                return rotated[id(w)]
+                if id(w) not in unrotated:
+                    unrotated[id(w)] = rotate_planes(w, inverse=True)
+                return unrotated[id(w)]
 
-            def g1(d, cfg=None):  # noqa: ANN001, ANN202
-                lut_b_moe_gemm(d["a1"], None, weights_for(pk.w13, cfg), d["h"], None, *d["routing"], top_k, block_m=block,
-                               a_k_order="decoder", config=cfg)
+            def g1(d, cfg=None, rotated=True):  # noqa: ANN001, ANN202
+                lut_b_moe_gemm(d["a1"], None, weights_for(pk.w13, rotated), d["h"], None, *d["routing"], top_k,
+                               block_m=block, a_k_order="decoder", config=cfg, planes_rotated=rotated)
 
-            def g2(d, cfg=None):  # noqa: ANN001, ANN202
-                lut_b_moe_gemm(d["a2"], None, weights_for(pk.w2, cfg), d["y"], wflat, *d["routing"], 1, block_m=block,
-                               a_k_order="decoder", config=cfg)
+            def g2(d, cfg=None, rotated=True):  # noqa: ANN001, ANN202
+                lut_b_moe_gemm(d["a2"], None, weights_for(pk.w2, rotated), d["y"], wflat, *d["routing"], 1,
+                               block_m=block, a_k_order="decoder", config=cfg, planes_rotated=rotated)
 
             stages = {
                 "held (emap index)": lambda d: emap[d["ids"].long()] >= 0,
@@ -520,8 +522,9 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
                         cands[f"split_k={sk}"] = LutBGemmConfig(**{**base.__dict__, "split_k": sk})
                 cands["block_n=64"] = LutBGemmConfig(**{**base.__dict__, "block_n": 64})
                 cands["decoder=prmt"] = LutBGemmConfig(**{**base.__dict__, "decoder": "prmt"})
-                cands["decoder=prmt2r"] = LutBGemmConfig(**{**base.__dict__, "decoder": "prmt2r"})
-                cands["plain grid prmt2r"] = LutBGemmConfig(**{**plain.__dict__, "decoder": "prmt2r"})
+                # the same configs on the checkpoint's plane layout (the selector's shifts back)
+                cands["checkpoint planes"] = base
+                cands["plain grid, checkpoint planes"] = plain
                 cands["prefetch"] = LutBGemmConfig(**{**base.__dict__, "prefetch": True})
                 cands["stages=4"] = LutBGemmConfig(**{**base.__dict__, "num_stages": 4})
                 for regs in (None, 96, 80):  # the compiler's choice (127 at decode: 4 blocks per SM), 5 and 6 blocks
@@ -532,7 +535,8 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
                 tb = (w13_bytes if gname == "gemm1" else w2_bytes) * te
                 for cname, cfg in cands.items():
                     try:
-                        us, _ = time_graph_rot([lambda d=d, cfg=cfg: gfn(d, cfg) for d in st])
+                        rot = "checkpoint planes" not in cname
+                        us, _ = time_graph_rot([lambda d=d, cfg=cfg, rot=rot: gfn(d, cfg, rot) for d in st])
                     except Exception as exc:  # noqa: BLE001
                         log(f"  {gname} {cname}: {type(exc).__name__}: {str(exc)[:100]}")
                         continue
@@ -545,7 +549,7 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
                 log(f"   {k:28s} {v['us']:8.1f} us {v['TBps']:5.2f} TB/s")
             del st
         routing_prefill(results, name, experts, top_k, emap)
-        rotated.clear()
+        unrotated.clear()
         del pk
         torch.cuda.empty_cache()
 
@@ -683,13 +687,14 @@ def tune(results: dict, quick: bool, out_dir: Path, budget_s: float = 1e9) -> No
     from lutb_kernels.experts._triton_common import choose_route_block
     from lutb_kernels.lut_b_gemm import default_config, lut_b_moe_gemm, random_tiles
     from lutb_kernels.routing import moe_align_block_size
+    from lutb_kernels.tiles import rotate_planes
 
     t0 = time.time()
     recs = results.setdefault("tune", [])
     for name in ("mixtral-8x7b", "deepseek-v3"):
         experts, hidden, inter, top_k = SHAPES[name]
         for which, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
-            w = random_tiles((experts, n // 128, k // 128), k=k, device="cuda")
+            w = rotate_planes(random_tiles((experts, n // 128, k // 128), k=k, device="cuda"))  # as packed keeps them
             per_expert = w[0].numel()
             for tokens in ((1, 32) if quick else TUNE_SMALL_T + TUNE_LARGE_T):
                 if time.time() - t0 > budget_s:
@@ -712,7 +717,8 @@ def tune(results: dict, quick: bool, out_dir: Path, budget_s: float = 1e9) -> No
                 for cfg in cands:
                     try:
                         fns = [lambda rt=rt, cfg=cfg: lut_b_moe_gemm(q, None, w, outt, tw, *rt, tk, block_m=block,
-                                                                      a_k_order="decoder", config=cfg) for rt in routings]
+                                                                      a_k_order="decoder", config=cfg, planes_rotated=True)
+                               for rt in routings]
                         us, _ = time_graph_rot(fns, calls=8 if tokens >= 2048 else 24, rounds=3)
                     except Exception as exc:  # noqa: BLE001
                         log(f"  tune {cfg}: {type(exc).__name__}: {str(exc)[:120]}")

@@ -44,11 +44,11 @@ from lutb_kernels._grouped_gemm_details.launch import (
 )
 from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize
 from lutb_kernels.mxfp8_triton import decoder_column_order
-from lutb_kernels.tiles import TILE, TILE_BYTES, tiles_to_dense
+from lutb_kernels.tiles import TILE, TILE_BYTES, rotate_planes, tiles_to_dense
 
-Decoder = Literal["prmt", "prmt2", "prmt2r", "triton"]
+Decoder = Literal["prmt", "prmt2", "triton"]
 # the kernel's constexpr DECODER for each decoder name
-DECODER_IDS: dict[str, int] = {"triton": 0, "prmt": 1, "prmt2": 2, "prmt2r": 3}
+DECODER_IDS: dict[str, int] = {"triton": 0, "prmt": 1, "prmt2": 2}
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,7 @@ class LutBGemmConfig:
     ``block_m``: rows per program (divides the routing block); ``block_n``: output columns per
     program (16..128, divides 128); ``split_k``: programs sharing one output tile along K;
     ``swap_ab``: compute ``W @ A^T`` so the weights fill the MMA's M side; ``decoder``: "prmt",
-    "prmt2" (NVIDIA sm80+, identical results) or "triton"; "prmt2r" (an experiment, never a
-    default) is "prmt2" for tiles re-laid out by :func:`rotate_planes`, and gives wrong results
-    on any other tiles; ``groups_per_step``: 32-column groups
+    "prmt2" (NVIDIA sm80+, identical results) or "triton"; ``groups_per_step``: 32-column groups
     decoded per K step (4 = a whole tile; 2 or 1 hold fewer decoded weights in registers, for
     large ``block_m``).
     """
@@ -271,6 +269,7 @@ def lut_b_moe_gemm(
     a_k_order: Literal["natural", "decoder"] = "natural",
     config: LutBGemmConfig | None = None,
     held_routes: int | None = None,
+    planes_rotated: bool = False,
 ) -> torch.Tensor:
     """``out[route] = (A[route // top_k] @ W[expert]^T) * topk_weights[route]`` over the routed rows.
 
@@ -294,6 +293,9 @@ def lut_b_moe_gemm(
         held_routes: routes expected to land on ``w_packed``'s experts, when it holds a shard of
             the experts the routing chose from (uniform share: ``M * top_k * E / E_layer``); None:
             all ``M * top_k``. Sizes the default launch only; the result does not depend on it.
+        planes_rotated: ``w_packed``'s planes 1 and 2 are stored rotated
+            (:func:`lutb_kernels.tiles.rotate_planes`, how the packed experts keep them): the
+            ``prmt2`` selector then takes 4 integer instructions instead of 6; same result.
 
     Returns:
         ``out``.
@@ -350,6 +352,7 @@ def lut_b_moe_gemm(
         PREFETCH=config.prefetch,
         UNROLL=config.unroll,
         STREAM_K=config.stream_k > 0,
+        ROTATED=planes_rotated,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg is not None and not interpreting() else {}),
         **pdl_launch(device),
@@ -383,6 +386,7 @@ def lut_b_moe_gemm_reference(
     a_k_order: Literal["natural", "decoder"] = "natural",
     config: LutBGemmConfig | None = None,
     held_routes: int | None = None,
+    planes_rotated: bool = False,
 ) -> torch.Tensor:
     """Plain-PyTorch twin of :func:`lut_b_moe_gemm` (``config`` and ``held_routes`` are ignored).
 
@@ -413,7 +417,8 @@ def lut_b_moe_gemm_reference(
         if routes.numel() == 0:
             continue
         if e not in dense:
-            dense[e] = tiles_to_dense(w_packed[e], torch.float32)
+            tiles = rotate_planes(w_packed[e], inverse=True) if planes_rotated else w_packed[e]
+            dense[e] = tiles_to_dense(tiles, torch.float32)
         y = a[routes // top_k] @ dense[e].T
         if flat_w is not None:
             y = y * flat_w[routes][:, None]
@@ -424,24 +429,6 @@ def lut_b_moe_gemm_reference(
 def with_config(config: LutBGemmConfig, **changes: object) -> LutBGemmConfig:
     """A copy of ``config`` with fields replaced (for tuning scripts)."""
     return replace(config, **changes)  # type: ignore[arg-type]
-
-
-def rotate_planes(tiles: torch.Tensor) -> torch.Tensor:
-    """A copy of LUT-B v1 tiles ``uint8 [..., 6672]`` with every bit-plane 1 word rotated left by 1
-    bit and every plane 2 word by 2 (the same bytes per weight), for the ``prmt2r`` decoder.
-
-    Plane ``b`` of (row, group) is int32 word ``132 + 3 (4 row + group) + b`` of a tile; stored
-    this way, the bits of column ``c`` sit at bit ``c`` of plane 0, ``c + 1`` of plane 1 and
-    ``c + 2`` of plane 2 (mod 32), so a selector needs no per-plane shifts.
-    """
-    if tiles.dtype != torch.uint8 or tiles.shape[-1] != TILE_BYTES:
-        raise ValueError(f"tiles must be uint8 [..., {TILE_BYTES}], got {tiles.dtype} {tuple(tiles.shape)}")
-    words = tiles.contiguous().view(torch.int32).clone()
-    planes = words[..., 132:].unflatten(-1, (-1, 3))
-    p1, p2 = planes[..., 1], planes[..., 2]
-    planes[..., 1] = (p1 << 1) | ((p1 >> 31) & 1)
-    planes[..., 2] = (p2 << 2) | ((p2 >> 30) & 3)
-    return words.view(torch.uint8)
 
 
 def random_tiles(

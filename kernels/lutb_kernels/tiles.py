@@ -204,6 +204,30 @@ def tiles_from_dense_fields(codes: torch.Tensor, scales: torch.Tensor, lut: torc
     return pack_tiles(tile_codes, tile_scales.contiguous(), lut)
 
 
+def rotate_planes(tiles: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """A copy of tiles ``uint8 [..., 6672]`` with every bit-plane-1 word rotated left by 1 bit and
+    every plane-2 word by 2 (``inverse``: right, undoing it); LUT, scales and plane 0 unchanged.
+
+    The same bytes per weight in another arrangement: the packed experts keep their tiles this way
+    on the GPU (the bits of column ``c`` of a (row, group) then sit at bits ``c``, ``c + 1`` and
+    ``c + 2`` mod 32 of its three plane words, which spares the GEMM's decoder two shifts per
+    selector; ``lut_b_moe_gemm(..., planes_rotated=True)``). Plane ``b`` of (row ``r``, group
+    ``g``) is int32 word ``132 + 3 (4 r + g) + b`` of a tile (little-endian).
+    """
+    if tiles.dtype != torch.uint8 or tiles.dim() == 0 or tiles.shape[-1] != TILE_BYTES:
+        raise ValueError(f"tiles must be uint8 [..., {TILE_BYTES}], got {tiles.dtype} {tuple(tiles.shape)}")
+    words = tiles.contiguous().view(torch.int32).clone()
+    planes = words[..., 132:].unflatten(-1, (-1, 3))
+    p1, p2 = planes[..., 1].clone(), planes[..., 2].clone()
+    if inverse:  # int32 >> is arithmetic: mask the sign copies off
+        planes[..., 1] = ((p1 >> 1) & 0x7FFFFFFF) | (p1 << 31)
+        planes[..., 2] = ((p2 >> 2) & 0x3FFFFFFF) | (p2 << 30)
+    else:
+        planes[..., 1] = (p1 << 1) | ((p1 >> 31) & 1)
+        planes[..., 2] = (p2 << 2) | ((p2 >> 30) & 3)
+    return words.view(torch.uint8)
+
+
 def _tile_index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     idx = []
     for size in reversed(shape):

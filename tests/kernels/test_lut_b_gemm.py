@@ -8,9 +8,9 @@ import pytest
 import torch
 from lutb_gpu_testdata import rel_l2
 
-from lutb_kernels.lut_b_gemm import LutBGemmConfig, lut_b_moe_gemm, lut_b_moe_gemm_reference, random_tiles, rotate_planes
+from lutb_kernels.lut_b_gemm import LutBGemmConfig, lut_b_moe_gemm, lut_b_moe_gemm_reference, random_tiles
 from lutb_kernels.routing import moe_align_block_size
-from lutb_kernels.tiles import tiles_to_dense
+from lutb_kernels.tiles import rotate_planes, tiles_to_dense
 
 pytestmark = pytest.mark.gpu
 
@@ -179,10 +179,12 @@ def test_stream_k_any_work_split(tokens: int, route_block: int, block_m: int, pe
     assert rel_l2(out, ref) < 5e-3
 
 
+@pytest.mark.parametrize("decoder", ["prmt2", "prmt", "triton"])
 @pytest.mark.parametrize("tokens,stream_k,block_n", [(1, 0, 128), (1, 4, 128), (37, 0, 64), (37, 2, 128)])
-def test_prmt2r_on_rotated_planes_equals_prmt2(tokens: int, stream_k: int, block_n: int) -> None:
-    """``prmt2r`` on ``rotate_planes(w)`` gives ``prmt2``'s output on ``w`` bit for bit (same config otherwise), on
-    the plain and the stream-K grid; and on unrotated tiles it does not (the test can tell the layouts apart)."""
+def test_rotated_planes_give_the_same_bits(decoder: str, tokens: int, stream_k: int, block_n: int) -> None:
+    """``planes_rotated=True`` on ``rotate_planes(w)`` gives the output of ``w`` bit for bit (same config otherwise),
+    on the plain and the stream-K grid, for every decoder; on unrotated tiles it does not (the test can tell the
+    layouts apart)."""
     from lutb_kernels import mxfp8_triton as mt
 
     top_k, experts, n, k = 2, 8, 256, 1024
@@ -191,11 +193,12 @@ def test_prmt2r_on_rotated_planes_equals_prmt2(tokens: int, stream_k: int, block
     a = mt.mxfp8_qdq(x, k_order="decoder", out_dtype=torch.bfloat16)
     _, _, routing = _routing(tokens, top_k, experts, None, 16)
     outs = []
-    for decoder, tiles in (("prmt2", w), ("prmt2r", rotate_planes(w)), ("prmt2r", w)):
+    for tiles, rotated in ((w, False), (rotate_planes(w), True), (w, True)):
         out = torch.full((tokens * top_k, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         cfg = LutBGemmConfig(block_m=16, block_n=block_n, split_k=2, swap_ab=True, decoder=decoder, groups_per_step=1,
                              tile_loop=True, stream_k=stream_k, maxnreg=128 if stream_k else None)
-        lut_b_moe_gemm(a, None, tiles, out, None, *routing, top_k, block_m=16, a_k_order="decoder", config=cfg)
+        lut_b_moe_gemm(a, None, tiles, out, None, *routing, top_k, block_m=16, a_k_order="decoder", config=cfg,
+                       planes_rotated=rotated)
         outs.append(out)
     assert not outs[0].isnan().any()
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))

@@ -52,7 +52,7 @@ def selector_pre_rotated(p0: int, p1: int, p2: int, i: int) -> int:
 
 
 def selector_stored_rotated(p0: int, p1: int, p2: int, i: int) -> int:
-    """``prmt2r``'s selector (PRMT2R_LOOKUP_ASM) on planes stored by ``rotate_planes`` (``b = rotl(p1, 1)``,
+    """``prmt2``'s selector on rotated planes (PRMT2R_LOOKUP_ASM) as stored by ``rotate_planes`` (``b = rotl(p1, 1)``,
     ``c = rotl(p2, 2)``), step by step: two bit-selects (``lop3`` 0xE4) with the per-thread masks of
     ``rotated_selector_masks``, a mask, one rotation right by ``i``."""
     b, c = _rotr(p1, 31), _rotr(p2, 30)
@@ -144,36 +144,16 @@ def test_scale_words_match_prmt() -> None:
         assert torch.equal(half, sb)
 
 
-def test_rotate_planes_rotates_planes_1_and_2_only() -> None:
-    """``rotate_planes``: plane 1 words rotated left by 1, plane 2 by 2, everything else (LUT, scales, plane 0)
-    unchanged; the input is not modified."""
-    from lutb_kernels.lut_b_gemm import random_tiles, rotate_planes
-
-    w = random_tiles((2, 3, 2), k=256, generator=torch.Generator().manual_seed(3))
-    before = w.clone()
-    r = rotate_planes(w)
-    assert torch.equal(w, before) and r.shape == w.shape and r.dtype == torch.uint8
-    old = [int(v) & M32 for v in w.view(torch.int32).reshape(-1, 1668).flatten().tolist()]
-    new = [int(v) & M32 for v in r.view(torch.int32).reshape(-1, 1668).flatten().tolist()]
-    for t in range(len(old) // 1668):
-        for word in range(1668):
-            a, b = old[t * 1668 + word], new[t * 1668 + word]
-            plane = (word - 132) % 3 if word >= 132 else None
-            want = _rotr(a, 31) if plane == 1 else _rotr(a, 30) if plane == 2 else a
-            assert b == want, (t, word, hex(a), hex(b))
-    with pytest.raises(ValueError, match="uint8"):
-        rotate_planes(w[..., :100])
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_loop,groups,block_m,block_n", [(True, 1, 16, 128), (True, 1, 128, 64), (False, 4, 128, 64),
                                                                (False, 2, 64, 128)])
 def test_prmt2_equals_prmt_edge_values_gpu(tile_loop: bool, groups: int, block_m: int, block_n: int) -> None:
     """Edge scales (0 = the subnormal 2**-127, 1, 2, ...) and LUTs (+-0, bf16 subnormals, the
     smallest normal) read back through one-hot activations: ``prmt2`` == ``prmt`` bit for bit, and
-    ``prmt2r`` on the same tiles re-laid out by ``rotate_planes`` too."""
+    both on the same tiles with rotated planes (``rotate_planes``, ``planes_rotated=True``) too."""
     from lutb_kernels import mxfp8_triton as mt
-    from lutb_kernels.lut_b_gemm import LutBGemmConfig, lut_b_moe_gemm, random_tiles, rotate_planes
+    from lutb_kernels.lut_b_gemm import LutBGemmConfig, lut_b_moe_gemm, random_tiles
+    from lutb_kernels.tiles import rotate_planes
     from lutb_kernels.routing import moe_align_block_size
 
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -187,16 +167,16 @@ def test_prmt2_equals_prmt_edge_values_gpu(tile_loop: bool, groups: int, block_m
     ids = torch.zeros(128, 1, dtype=torch.int32, device="cuda")
     sorted_ids, expert_ids, ntpp = moe_align_block_size(ids, 128, 1)
     outs = []
-    for decoder in ("prmt", "prmt2", "prmt2r"):
+    for decoder, rotated in (("prmt", False), ("prmt2", False), ("prmt2", True), ("prmt", True)):
         out = torch.full((128, 256), float("nan"), device="cuda")
         cfg = LutBGemmConfig(block_m=block_m, block_n=block_n, swap_ab=True, decoder=decoder, groups_per_step=groups,
                              tile_loop=tile_loop)
-        tiles = rotate_planes(w) if decoder == "prmt2r" else w
-        lut_b_moe_gemm(q, s, tiles, out, None, sorted_ids, expert_ids, ntpp, 1, block_m=128, a_k_order="decoder", config=cfg)
+        lut_b_moe_gemm(q, s, rotate_planes(w) if rotated else w, out, None, sorted_ids, expert_ids, ntpp, 1, block_m=128,
+                       a_k_order="decoder", config=cfg, planes_rotated=rotated)
         outs.append(out)
     assert not outs[0].isnan().any()
-    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
-    assert torch.equal(outs[0].view(torch.int32), outs[2].view(torch.int32))
+    for other in outs[1:]:
+        assert torch.equal(outs[0].view(torch.int32), other.view(torch.int32))
 
 
 @pytest.mark.parametrize("route_block,expected", [(16, "prmt2"), (32, "prmt2"), (64, "prmt2"), (128, "prmt"), (256, "prmt")])

@@ -189,3 +189,27 @@ def test_pack_refuses_bad_fields() -> None:
         pack_tiles(codes, scales[..., :3], lut)
     with pytest.raises(ValueError, match="lut"):
         pack_tiles(codes, scales, lut.float())
+
+
+def test_rotate_planes_rotates_planes_1_and_2_only() -> None:
+    """``rotate_planes``: every plane-1 word rotated left by 1 bit, every plane-2 word by 2, everything else (LUT,
+    scales, plane 0) unchanged, the input untouched; ``inverse=True`` undoes it."""
+    from lutb_kernels.lut_b_gemm import random_tiles
+    from lutb_kernels.tiles import rotate_planes
+
+    def rotl(x: int, n: int) -> int:
+        return ((x << n) | (x >> (32 - n))) & 0xFFFFFFFF
+
+    w = random_tiles((2, 3, 2), k=256, generator=torch.Generator().manual_seed(3))
+    before = w.clone()
+    r = rotate_planes(w)
+    assert torch.equal(w, before) and r.shape == w.shape and r.dtype == torch.uint8
+    assert torch.equal(rotate_planes(r, inverse=True), w)
+    old = [v & 0xFFFFFFFF for v in w.view(torch.int32).flatten().tolist()]
+    new = [v & 0xFFFFFFFF for v in r.view(torch.int32).flatten().tolist()]
+    for n, (a, b) in enumerate(zip(old, new, strict=True)):
+        word = n % 1668
+        plane = (word - 132) % 3 if word >= 132 else 0
+        assert b == (rotl(a, plane) if plane else a), (n, hex(a), hex(b))
+    with pytest.raises(ValueError, match="uint8"):
+        rotate_planes(w[..., :100])

@@ -25,6 +25,7 @@ def lut_b_dequant_kernel(
     stride_oe,
     stride_on,
     ROWS: tl.constexpr,  # tile rows per program (divides 128)
+    ROTATED: tl.constexpr = False,  # planes 1 and 2 stored rotated left by 1 and 2 bits (tiles.rotate_planes)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
     """Program (tile, row block): ``out[e, 128 nt + r, 128 kt + c] = lut[code] * 2**(s - 127)``.
@@ -62,8 +63,10 @@ def lut_b_dequant_kernel(
     p1 = tl.load(plane + 1).to(tl.uint32, bitcast=True)[:, :, None]
     p2 = tl.load(plane + 2).to(tl.uint32, bitcast=True)[:, :, None]
     b0 = ((p0 >> i[None, None, :]) & 1) != 0  # [ROWS, 4, 32]: bit 0 of each code
-    b1 = ((p1 >> i[None, None, :]) & 1) != 0
-    b2 = ((p2 >> i[None, None, :]) & 1) != 0
+    i1 = (i + 1) % 32 if ROTATED else i  # where plane 1 (2) keeps column i's bit
+    i2 = (i + 2) % 32 if ROTATED else i
+    b1 = ((p1 >> i1[None, None, :]) & 1) != 0
+    b2 = ((p2 >> i2[None, None, :]) & 1) != 0
     low = tl.where(b1, tl.where(b0, l3, l2), tl.where(b0, l1, l0))
     high = tl.where(b1, tl.where(b0, l7, l6), tl.where(b0, l5, l4))
     value = tl.where(b2, high, low) * scale[:, :, None]

@@ -29,12 +29,15 @@ Three decoders produce the same values (constexpr ``DECODER``):
   3 LOP3 (:func:`prmt2_lookup`); and, in the tile loop, turns a row's 4 scale bytes into two
   bf16x2 words once per tile (:func:`e8m0_pairs_bf16x2`), read through HMUL2's half swizzle.
   Offline sm90 SASS, 16x128 tile loop: 498 instead of 638 loop instructions (3.9 per weight).
-- ``DECODER == 3`` ("prmt2r", an experiment): ``prmt2`` on tiles whose planes 1 and 2 are stored
-  rotated left by 1 and 2 bits (``lutb_kernels.lut_b_gemm.rotate_planes``, the same bytes per
-  weight): the selector becomes two bit-selects, a mask and one rotation with per-thread masks
-  (4 integer instructions instead of 6). Same values bit for bit.
 - ``DECODER == 0`` (pure Triton, for the interpreter and other GPUs): shifts, masks and a
   3-level select over the LUT, float32 scale multiply.
+
+Rotated planes (constexpr ``ROTATED``; how the packed experts keep their tiles on the GPU, see
+``lutb_kernels.lut_b_gemm.rotate_planes``): every plane-1 word is stored rotated left by 1 bit and
+every plane-2 word by 2, so the bits of column ``c`` sit at bits ``c``, ``c + 1`` and ``c + 2``
+(mod 32) of the three words. ``prmt2`` then builds a selector with two bit-selects, a mask and
+one rotation (4 integer instructions instead of 6); ``prmt`` and the pure decoder shift by
+``c + 1`` and ``c + 2`` (rotating) instead of ``c``, at no extra cost. Same values bit for bit.
 """
 
 from __future__ import annotations
@@ -52,6 +55,14 @@ def pow2_e8m0_f32(s):
 
 
 @triton.jit
+def rotr32(x, s):
+    """uint32 ``x`` rotated right by ``s`` bits (mod 32): one funnel shift (NVIDIA only; Triton's
+    ``(x >> s) | (x << (32 - s))`` compiles to three instructions)."""
+    return tl.inline_asm_elementwise(asm="shf.r.wrap.b32 $0, $1, $1, $2;", constraints="=r,r,r", args=[x, s],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
 def load_lut_words(w_words_ptr, tile_word):
     """The 4 uint32 words holding a tile's 8 bf16 LUT entries (scalar loads, broadcast to all threads)."""
     w0 = tl.load(w_words_ptr + tile_word).to(tl.uint32, bitcast=True)
@@ -62,7 +73,7 @@ def load_lut_words(w_words_ptr, tile_word):
 
 
 @triton.jit
-def decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N: tl.constexpr, G: tl.constexpr):
+def decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N: tl.constexpr, G: tl.constexpr, ROTATED: tl.constexpr = False):
     """Pure-Triton decoder: float32 ``[BLOCK_N, 32 G]`` in decoder order.
 
     ``p0, p1, p2``: uint32 ``[BLOCK_N, G]`` plane words per (row, group); ``sc``: int32
@@ -70,7 +81,9 @@ def decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N: tl.constexpr, G: tl.con
     """
     pos = tl.arange(0, 32)
     col = ((pos % 8) // 2 + 8 * (pos // 8) + 4 * (pos % 2)).to(tl.uint32)[None, None, :]
-    code = ((p0[:, :, None] >> col) & 1) | (((p1[:, :, None] >> col) & 1) << 1) | (((p2[:, :, None] >> col) & 1) << 2)
+    col1 = (col + 1) % 32 if ROTATED else col  # where plane 1 (2) keeps column col's bit
+    col2 = (col + 2) % 32 if ROTATED else col
+    code = ((p0[:, :, None] >> col) & 1) | (((p1[:, :, None] >> col1) & 1) << 1) | (((p2[:, :, None] >> col2) & 1) << 2)
     # LUT entries as float32 bit patterns (bf16 bits in the high half)
     e0 = w0 << 16
     e1 = w0 & 0xFFFF0000
@@ -148,14 +161,20 @@ def prmt_lookup(sel, l0, l1, h0, h1):
 
 
 @triton.jit
-def decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N: tl.constexpr, G: tl.constexpr):
+def decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N: tl.constexpr, G: tl.constexpr, ROTATED: tl.constexpr = False):
     """prmt decoder: bfloat16 ``[BLOCK_N, 32 G]`` in decoder order (arguments as :func:`decode_pure`)."""
     sb = tl.where(sc == 0, 0x40, sc << 7).to(tl.uint32)  # bf16 bits of 2**(s-127)
     scale_word = sb | (sb << 16)
     l0, l1, h0, h1 = scaled_lut_bytes(w0, w1, w2, w3, scale_word)  # [BLOCK_N, G]
     ii = tl.arange(0, 4).to(tl.uint32)[None, None, :]
     m = 0x11111111
-    sel = ((p0[:, :, None] >> ii) & m) | (((p1[:, :, None] >> ii) & m) << 1) | (((p2[:, :, None] >> ii) & m) << 2)
+    if ROTATED:  # bit i + 4j of plane 1 (2) sits at i + 4j + 1 (+ 2) mod 32: rotate instead of shift
+        q1 = rotr32(p1[:, :, None], ii + 1)
+        q2 = rotr32(p2[:, :, None], ii + 2)
+    else:
+        q1 = p1[:, :, None] >> ii
+        q2 = p2[:, :, None] >> ii
+    sel = ((p0[:, :, None] >> ii) & m) | ((q1 & m) << 1) | ((q2 & m) << 2)
     z = tl.full(sel.shape, 0, tl.uint32)
     o0, o1, o2, o3 = prmt_lookup(sel, z + l0[:, :, None], z + l1[:, :, None], z + h0[:, :, None], z + h1[:, :, None])
     return words_to_decoder_order(o0, o1, o2, o3, BLOCK_N, G)
@@ -343,7 +362,7 @@ def prmt2_lookup(p0, p1, p2, r0, r1, r2, l0, l1, h0, h1, scale_word):
 
 @triton.jit
 def rotated_selector_masks(SHAPE: tl.constexpr):
-    """Per-thread registers of the ``prmt2r`` selectors: ``i``, ``m0 = 0x11111111 << i``,
+    """Per-thread registers of the ``prmt2`` selectors on rotated planes: ``i``, ``m0 = 0x11111111 << i``,
     ``m01 = m0 | rotl(m0, 1)`` and ``m012 = m01 | rotl(m0, 2)`` (``i`` along the last axis of
     ``SHAPE``, as :func:`selector_shifts`)."""
     ii = tl.broadcast_to(tl.reshape(tl.arange(0, 4).to(tl.uint32), (1, 1, 4)), SHAPE)
@@ -353,7 +372,7 @@ def rotated_selector_masks(SHAPE: tl.constexpr):
     return ii, m0, m0 | m1, m0 | m1 | m2
 
 
-# prmt2r_lookup's PTX: PRMT2_LOOKUP_ASM with the selector of pre-rotated planes ($5 = rotl(p1, 1),
+# PRMT2_LOOKUP_ASM with the selector of rotated planes ($5 = rotl(p1, 1),
 # $6 = rotl(p2, 2)): two bit-selects, a mask and one rotation. $7 i; $8 m0; $9 m01; $10 m012;
 # $11..$14 l0, l1, h0, h1; $15 the bf16x2 scale. lop3 0xE4 = (a & c) | (b & ~c).
 PRMT2R_LOOKUP_ASM = tl.constexpr("""{
@@ -419,7 +438,7 @@ def split4(x):
 @triton.jit
 def _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg, valid, k_lo, k_hi,
                 BLOCK_N: tl.constexpr, DECODER: tl.constexpr, A_DEQUANTIZED: tl.constexpr, SWAP_AB: tl.constexpr,
-                DOT_BF16: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr):
+                DOT_BF16: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, ROTATED: tl.constexpr):
     """The per-group K loop (``G`` 32-column groups per step; the first version, any G)."""
     STEPS: tl.constexpr = 4 // G  # K steps per tile
     rg = 4 * rows[:, None] + gg[None, :]  # [BN, G] (row, group) index of the step's first group
@@ -434,12 +453,12 @@ def _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg,
         p1 = tl.load(pw + 1).to(tl.uint32, bitcast=True)
         p2 = tl.load(pw + 2).to(tl.uint32, bitcast=True)
         if DECODER == 1:
-            w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
-        elif DECODER >= 2:
+            w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G, ROTATED)
+        elif DECODER == 2:
             l0, l1, h0, h1 = lut_bytes(w0, w1, w2, w3, (BLOCK_N, G, 4))
-            w_op = decode_prmt2(p0, p1, p2, e8m0_bf16x2(sc), l0, l1, h0, h1, BLOCK_N, G, DECODER == 3)
+            w_op = decode_prmt2(p0, p1, p2, e8m0_bf16x2(sc), l0, l1, h0, h1, BLOCK_N, G, ROTATED)
         else:
-            w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G)
+            w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G, ROTATED)
 
         if A_DEQUANTIZED:  # MXFP8 values already dequantized (bf16 holds them exactly)
             af = tl.load(a_base + step * (32 * G), mask=valid[:, None], other=0.0)
@@ -465,7 +484,7 @@ def _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg,
 @triton.jit
 def _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi,
                BLOCK_N: tl.constexpr, DECODER: tl.constexpr, A_DEQUANTIZED: tl.constexpr, SWAP_AB: tl.constexpr,
-               DOT_BF16: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr):
+               DOT_BF16: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr, ROTATED: tl.constexpr):
     """The per-tile K loop over tiles ``k_lo .. k_hi - 1`` of the row of tiles starting at ``tile0``.
 
     One iteration per tile. Each thread owns whole tile rows: 3 x 16-byte loads fetch the 12
@@ -506,7 +525,7 @@ def _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi
         q4, q5, q6, q7 = split4(c1)  # words 4-7: g1 b1,b2; g2 b0,b1
         q8, q9, q10, q11 = split4(c2)  # words 8-11: g2 b2; g3 b0,b1,b2
         csu = cs.to(tl.uint32, bitcast=True)
-        if DECODER >= 2:  # once per tile: the LUT's byte split and the 4 groups' bf16 scales
+        if DECODER == 2:  # once per tile: the LUT's byte split and the 4 groups' bf16 scales
             l0, l1, h0, h1 = lut_bytes(w0, w1, w2, w3, (BLOCK_N, 1, 4))
             s02, s13 = e8m0_pairs_bf16x2(csu)
         for g in tl.static_range(4):
@@ -524,12 +543,12 @@ def _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi
             p2 = p2.to(tl.uint32, bitcast=True)[:, None]
             sc = sc[:, None]
             if DECODER == 1:
-                w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
-            elif DECODER >= 2:
+                w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1, ROTATED)
+            elif DECODER == 2:
                 sw = bf16x2_broadcast_half(s02 if g % 2 == 0 else s13, g // 2)[:, None]
-                w_op = decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N, 1, DECODER == 3)
+                w_op = decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N, 1, ROTATED)
             else:
-                w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1)
+                w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1, ROTATED)
             step = t * 4 + g
             if A_DEQUANTIZED:
                 af = tl.load(a_base + step * 32, mask=valid[:, None], other=0.0)
@@ -571,7 +590,8 @@ def _unit_partial(a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, o
                   N, K, num_valid, stride_am, stride_asm,
                   TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODER: tl.constexpr,
                   A_PERMUTED: tl.constexpr, A_DEQUANTIZED: tl.constexpr, SWAP_AB: tl.constexpr, DOT_BF16: tl.constexpr,
-                  G: tl.constexpr, TILE_LOOP: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr):
+                  G: tl.constexpr, TILE_LOOP: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr,
+                  ROTATED: tl.constexpr):
     """Float32 products of one unit (routed rows ``offs_m``, output columns ``n0 .. n0 + BLOCK_N``)
     over its K tiles ``k_lo .. k_hi - 1``: ``(acc, route, valid)``; ``acc`` is ``[BLOCK_N, BLOCK_M]``
     with ``SWAP_AB``, else ``[BLOCK_M, BLOCK_N]``."""
@@ -599,10 +619,10 @@ def _unit_partial(a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, o
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     if TILE_LOOP:
         acc = _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi, BLOCK_N, DECODER,
-                         A_DEQUANTIZED, SWAP_AB, DOT_BF16, PREFETCH, UNROLL)
+                         A_DEQUANTIZED, SWAP_AB, DOT_BF16, PREFETCH, UNROLL, ROTATED)
     else:
         acc = _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg, valid, k_lo, k_hi,
-                          BLOCK_N, DECODER, A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, BLOCK_M)
+                          BLOCK_N, DECODER, A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, BLOCK_M, ROTATED)
     return acc, route, valid
 
 
@@ -658,6 +678,7 @@ def lut_b_moe_gemm_kernel(
     PREFETCH: tl.constexpr = False,  # TILE_LOOP: load tile t+1's words while decoding tile t
     UNROLL: tl.constexpr = 1,  # TILE_LOOP: tiles per loop iteration after unrolling (1: none)
     STREAM_K: tl.constexpr = False,  # a 1-D grid of num_programs programs walks the work in equal runs
+    ROTATED: tl.constexpr = False,  # planes 1 and 2 stored rotated left by 1 and 2 bits (rotate_planes)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
     """Grid ``(EM / ROUTE_BLOCK * SUBS, N / BLOCK_N, SPLIT_K)``: one program per unit (routing
@@ -688,7 +709,7 @@ def lut_b_moe_gemm_kernel(
                 acc, route, valid = _unit_partial(
                     a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, offs_m, n0, k_lo, k_hi,
                     N, K, num_valid, stride_am, stride_asm, TOP_K, BLOCK_M, BLOCK_N, DECODER, A_PERMUTED,
-                    A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, TILE_LOOP, PREFETCH, UNROLL)
+                    A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, TILE_LOOP, PREFETCH, UNROLL, ROTATED)
                 _store_partial(ws_ptr, pid - unit * k_tiles // run, acc, route, valid, n0, N, num_valid, BLOCK_N,
                                SWAP_AB)
             it += k_hi - k_lo
@@ -709,7 +730,7 @@ def lut_b_moe_gemm_kernel(
     acc, route, valid = _unit_partial(
         a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, offs_m, n0, k_lo, k_hi,
         N, K, num_valid, stride_am, stride_asm, TOP_K, BLOCK_M, BLOCK_N, DECODER, A_PERMUTED,
-        A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, TILE_LOOP, PREFETCH, UNROLL)
+        A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, TILE_LOOP, PREFETCH, UNROLL, ROTATED)
     if SPLIT_K == 1:
         cols = n0 + tl.arange(0, BLOCK_N)
         route64 = route.to(tl.int64)

@@ -16,6 +16,7 @@ from lutb_kernels.grouped_gemm import (
 )
 from lutb_kernels.lut_b_gemm import LutBGemmConfig, lut_b_moe_gemm, lut_b_moe_gemm_reference, random_tiles
 from lutb_kernels.routing import moe_align_block_size
+from lutb_kernels.tiles import rotate_planes
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # triton interpreter
 
@@ -179,8 +180,12 @@ def test_lut_b_moe_gemm_tile_loop(tokens, top_k, experts, held, dtype, split_k, 
     ref = out.clone()
     cfg = LutBGemmConfig(block_m=16, block_n=64, split_k=split_k, swap_ab=True, decoder="triton", num_stages=1,
                          groups_per_step=1, tile_loop=True, prefetch=prefetch, unroll=unroll, stream_k=stream_k)
-    lut_b_moe_gemm(q, s, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order, config=cfg)
-    lut_b_moe_gemm_reference(q, s, w, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order)
+    rotated = stream_k == 1  # the stream-K cases also read the tiles with rotated planes (as packed keeps them)
+    tiles = rotate_planes(w) if rotated else w
+    lut_b_moe_gemm(q, s, tiles, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order, config=cfg,
+                   planes_rotated=rotated)
+    lut_b_moe_gemm_reference(q, s, tiles, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order,
+                             planes_rotated=rotated)
     routed = torch.ones(tokens * top_k, dtype=torch.bool) if emap is None else (emap[ids.long()] >= 0).reshape(-1)
     assert not out[routed].isnan().any(), "a routed row was not written"
     assert out[~routed].isnan().all(), "a row of an expert not held was touched"
@@ -204,3 +209,25 @@ def test_stream_k_sub_blocks() -> None:
     lut_b_moe_gemm_reference(q, s, w, ref, None, sorted_ids, expert_ids, ntpp, top_k, block_m=32, a_k_order="decoder")
     assert not out.isnan().any()
     assert rel_l2(out, ref) < 1e-5
+
+
+def test_rotated_planes_group_loop_and_reference() -> None:
+    """The per-group loop (G = 4) reads rotated planes too; the reference twin undoes the rotation (so rotated tiles
+    read as unrotated ones would give another result)."""
+    tokens, top_k, experts, n, k = 6, 2, 3, 128, 256
+    gen = torch.Generator().manual_seed(9)
+    w = random_tiles((experts, n // 128, k // 128), k=k, generator=gen)
+    x = torch.randn(tokens, k, generator=gen)
+    q, s = mt.mxfp8_quantize(x, k_order="natural")
+    _, _, routing = _routing(tokens, top_k, experts, None, 16, seed=4)
+    ref = torch.full((tokens * top_k, n), float("nan"))
+    lut_b_moe_gemm_reference(q, s, w, ref, None, *routing, top_k, block_m=16)
+    out = torch.full_like(ref, float("nan"))
+    cfg = LutBGemmConfig(block_m=16, block_n=64, decoder="triton", num_stages=1, groups_per_step=4)
+    lut_b_moe_gemm(q, s, rotate_planes(w), out, None, *routing, top_k, block_m=16, config=cfg, planes_rotated=True)
+    assert rel_l2(out, ref) < 1e-5
+    ref_rot = torch.full_like(ref, float("nan"))
+    lut_b_moe_gemm_reference(q, s, rotate_planes(w), ref_rot, None, *routing, top_k, block_m=16, planes_rotated=True)
+    assert torch.equal(ref_rot, ref)
+    lut_b_moe_gemm_reference(q, s, rotate_planes(w), ref_rot, None, *routing, top_k, block_m=16)
+    assert rel_l2(ref_rot, ref) > 0.1
