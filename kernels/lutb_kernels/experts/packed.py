@@ -58,7 +58,7 @@ class LutBPackedExperts(RoutedTritonExperts):
     planes_rotated: ClassVar[bool] = True
     """Keep the tiles on the GPU with bit-planes 1 and 2 rotated (:func:`lutb_kernels.tiles.rotate_planes`,
     the same bytes): the decode's selectors then take 4 integer instructions instead of 6, which
-    made every decode GEMM on the H200 3-7% faster (bench/results/2026-12-04-rotated-planes-h200.md).
+    made every decode GEMM timed on the H200 2.5-7% faster (bench/results/2026-12-04-rotated-planes-h200.md).
     The native backend keeps the checkpoint's layout (its op's contract)."""
     dense_scratch_bytes: int = 2 << 30
     """Most bytes the dequantized weights of one GEMM may take (transient, from torch's caching
