@@ -21,7 +21,7 @@ once per tile, scale applied after the lookup, cheaper selectors) or ``triton`` 
 CPU interpreter and other GPUs), rows per program, output
 columns per program (a divisor of 128: a program stays inside one tile row), split-K (one float32
 slice per split, then a reduce pass), stream-K (a persistent grid splitting all K tiles evenly,
-the default at decode), swap-AB (weights as the MMA's M side for small batches), warps and
+the default for short decode grids), swap-AB (weights as the MMA's M side for small batches), warps and
 pipeline stages.
 """
 

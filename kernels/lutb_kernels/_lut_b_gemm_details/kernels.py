@@ -307,11 +307,34 @@ def selector_shifts(SHAPE: tl.constexpr):
     return ii, ii + 31, ii + 30
 
 
-# prmt2_lookup's PTX: the selector, then the lookup, interleave and scale.
-# $0..$3 out; $4..$6 planes p0..p2; $7..$9 the per-thread shifts; $10..$13 the
+def _lookup_ptx(selector: str, lut: int) -> str:
+    """PTX of one ``prmt2`` decode step: ``selector`` (instructions leaving the selector word in
+    ``s``), then the lookup of 8 codes in the LUT byte words ``$lut .. $lut+3`` (l0, l1, h0, h1),
+    the bf16x2 interleave and the scale ``$lut+4``, into ``$0..$3``."""
+    l0, l1, h0, h1, sc = (f"${lut + j}" for j in range(5))
+    return f"""{{
+    .reg .b32 a0, a1, a2, x, y, s, s2, lo, hi, lo2, hi2, t0, t1, t2, t3, nz;
+{selector}
+    shr.b32 s2, s, 16;
+    prmt.b32 lo, {l0}, {l1}, s;
+    prmt.b32 hi, {h0}, {h1}, s;
+    prmt.b32 lo2, {l0}, {l1}, s2;
+    prmt.b32 hi2, {h0}, {h1}, s2;
+    prmt.b32 t0, lo, hi, 0x5140;
+    prmt.b32 t1, lo, hi, 0x7362;
+    prmt.b32 t2, lo2, hi2, 0x5140;
+    prmt.b32 t3, lo2, hi2, 0x7362;
+    mov.b32 nz, 0x80008000;
+    fma.rn.bf16x2 $0, t0, {sc}, nz;
+    fma.rn.bf16x2 $1, t1, {sc}, nz;
+    fma.rn.bf16x2 $2, t2, {sc}, nz;
+    fma.rn.bf16x2 $3, t3, {sc}, nz;
+}}"""
+
+
+# prmt2_lookup's PTX: $0..$3 out; $4..$6 planes p0..p2; $7..$9 the per-thread shifts; $10..$13 the
 # LUT byte words l0, l1, h0, h1; $14 the bf16x2 scale.
-PRMT2_LOOKUP_ASM = tl.constexpr("""{
-    .reg .b32 a0, a1, a2, s, s2, lo, hi, lo2, hi2, t0, t1, t2, t3, nz;
+PRMT2_LOOKUP_ASM = tl.constexpr(_lookup_ptx("""
     shr.b32 a0, $4, $7;
     shf.r.wrap.b32 a1, $5, $5, $8;
     shf.r.wrap.b32 a2, $6, $6, $9;
@@ -319,22 +342,7 @@ PRMT2_LOOKUP_ASM = tl.constexpr("""{
     and.b32 a1, a1, 0x22222222;
     and.b32 a2, a2, 0x44444444;
     or.b32 s, a0, a1;
-    or.b32 s, s, a2;
-    shr.b32 s2, s, 16;
-    prmt.b32 lo, $10, $11, s;
-    prmt.b32 hi, $12, $13, s;
-    prmt.b32 lo2, $10, $11, s2;
-    prmt.b32 hi2, $12, $13, s2;
-    prmt.b32 t0, lo, hi, 0x5140;
-    prmt.b32 t1, lo, hi, 0x7362;
-    prmt.b32 t2, lo2, hi2, 0x5140;
-    prmt.b32 t3, lo2, hi2, 0x7362;
-    mov.b32 nz, 0x80008000;
-    fma.rn.bf16x2 $0, t0, $14, nz;
-    fma.rn.bf16x2 $1, t1, $14, nz;
-    fma.rn.bf16x2 $2, t2, $14, nz;
-    fma.rn.bf16x2 $3, t3, $14, nz;
-}""")
+    or.b32 s, s, a2;""", 10))
 
 
 @triton.jit
@@ -372,30 +380,14 @@ def rotated_selector_masks(SHAPE: tl.constexpr):
     return ii, m0, m0 | m1, m0 | m1 | m2
 
 
-# PRMT2_LOOKUP_ASM with the selector of rotated planes ($5 = rotl(p1, 1),
-# $6 = rotl(p2, 2)): two bit-selects, a mask and one rotation. $7 i; $8 m0; $9 m01; $10 m012;
-# $11..$14 l0, l1, h0, h1; $15 the bf16x2 scale. lop3 0xE4 = (a & c) | (b & ~c).
-PRMT2R_LOOKUP_ASM = tl.constexpr("""{
-    .reg .b32 x, y, s, s2, lo, hi, lo2, hi2, t0, t1, t2, t3, nz;
+# The same step on rotated planes ($5 = rotl(p1, 1), $6 = rotl(p2, 2)): two bit-selects, a mask
+# and one rotation. $7 i; $8 m0; $9 m01; $10 m012 (rotated_selector_masks); $11..$14 the LUT byte
+# words; $15 the scale. lop3 0xE4 = (a & c) | (b & ~c).
+PRMT2R_LOOKUP_ASM = tl.constexpr(_lookup_ptx("""
     lop3.b32 x, $4, $5, $8, 0xE4;
     lop3.b32 y, x, $6, $9, 0xE4;
     and.b32 y, y, $10;
-    shf.r.wrap.b32 s, y, y, $7;
-    shr.b32 s2, s, 16;
-    prmt.b32 lo, $11, $12, s;
-    prmt.b32 hi, $13, $14, s;
-    prmt.b32 lo2, $11, $12, s2;
-    prmt.b32 hi2, $13, $14, s2;
-    prmt.b32 t0, lo, hi, 0x5140;
-    prmt.b32 t1, lo, hi, 0x7362;
-    prmt.b32 t2, lo2, hi2, 0x5140;
-    prmt.b32 t3, lo2, hi2, 0x7362;
-    mov.b32 nz, 0x80008000;
-    fma.rn.bf16x2 $0, t0, $15, nz;
-    fma.rn.bf16x2 $1, t1, $15, nz;
-    fma.rn.bf16x2 $2, t2, $15, nz;
-    fma.rn.bf16x2 $3, t3, $15, nz;
-}""")
+    shf.r.wrap.b32 s, y, y, $7;""", 11))
 
 
 @triton.jit
@@ -436,6 +428,24 @@ def split4(x):
 
 
 @triton.jit
+def _dot_step(acc, w_op, af, DOT_BF16: tl.constexpr, SWAP_AB: tl.constexpr):
+    """``acc`` plus the products of decoded weights ``w_op`` ``[BLOCK_N, k]`` and activations ``af``
+    ``[BLOCK_M, k]`` (bf16 tensor cores when ``DOT_BF16``, else float32 for the interpreter);
+    ``acc`` is ``[BLOCK_N, BLOCK_M]`` with ``SWAP_AB``, else ``[BLOCK_M, BLOCK_N]``."""
+    if DOT_BF16:
+        a_op = af.to(tl.bfloat16)
+        w_op = w_op.to(tl.bfloat16)
+    else:
+        a_op = af
+        w_op = w_op.to(tl.float32)
+    if SWAP_AB:
+        acc = tl.dot(w_op, tl.trans(a_op), acc)
+    else:
+        acc = tl.dot(a_op, tl.trans(w_op), acc)
+    return acc
+
+
+@triton.jit
 def _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg, valid, k_lo, k_hi,
                 BLOCK_N: tl.constexpr, DECODER: tl.constexpr, A_DEQUANTIZED: tl.constexpr, SWAP_AB: tl.constexpr,
                 DOT_BF16: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, ROTATED: tl.constexpr):
@@ -467,18 +477,22 @@ def _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg,
             sa = tl.load(as_base + step * G, mask=valid[:, None], other=0).to(tl.int32)
             af = a8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             af = tl.reshape(tl.reshape(af, (BLOCK_M, G, 32)) * pow2_e8m0_f32(sa)[:, :, None], (BLOCK_M, 32 * G))
-        if DOT_BF16:
-            a_op = af.to(tl.bfloat16)
-            w_op = w_op.to(tl.bfloat16)
-        else:
-            a_op = af
-            w_op = w_op.to(tl.float32)
-        if SWAP_AB:
-            acc = tl.dot(w_op, tl.trans(a_op), acc)
-        else:
-            acc = tl.dot(a_op, tl.trans(w_op), acc)
+        acc = _dot_step(acc, w_op, af, DOT_BF16, SWAP_AB)
 
     return acc
+
+
+@triton.jit
+def _load_tile_words(w_words_ptr, tw, pv_off, sw_off):
+    """A tile's words for the per-tile loop (``tw``: its first word): the 4 LUT words, the three
+    ``[BLOCK_N, 4]`` plane-word blocks of its rows (words ``4v + j`` of a row's 12) and each row's
+    scale word."""
+    w0, w1, w2, w3 = load_lut_words(w_words_ptr, tw)
+    c0 = tl.load(w_words_ptr + tw + pv_off)
+    c1 = tl.load(w_words_ptr + tw + pv_off + 4)
+    c2 = tl.load(w_words_ptr + tw + pv_off + 8)
+    cs = tl.load(w_words_ptr + tw + sw_off)
+    return w0, w1, w2, w3, c0, c1, c2, cs
 
 
 @triton.jit
@@ -497,29 +511,15 @@ def _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi
     pv_off = 132 + 12 * rows[:, None] + jj[None, :]  # [BN, 4] words 4v + j of the row's planes
     sw_off = 4 + rows  # word holding the row's 4 scale bytes
     if PREFETCH:
-        tw = (tile0 + k_lo) * 1668
-        lw0, lw1, lw2, lw3 = load_lut_words(w_words_ptr, tw)
-        v0 = tl.load(w_words_ptr + tw + pv_off)
-        v1 = tl.load(w_words_ptr + tw + pv_off + 4)
-        v2 = tl.load(w_words_ptr + tw + pv_off + 8)
-        swd = tl.load(w_words_ptr + tw + sw_off)
+        lw0, lw1, lw2, lw3, v0, v1, v2, swd = _load_tile_words(w_words_ptr, (tile0 + k_lo) * 1668, pv_off, sw_off)
     for t in tl.range(k_lo, k_hi, loop_unroll_factor=UNROLL):
         if PREFETCH:
             w0, w1, w2, w3 = lw0, lw1, lw2, lw3
             c0, c1, c2, cs = v0, v1, v2, swd
             twn = (tile0 + tl.minimum(t + 1, k_hi - 1)) * 1668  # the last iteration reloads its own tile
-            lw0, lw1, lw2, lw3 = load_lut_words(w_words_ptr, twn)
-            v0 = tl.load(w_words_ptr + twn + pv_off)
-            v1 = tl.load(w_words_ptr + twn + pv_off + 4)
-            v2 = tl.load(w_words_ptr + twn + pv_off + 8)
-            swd = tl.load(w_words_ptr + twn + sw_off)
+            lw0, lw1, lw2, lw3, v0, v1, v2, swd = _load_tile_words(w_words_ptr, twn, pv_off, sw_off)
         else:
-            tw = (tile0 + t) * 1668
-            w0, w1, w2, w3 = load_lut_words(w_words_ptr, tw)
-            c0 = tl.load(w_words_ptr + tw + pv_off)
-            c1 = tl.load(w_words_ptr + tw + pv_off + 4)
-            c2 = tl.load(w_words_ptr + tw + pv_off + 8)
-            cs = tl.load(w_words_ptr + tw + sw_off)
+            w0, w1, w2, w3, c0, c1, c2, cs = _load_tile_words(w_words_ptr, (tile0 + t) * 1668, pv_off, sw_off)
         # plane word index 4v + j = 3g + b
         q0, q1, q2, q3 = split4(c0)  # words 0-3: g0 b0,b1,b2; g1 b0
         q4, q5, q6, q7 = split4(c1)  # words 4-7: g1 b1,b2; g2 b0,b1
@@ -556,16 +556,7 @@ def _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi
                 a8 = tl.load(a_base + step * 32, mask=valid[:, None], other=0)
                 sa = tl.load(as_base + step, mask=valid[:, None], other=0).to(tl.int32)
                 af = a8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * pow2_e8m0_f32(sa)
-            if DOT_BF16:
-                a_op = af.to(tl.bfloat16)
-                w_op = w_op.to(tl.bfloat16)
-            else:
-                a_op = af
-                w_op = w_op.to(tl.float32)
-            if SWAP_AB:
-                acc = tl.dot(w_op, tl.trans(a_op), acc)
-            else:
-                acc = tl.dot(a_op, tl.trans(w_op), acc)
+            acc = _dot_step(acc, w_op, af, DOT_BF16, SWAP_AB)
     return acc
 
 
