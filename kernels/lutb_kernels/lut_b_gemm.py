@@ -137,15 +137,18 @@ TILE_UNROLL = 1
 # -22% in the same runs.)
 DECODE_MIN_SPLIT_ROUTES = 256
 # Decode (16-row routing blocks) whose plain grid would be under STREAM_K_BELOW_WAVES waves of
-# STREAM_K_PER_SM programs per SM, of fewer than STREAM_K_BELOW_TILES K tiles each, launches
-# stream-K instead (LutBGemmConfig.stream_k; 0: never), capped at STREAM_K_MAXNREG registers
-# (uncapped the stream-K loop takes 161: 3 blocks of 4 warps per SM; 128 keeps 4 with no spills,
-# offline sm90 SASS). On the H200 stream-K made such GEMMs 7-17% faster (deepseek-v3 T=1 forward
-# 146 -> 126 us, qwen3-30b-a3b T=1 49 -> 45) and grids of longer programs 2-6% slower (mixtral-8x7b
-# T=1 w13, 16 tiles per program; T=8/32 w2), bench/results/2026-12-04-stream-k-h200.md.
+# STREAM_K_PER_SM programs per SM, of fewer than STREAM_K_BELOW_TILES K tiles each, over at most
+# STREAM_K_MAX_BLOCKS routing blocks (expected), launches stream-K instead (LutBGemmConfig.stream_k;
+# 0: never), capped at STREAM_K_MAXNREG registers (uncapped the stream-K loop takes 161: 3 blocks
+# of 4 warps per SM; 128 keeps 4 with no spills, offline sm90 SASS). On the H200 stream-K made such
+# GEMMs (2-8 blocks) 7-17% faster (deepseek-v3 T=1 forward 146 -> 126 us, qwen3-30b-a3b T=1
+# 49 -> 45) and grids of longer programs 2-6% slower (mixtral-8x7b T=1 w13, 16 tiles per program;
+# T=8/32 w2), as was qwen3 T=8 w2 (~50 blocks of 6-tile programs: forward 97.6 -> 100.9 us),
+# bench/results/2026-12-04-stream-k-h200.md.
 STREAM_K_PER_SM = 4
 STREAM_K_BELOW_WAVES = 2
 STREAM_K_BELOW_TILES = 16
+STREAM_K_MAX_BLOCKS = 16
 STREAM_K_MAXNREG = 128
 # Routing blocks from which the defaults keep the prmt decoder: on the H200 prmt2 made every
 # decode-sized forward faster (mixtral T=1 209 -> 120 us) but prefill ones slower (qwen3 T=2048
@@ -176,7 +179,7 @@ def default_config(num_routes: int, n: int, k: int, num_experts: int, route_bloc
     K loop (``tile_loop``); small batches (decode) split K until the grid holds ``waves``
     programs per SM (:func:`expected_blocks` estimates the grid), and in at least two at decode
     sizes (``DECODE_MIN_SPLIT_ROUTES``); a decode grid still under two waves of short programs
-    runs stream-K (``STREAM_K_PER_SM``). ``TUNED`` entries replace the table for one exact shape.
+    over few routing blocks runs stream-K (``STREAM_K_PER_SM``). ``TUNED`` entries replace the table for one exact shape.
     """
     decoder = default_decoder(device)
     if interpreting():
@@ -201,8 +204,9 @@ def default_config(num_routes: int, n: int, k: int, num_experts: int, route_bloc
         split_k *= 2
     if split_k == 1 and route_block == 16 and num_routes <= DECODE_MIN_SPLIT_ROUTES and k_tiles // 2 >= MIN_TILES_PER_SPLIT:
         split_k = 2
+    blocks = expected_blocks(num_routes, num_experts, route_block)
     if (route_block == 16 and STREAM_K_PER_SM and programs * split_k < STREAM_K_BELOW_WAVES * STREAM_K_PER_SM * sm_count(device)
-            and cdiv(k_tiles, split_k) < STREAM_K_BELOW_TILES):
+            and cdiv(k_tiles, split_k) < STREAM_K_BELOW_TILES and blocks <= STREAM_K_MAX_BLOCKS):
         # runs of at least MIN_TILES_PER_SPLIT tiles and half the expected share of a program
         # (bounds the workspace: a unit meets at most k_tiles / run + 1 programs)
         share = programs * k_tiles / (STREAM_K_PER_SM * sm_count(device))

@@ -13,7 +13,7 @@ import torch
 import lutb_kernels.lut_b_gemm as op
 
 # name: (experts, hidden, intermediate, top_k)
-SHAPES = {"mixtral": (8, 4096, 14336, 2), "deepseek": (256, 7168, 2048, 8)}
+SHAPES = {"mixtral": (8, 4096, 14336, 2), "deepseek": (256, 7168, 2048, 8), "qwen3": (128, 2048, 768, 8)}
 
 
 @pytest.fixture
@@ -109,11 +109,13 @@ def test_pdl_only_on_cuda() -> None:
     ("mixtral", 8, "w2", False), ("mixtral", 32, "w2", False),  # under 2 waves, 28 / 56 tiles: 2-4% slower
     ("mixtral", 8, "w13", False), ("deepseek", 8, "w13", False), ("deepseek", 8, "w2", False),  # >= 2 waves
     ("deepseek", 32, "w2", False),
+    ("qwen3", 1, "w13", True), ("qwen3", 1, "w2", True),  # 8 blocks: the forward 4.3-4.6 us faster
+    ("qwen3", 8, "w2", False),  # 800 programs of 6 tiles, but ~50 blocks: the forward 3.3 us slower as stream-K
 ])
 def test_decode_runs_stream_k_only_on_short_grids(h200: torch.device, shape: str, tokens: int, gemm: str,
                                                   stream_k: bool) -> None:
     """Stream-K (4 programs per SM, 128 registers) where the plain grid would be under two waves of 4 programs
-    per SM of fewer than 16 K tiles each; a program's run is at least MIN_TILES_PER_SPLIT tiles and half its expected share (or a whole K
+    per SM of fewer than 16 K tiles each, over at most 16 routing blocks; a program's run is at least MIN_TILES_PER_SPLIT tiles and half its expected share (or a whole K
     row), which bounds the workspace slices."""
     experts, hidden, inter, top_k = SHAPES[shape]
     n, k = (2 * inter, hidden) if gemm == "w13" else (hidden, inter)
