@@ -33,7 +33,7 @@ Three decoders produce the same values (constexpr ``DECODER``):
   3-level select over the LUT, float32 scale multiply.
 
 Rotated planes (constexpr ``ROTATED``; how the packed experts keep their tiles on the GPU, see
-``lutb_kernels.lut_b_gemm.rotate_planes``): every plane-1 word is stored rotated left by 1 bit and
+``lutb_kernels.tiles.rotate_planes``): every plane-1 word is stored rotated left by 1 bit and
 every plane-2 word by 2, so the bits of column ``c`` sit at bits ``c``, ``c + 1`` and ``c + 2``
 (mod 32) of the three words. ``prmt2`` then builds a selector with two bit-selects, a mask and
 one rotation (4 integer instructions instead of 6); ``prmt`` and the pure decoder shift by
@@ -395,7 +395,7 @@ def decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N: tl.constexpr, G: tl.co
     """``prmt2`` decoder: the same bfloat16 ``[BLOCK_N, 32 G]`` as :func:`decode_prmt`, bit for bit.
 
     ``p0, p1, p2``: uint32 ``[BLOCK_N, G]`` plane words (``ROTATED``: planes 1 and 2 as stored by
-    ``lutb_kernels.lut_b_gemm.rotate_planes``, rotated left by 1 and 2 bits; the selector then
+    ``lutb_kernels.tiles.rotate_planes``, rotated left by 1 and 2 bits; the selector then
     takes 4 instead of 6 integer instructions); ``sw``: uint32 ``[BLOCK_N, G]``, the bf16 scale of
     each (row, group) in both halves (:func:`e8m0_bf16x2` or a broadcast half of
     :func:`e8m0_pairs_bf16x2`); ``l0, l1, h0, h1``: the tile's :func:`lut_bytes`, shape
