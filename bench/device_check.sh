@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # The one script to run on the GPU device, from the repo root, with the project NOT installed:
 #
-#   OUT=/some/dir bash bench/device_check.sh [all|tests|bench]     (default: all)
+#   OUT=/some/dir bash bench/device_check.sh [gemm-tests|tests|bench|interp]
 #
-#   tests: versions, kernel tests on the CPU interpreter (a process without the GPU), the @gpu
-#          kernel tests, SASS instruction counts of the packed kernel        (~4-6 min cold)
+#   gemm-tests: the @gpu tests of the LUT-B GEMM, its selectors and the dequantizer: every config
+#          against the reference, bit-exact decoder and layout checks               (~6-8 min cold)
+#   tests: the other @gpu tests: routing, MXFP8, experts (packed, emulated, dense prefill path),
+#          CUDA graphs, and the server's GPU tests (serving, compute worker)         (~5-7 min cold)
 #   bench: versions, bench/kernels.py into $OUT (BENCH_ARGS="--quick" / "--tune"), SASS counts,
-#          and the short table last                                           (~4-6 min cold)
-#   all:   both, in that order (may exceed a 10-minute command limit on a cold machine: then
-#          run "tests" and "bench" as two calls; the Triton cache in $TRITON_CACHE_DIR is shared)
+#          and the short table last                                                 (~4-6 min cold)
+#   interp: the Triton interpreter tests in a process without the GPU (CI runs them on the CPU
+#          with the same triton; here only to rule out a difference on the device)
+# Each phase fits one 10-minute device call; the Triton cache in $TRITON_CACHE_DIR is shared.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASE="${1:-all}"
+PHASE="${1:-tests}"
 OUT="${OUT:-bench/results/device-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$OUT"
 export PYTHONPATH="kernels:client:server${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,15 +29,18 @@ versions() {
   "$PY" -c "import pytest; print('pytest', pytest.__version__)"
 }
 
-tests() {
+gpu_tests() {  # log name, then test paths
+  local log="$OUT/$1.log"; shift
+  echo "== GPU tests $* (log: $log)"
+  timeout 540 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE "$@" > "$log" 2>&1 || status=1
+  grep -E "^(FAIL|FAILED|ERROR)|passed|failed" "$log" | tail -15
+}
+
+interp() {
   echo "== CPU interpreter kernel tests (no GPU visible)"
-  CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
+  CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 timeout 420 "$PY" -m pytest -q -p no:cacheprovider \
     tests/kernels/triton_interp tests/kernels/test_gpu_experts_without_triton.py > "$OUT/interp_tests.log" 2>&1 || status=1
   tail -3 "$OUT/interp_tests.log"
-  echo "== GPU tests (log: $OUT/gpu_tests.log)"
-  timeout 420 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kernels/test_routing_triton.py tests/kernels/test_mxfp8_triton.py tests/kernels/test_lut_b_gemm_selectors.py tests/kernels/test_lut_b_gemm.py \
-    tests/kernels/test_experts_gpu.py > "$OUT/gpu_tests.log" 2>&1 || status=1
-  grep -E "^(FAIL|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15
 }
 
 sass() {
@@ -55,9 +61,12 @@ table() {
 
 versions
 case "$PHASE" in
-  tests) tests; sass ;;
+  gemm-tests) gpu_tests gpu_tests_gemm tests/kernels/test_lut_b_gemm.py tests/kernels/test_lut_b_gemm_selectors.py \
+                tests/kernels/test_lut_b_dequant.py ;;
+  tests) gpu_tests gpu_tests tests/kernels/test_routing_triton.py tests/kernels/test_mxfp8_triton.py \
+           tests/kernels/test_experts_gpu.py tests/kernels/test_cuda_graphs.py tests/server ;;
   bench) bench; sass; table ;;
-  all) tests; bench; sass; table ;;
-  *) echo "usage: bash bench/device_check.sh [all|tests|bench]"; exit 2 ;;
+  interp) interp ;;
+  *) echo "usage: bash bench/device_check.sh [gemm-tests|tests|bench|interp]"; exit 2 ;;
 esac
 exit $status

@@ -6,7 +6,7 @@
 #
 # Stages, each under its own timeout so one slow stage cannot eat the call (shared Triton cache):
 #   1. GPU smoke tests guarding the numbers (dequant, selectors, experts; -x) <= 150 s
-#      (the full GPU kernel suite is `bash bench/device_check.sh tests`, a call of its own)
+#      (the full GPU suites are `bash bench/device_check.sh gemm-tests` and `... tests`, a call each)
 #   2. breakdown: per-stage times of the packed forward, T 1/8/32          <= 120 s
 #   3. full bench: bench/kernels.py, all shapes, all T (+ prefill path A/B) <= 170 s
 #   4. tune sweep: GEMM alone, decode + large T, mixtral/deepseek           <= 80 s (stops starting shapes at 50 s)
