@@ -131,3 +131,22 @@ def test_act_masked_rows_untouched_and_unflagged() -> None:
     assert torch.equal(out[mask], mt.act_mxfp8_qdq_reference(h, "silu", row_mask=mask)[mask])
     with pytest.raises(NonFiniteInputError):
         mt.act_mxfp8_qdq(h, "silu")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_fit_block_rows_gives_the_same_bytes(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """``FIT_BLOCK_ROWS`` (fewer rows per program for batches smaller than a block) changes no byte: quantize in
+    decoder order, QDQ with a row weight, and the gated activation's QDQ with a row mask, against the same
+    launches with the switch off."""
+    x = _edge_rows(torch.float32, rows, 64, seed=rows)
+    h = _edge_rows(torch.float32, rows, 128, seed=rows + 7)
+    weight = torch.rand(rows, generator=torch.Generator().manual_seed(rows))
+    mask = torch.arange(rows) % 2 == 0
+    outs = []
+    for fit in (False, True):
+        monkeypatch.setattr(mt, "FIT_BLOCK_ROWS", fit)
+        q, s = mt.mxfp8_quantize(x, k_order="decoder")
+        outs.append((q.view(torch.uint8), s, mt.mxfp8_qdq(x, row_weight=weight),
+                     mt.act_mxfp8_qdq(h, "silu", row_mask=mask)[mask]))  # masked rows are left unwritten
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
