@@ -133,6 +133,7 @@ def test_act_masked_rows_untouched_and_unflagged() -> None:
         mt.act_mxfp8_qdq(h, "silu")
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # silu of the edge rows' -2**100
 @pytest.mark.parametrize("rows", [1, 2, 3, 5])
 def test_fit_block_rows_gives_the_same_bytes(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
     """``FIT_BLOCK_ROWS`` (fewer rows per program for batches smaller than a block) changes no byte: quantize in
