@@ -136,3 +136,28 @@ def test_larger_routing_blocks_keep_the_plain_grid(h200: torch.device) -> None:
     experts, hidden, inter, top_k = SHAPES["deepseek"]
     for block in (32, 64, 128):
         assert op.default_config(2048 * top_k, 2 * inter, hidden, experts, block, h200).stream_k == 0
+
+
+def test_stream_k_pieces_fit_the_workspace() -> None:
+    """The stream-K split (``stream_k_run``, replayed here in Python) never gives a unit more partials than the
+    ``cdiv(k_tiles, tiles_per_split) + 1`` workspace slices ``lut_b_moe_gemm`` allocates, every program's run
+    stays inside the items, and the units' pieces cover each K tile exactly once."""
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    for k_tiles in (1, 2, 3, 7, 16, 56, 112):
+        for split_k in (1, 2, 3, 4, 8, 16):
+            min_run = cdiv(k_tiles, min(split_k, k_tiles))
+            slices = cdiv(k_tiles, min_run) + 1
+            for units in (1, 2, 3, 8, 33, 448):
+                for programs in (8, 132, 528):
+                    items = units * k_tiles
+                    run = max(cdiv(items, programs), min_run)
+                    covered = [0] * items
+                    for p in range(programs):
+                        for it in range(p * run, min((p + 1) * run, items)):
+                            covered[it] += 1
+                    assert covered == [1] * items
+                    for u in range(units):
+                        first, last = u * k_tiles // run, ((u + 1) * k_tiles - 1) // run
+                        assert last - first + 1 <= slices, (k_tiles, split_k, units, programs)
