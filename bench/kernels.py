@@ -525,7 +525,8 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
                 cands["decoder=prmt"] = LutBGemmConfig(**{**base.__dict__, "decoder": "prmt"})
                 # the same configs on the checkpoint's plane layout (the selector's shifts back)
                 cands["checkpoint planes"] = base
-                cands["plain grid, checkpoint planes"] = plain
+                if plain != base:
+                    cands["plain grid, checkpoint planes"] = plain
                 cands["prefetch"] = LutBGemmConfig(**{**base.__dict__, "prefetch": True})
                 cands["stages=4"] = LutBGemmConfig(**{**base.__dict__, "num_stages": 4})
                 for regs in (None, 96, 80):  # the compiler's choice (127 at decode: 4 blocks per SM), 5 and 6 blocks

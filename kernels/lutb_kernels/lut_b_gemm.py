@@ -197,14 +197,14 @@ def default_config(num_routes: int, n: int, k: int, num_experts: int, route_bloc
                               num_warps=tuned.get("num_warps", warps), num_stages=tuned.get("num_stages", stages),
                               groups_per_step=1, tile_loop=tuned.get("tile_loop", True), prefetch=tuned.get("prefetch", False),
                               unroll=tuned.get("unroll", TILE_UNROLL), maxnreg=tuned.get("maxnreg", maxnreg))
-    programs = expected_blocks(num_routes, num_experts, route_block) * (route_block // block_m) * (n // block_n)
+    blocks = expected_blocks(num_routes, num_experts, route_block)
+    programs = blocks * (route_block // block_m) * (n // block_n)
     target = waves * sm_count(device)
     split_k = 1
     while programs * split_k < target and k_tiles // (split_k * 2) >= MIN_TILES_PER_SPLIT:
         split_k *= 2
     if split_k == 1 and route_block == 16 and num_routes <= DECODE_MIN_SPLIT_ROUTES and k_tiles // 2 >= MIN_TILES_PER_SPLIT:
         split_k = 2
-    blocks = expected_blocks(num_routes, num_experts, route_block)
     if (route_block == 16 and STREAM_K_PER_SM and programs * split_k < STREAM_K_BELOW_WAVES * STREAM_K_PER_SM * sm_count(device)
             and cdiv(k_tiles, split_k) < STREAM_K_BELOW_TILES and blocks <= STREAM_K_MAX_BLOCKS):
         # runs of at least MIN_TILES_PER_SPLIT tiles and half the expected share of a program

@@ -218,7 +218,7 @@ def rotate_planes(tiles: torch.Tensor, *, inverse: bool = False) -> torch.Tensor
         raise ValueError(f"tiles must be uint8 [..., {TILE_BYTES}], got {tiles.dtype} {tuple(tiles.shape)}")
     words = tiles.contiguous().view(torch.int32).clone()
     planes = words[..., 132:].unflatten(-1, (-1, 3))
-    p1, p2 = planes[..., 1].clone(), planes[..., 2].clone()
+    p1, p2 = planes[..., 1], planes[..., 2]  # each right-hand side is computed before its store
     if inverse:  # int32 >> is arithmetic: mask the sign copies off
         planes[..., 1] = ((p1 >> 1) & 0x7FFFFFFF) | (p1 << 31)
         planes[..., 2] = ((p2 >> 2) & 0x3FFFFFFF) | (p2 << 30)
