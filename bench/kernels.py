@@ -262,7 +262,6 @@ AB_SWITCHES = {
     "pdl": ("lutb_kernels._grouped_gemm_details.launch", "PDL", True, False),
     "unroll": ("lutb_kernels.lut_b_gemm", "TILE_UNROLL", 2, 1),
     "stream_k": ("lutb_kernels.lut_b_gemm", "STREAM_K_PER_SM", 4, 0),
-    "fit_rows": ("lutb_kernels.mxfp8_triton", "FIT_BLOCK_ROWS", True, False),
 }
 AB = ()  # the switches to A/B (set from the command line)
 
@@ -861,8 +860,7 @@ def main() -> int:
                         help="time only the GEMM configs whose name contains one of these (and the default)")
     parser.add_argument("--ab", nargs="*", default=[], choices=list(AB_SWITCHES),
                         help="also time packed with each of these switches on and off (interleaved pairs): pdl "
-                             "(programmatic dependent launch), unroll (TILE_UNROLL 2 vs 1), stream_k (STREAM_K_PER_SM 4 vs 0), "
-                             "fit_rows (the MXFP8 kernels' FIT_BLOCK_ROWS on/off)")
+                             "(programmatic dependent launch), unroll (TILE_UNROLL 2 vs 1), stream_k (STREAM_K_PER_SM 4 vs 0)")
     args = parser.parse_args()
     global AB
     AB = tuple(args.ab)

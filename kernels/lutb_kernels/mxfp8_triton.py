@@ -99,14 +99,6 @@ def _check_flag(nonfinite: torch.Tensor | None, device: torch.device) -> None:
         raise ValueError(f"nonfinite must be an int32 [1] tensor on {device}")
 
 
-# Shrink the rows per program to the batch (next power of two) when it has fewer rows than a
-# block: at decode the activation QDQ of mixtral T=1 runs 2 rows in blocks of 16, computing 8x
-# the elements it keeps. A module constant so that bench/kernels.py --ab fit_rows can time the
-# packed forward both ways; off until it has been timed on a GPU (written 2026-12-04, no device
-# time left that session).
-FIT_BLOCK_ROWS = False
-
-
 def _launch(
     x2: torch.Tensor,
     k_out: int,
@@ -135,8 +127,10 @@ def _launch(
     if m and k_out:
         block_k = min(256, triton_next_pow2(k_out))
         block_r = max(1, min(64, 4096 // block_k)) if not interpreting() else max(1, min(4, 256 // block_k))
-        if FIT_BLOCK_ROWS:  # a batch of fewer rows than a block: no program computes rows that are all masked
-            block_r = min(block_r, triton_next_pow2(m))
+        # A batch of fewer rows than a block gets a block of its size (next power of two): at decode the
+        # activation QDQ of mixtral T=1 would otherwise compute 2 rows in blocks of 16. Measured 1.5-5.6 us
+        # off every packed forward at T = 1 and 8 (bench/results/2026-12-04-fit-rows-h200.md).
+        block_r = min(block_r, triton_next_pow2(m))
         mask_arg = flag if row_mask is None else row_mask.reshape(-1).view(torch.int8)
         grid = (triton_cdiv(m, block_r), triton_cdiv(k_out, block_k))
         K.mxfp8_quantize_kernel[grid](
