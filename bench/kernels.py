@@ -262,6 +262,7 @@ AB_SWITCHES = {
     "pdl": ("lutb_kernels._grouped_gemm_details.launch", "PDL", True, False),
     "unroll": ("lutb_kernels.lut_b_gemm", "TILE_UNROLL", 2, 1),
     "stream_k": ("lutb_kernels.lut_b_gemm", "STREAM_K_PER_SM", 4, 0),
+    "qdq_grid": ("lutb_kernels.mxfp8_triton", "QDQ_PROGRAMS_PER_SM", 8, 0),
 }
 AB = ()  # the switches to A/B (set from the command line)
 
@@ -860,7 +861,8 @@ def main() -> int:
                         help="time only the GEMM configs whose name contains one of these (and the default)")
     parser.add_argument("--ab", nargs="*", default=[], choices=list(AB_SWITCHES),
                         help="also time packed with each of these switches on and off (interleaved pairs): pdl "
-                             "(programmatic dependent launch), unroll (TILE_UNROLL 2 vs 1), stream_k (STREAM_K_PER_SM 4 vs 0)")
+                             "(programmatic dependent launch), unroll (TILE_UNROLL 2 vs 1), stream_k (STREAM_K_PER_SM 4 vs 0), "
+                             "qdq_grid (the MXFP8 kernels' QDQ_PROGRAMS_PER_SM 8 vs 0)")
     args = parser.parse_args()
     global AB
     AB = tuple(args.ab)

@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from lutb_kernels._grouped_gemm_details.launch import pdl_launch
+from lutb_kernels._grouped_gemm_details.launch import pdl_launch, sm_count
 from lutb_kernels.activations import apply_activation, check_activation, is_gated
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.mxfp8 import BLOCK, ScaleMode, check_scale_mode
@@ -99,6 +99,30 @@ def _check_flag(nonfinite: torch.Tensor | None, device: torch.device) -> None:
         raise ValueError(f"nonfinite must be an int32 [1] tensor on {device}")
 
 
+# Programs per SM a quantization launch aims for: blocks of rows shrink until the grid holds this
+# many (0: they only shrink to the batch). Every element costs a fixed ~60 integer instructions (the
+# e4m3 rounding and scale from bits), so a grid of few large blocks is latency-bound: mixtral T=32's
+# activation QDQ (64 x 14336 outputs in 224 programs of 16 x 256) took 16.3 us, the QDQ of its x
+# (32 programs of 16 x 256) 6.6 us (bench/results/2026-12-04-stream-k-h200.md, breakdown).
+QDQ_PROGRAMS_PER_SM = 8
+
+
+def rows_per_program(m: int, k_blocks: int, cap: int, device: torch.device) -> int:
+    """Rows per program of a quantization launch over ``m`` rows and ``k_blocks`` column blocks.
+
+    ``cap`` (a power of two; the largest block the launch allows) shrunk to the batch (next power of
+    two: mixtral T=1's activation has 2 rows, which blocks of 16 computed 8 times over; measured
+    1.5-5.6 us off every packed forward at T = 1 and 8, bench/results/2026-12-04-fit-rows-h200.md),
+    then halved while the grid would hold fewer than ``QDQ_PROGRAMS_PER_SM`` programs per SM.
+    Only the launch changes: every element is computed the same way in any block.
+    """
+    block_r = min(cap, triton_next_pow2(m))
+    target = QDQ_PROGRAMS_PER_SM * sm_count(device)
+    while block_r > 1 and triton_cdiv(m, block_r) * k_blocks < target:
+        block_r //= 2
+    return block_r
+
+
 def _launch(
     x2: torch.Tensor,
     k_out: int,
@@ -126,11 +150,8 @@ def _launch(
     flag = torch.zeros(1, dtype=torch.int32, device=device) if own_flag else nonfinite
     if m and k_out:
         block_k = min(256, triton_next_pow2(k_out))
-        block_r = max(1, min(64, 4096 // block_k)) if not interpreting() else max(1, min(4, 256 // block_k))
-        # A batch of fewer rows than a block gets a block of its size (next power of two): at decode the
-        # activation QDQ of mixtral T=1 would otherwise compute 2 rows in blocks of 16. Measured 1.5-5.6 us
-        # off every packed forward at T = 1 and 8 (bench/results/2026-12-04-fit-rows-h200.md).
-        block_r = min(block_r, triton_next_pow2(m))
+        cap = max(1, min(64, 4096 // block_k)) if not interpreting() else max(1, min(4, 256 // block_k))
+        block_r = rows_per_program(m, triton_cdiv(k_out, block_k), cap, device)
         mask_arg = flag if row_mask is None else row_mask.reshape(-1).view(torch.int8)
         grid = (triton_cdiv(m, block_r), triton_cdiv(k_out, block_k))
         K.mxfp8_quantize_kernel[grid](

@@ -28,7 +28,7 @@ def _x(dtype: torch.dtype, rows: int, k: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
-@pytest.mark.parametrize("rows,k", [(1, 128), (7, 2048), (64, 768), (1000, 4096)])
+@pytest.mark.parametrize("rows,k", [(1, 128), (7, 2048), (64, 768), (1000, 4096), (8191, 2048)])  # on an H200: 1, 1, 1, 8, 16 rows per program
 def test_quantize_bit_exact_gpu(dtype: torch.dtype, mode: str, rows: int, k: int) -> None:
     from lutb_kernels import mxfp8_triton as mt
 
