@@ -100,10 +100,12 @@ def _check_flag(nonfinite: torch.Tensor | None, device: torch.device) -> None:
 
 
 # Programs per SM a quantization launch aims for: blocks of rows shrink until the grid holds this
-# many (0: they only shrink to the batch). Every element costs a fixed ~60 integer instructions (the
-# e4m3 rounding and scale from bits), so a grid of few large blocks is latency-bound: mixtral T=32's
-# activation QDQ (64 x 14336 outputs in 224 programs of 16 x 256) took 16.3 us, the QDQ of its x
-# (32 programs of 16 x 256) 6.6 us (bench/results/2026-12-04-stream-k-h200.md, breakdown).
+# many (0: they only shrink to the batch). Every element goes through a fixed chain of integer
+# operations (e4m3 rounding, the scale from bits), so a grid of few large blocks runs as a few long
+# programs: mixtral T=32's activation QDQ (64 x 14336 outputs in 224 programs of 16 x 256) took
+# 16.3 us, the QDQ of its x (32 programs of 16 x 256) 6.6 us (bench/results/2026-12-04-stream-k-h200.md,
+# breakdown). At 8 per SM the packed forward gained 0.3-1.8 us at T=1, 7.7-8.4 at T=8 and 7.9-15.4 at
+# T=32 (bench/results/2026-12-04-qdq-grid-h200.md).
 QDQ_PROGRAMS_PER_SM = 8
 
 
