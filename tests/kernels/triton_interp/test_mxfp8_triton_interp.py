@@ -134,10 +134,13 @@ def test_act_masked_rows_untouched_and_unflagged() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # silu of the edge rows' -2**100
+@pytest.mark.parametrize("programs_per_sm", [0, 8])  # 0: blocks of 2-4 rows (fitted to the batch); 8: one row each here
 @pytest.mark.parametrize("rows", [1, 2, 3, 5])
-def test_batches_smaller_than_a_block_give_the_reference_bytes(rows: int) -> None:
-    """Batches of fewer rows than a block run in a block fitted to them (next power of two): quantize in decoder
-    order, QDQ with a row weight, and the gated activation's QDQ with a row mask, each against its reference."""
+def test_row_blocks_give_the_reference_bytes(monkeypatch: pytest.MonkeyPatch, rows: int, programs_per_sm: int) -> None:
+    """Any rows per program (fitted to the batch, or shrunk to fill the GPU) gives the same bytes: quantize in
+    decoder order, QDQ with a row weight, and the gated activation's QDQ with a row mask, each against its
+    reference."""
+    monkeypatch.setattr(mt, "QDQ_PROGRAMS_PER_SM", programs_per_sm)
     x = _edge_rows(torch.float32, rows, 64, seed=rows)
     h = _edge_rows(torch.float32, rows, 128, seed=rows + 7)
     weight = torch.rand(rows, generator=torch.Generator().manual_seed(rows))
