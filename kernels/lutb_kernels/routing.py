@@ -10,6 +10,12 @@ from __future__ import annotations
 import torch
 
 
+def check_held_out(held_out: torch.Tensor, num_routes: int, device: torch.device) -> None:
+    if held_out.dtype != torch.bool or held_out.numel() != num_routes or not held_out.is_contiguous() or held_out.device != device:
+        raise ValueError(f"held_out must be a contiguous bool tensor of {num_routes} elements on {device}, "
+                         f"got {held_out.dtype} {tuple(held_out.shape)} on {held_out.device}")
+
+
 def max_padded_routes(num_routes: int, block_m: int, num_experts: int) -> int:
     """Upper bound on the padded route count: every expert may waste ``block_m - 1`` rows."""
     return num_routes + num_experts * (block_m - 1)
@@ -20,6 +26,8 @@ def moe_align_block_size(
     block_m: int,
     num_experts: int,
     expert_map: torch.Tensor | None = None,
+    *,
+    held_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort routes by expert and pad each expert's run to a multiple of ``block_m``.
 
@@ -32,6 +40,9 @@ def moe_align_block_size(
         expert_map: optional int32 ``[num_experts]`` mapping a global id to the local
             index of the expert held, or -1 when it is not held. Routes to experts not
             held get no rows at all (they contribute zero).
+        held_out: optional contiguous bool tensor of ``T*k`` elements (e.g. ``[T, k]``), filled
+            with whether each route's expert is held (True for every route without a map): the
+            mask a shard's combine and activation need, from the same pass.
 
     Returns:
         ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``:
@@ -54,6 +65,9 @@ def moe_align_block_size(
     else:
         local = expert_map.to(device=device, dtype=torch.long)[flat]
     held = local >= 0
+    if held_out is not None:
+        check_held_out(held_out, num_routes, device)
+        held_out.view(-1).copy_(held)
     # Routes to experts not held sort after every held one, into a bucket that gets no rows.
     bucket = torch.where(held, local, torch.full_like(local, num_experts))
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from lutb_kernels._grouped_gemm_details.launch import pdl_launch
-from lutb_kernels.routing import max_padded_routes
+from lutb_kernels.routing import check_held_out, max_padded_routes
 from lutb_kernels.routing import moe_align_block_size as moe_align_block_size_reference
 
 __all__ = [
@@ -121,6 +121,7 @@ def moe_align_block_size_triton(
     expert_map: torch.Tensor | None = None,
     *,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    held_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort routes by expert and pad each expert's run to a multiple of ``block_m`` (one Triton launch).
 
@@ -134,6 +135,9 @@ def moe_align_block_size_triton(
             held; routes to experts not held get no rows.
         out: optional preallocated ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``
             with the shapes below (every element is written).
+        held_out: optional contiguous bool tensor of ``T*k`` elements, filled with whether each
+            route's expert is held (in range and, with a map, mapped): the same launch writes the
+            mask a shard's combine needs (one byte per route), instead of three torch launches.
 
     Returns:
         ``(sorted_token_ids, expert_ids, num_tokens_post_padded)`` as
@@ -162,6 +166,8 @@ def moe_align_block_size_triton(
         expert_map = expert_map.reshape(-1).contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     num_routes = ids.numel()
+    if held_out is not None:
+        check_held_out(held_out, num_routes, device)
     max_padded = max_padded_routes(num_routes, block_m, num_experts)
     num_blocks = -(-max_padded // block_m)
     launch = routing_launch(num_routes, num_experts, max_padded, num_blocks)
@@ -181,8 +187,10 @@ def moe_align_block_size_triton(
 
     moe_align_block_size_kernel[(1,)](
         ids, expert_map if expert_map is not None else ids, sorted_ids, expert_ids, total, run,
+        held_out.view(torch.int8) if held_out is not None else run,
         num_routes, num_experts, block_m, max_padded, num_blocks,
         HAS_MAP=expert_map is not None,
+        HAS_HELD=held_out is not None,
         ONEHOT=launch.onehot,
         E_PAD=launch.e_pad,
         RANK_C=launch.rank_chunk,

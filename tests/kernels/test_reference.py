@@ -172,8 +172,10 @@ def test_moe_align_block_size_matches_hand_layout(tokens: int, k: int, experts: 
         emap = torch.full((experts,), -1, dtype=torch.int32)
         held = torch.arange(0, experts, 2)
         emap[held] = torch.arange(held.numel(), dtype=torch.int32)
-    sorted_ids, expert_ids, total = moe_align_block_size(ids, block, experts, emap)
+    held = torch.rand(tokens, k, generator=gen) < 0.5  # poison: every element must be written
+    sorted_ids, expert_ids, total = moe_align_block_size(ids, block, experts, emap, held_out=held)
     rows, block_experts = _align_by_hand(ids, block, experts, emap)
+    assert held.tolist() == [[emap is None or int(emap[e]) >= 0 for e in row] for row in ids.tolist()]
     n = int(total)
     assert n == len(rows)
     assert sorted_ids[:n].tolist() == rows
@@ -181,3 +183,10 @@ def test_moe_align_block_size_matches_hand_layout(tokens: int, k: int, experts: 
     assert expert_ids[: n // block].tolist() == block_experts
     assert (expert_ids[n // block :] == -1).all()
     assert sorted_ids.numel() == ids.numel() + experts * (block - 1)
+
+
+def test_moe_align_block_size_refuses_a_bad_held_out() -> None:
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    for bad in (torch.zeros(3, 2, dtype=torch.int8), torch.zeros(5, dtype=torch.bool), torch.zeros(2, 3, dtype=torch.bool).t()):
+        with pytest.raises(ValueError, match="held_out"):
+            moe_align_block_size(ids, 4, 2, held_out=bad)

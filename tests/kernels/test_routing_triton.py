@@ -51,9 +51,13 @@ def test_matches_torch_gpu(tokens: int, top_k: int, experts: int, skewed: bool) 
     for block_m in (16, 64, 128):
         for sharded in (False, True):
             ids, emap = _inputs(tokens, top_k, experts, tokens + top_k + experts + block_m, skewed=skewed, sharded=sharded)
-            ref = moe_align_block_size(ids, block_m, experts, emap)
+            ref_held = torch.rand(tokens, top_k, device="cuda") < 0.5  # poison: every flag must be written
+            ref = moe_align_block_size(ids, block_m, experts, emap, held_out=ref_held)
             out = _poisoned(ids.numel(), block_m, experts)
-            _assert_equal(moe_align_block_size_triton(ids, block_m, experts, emap, out=out), ref)
+            held = ~ref_held
+            _assert_equal(moe_align_block_size_triton(ids, block_m, experts, emap, out=out, held_out=held), ref)
+            assert torch.equal(held, ref_held)
+            assert torch.equal(held, emap.long()[ids.long()] >= 0 if emap is not None else torch.ones_like(held))
             if block_m == 16:  # int64 ids, the op's own allocation (fewer compiled variants)
                 _assert_equal(moe_align_block_size_triton(ids.long(), block_m, experts, emap), ref)
 

@@ -5,7 +5,7 @@ barrier: what a thread stored to global memory before it is seen by every thread
 orders the phases that read what another thread wrote:
 
 1. count: per chunk of ``HIST_C`` routes, ``tl.histogram`` of the held routes' local experts,
-   summed in registers (``counts [E_PAD]``);
+   summed in registers (``counts [E_PAD]``); with ``HAS_HELD`` each route's held flag is stored;
 2. layout: padded counts, their inclusive scan ``padded_end``, ``padded_start``, the total
    (stored); the sentinel over all of ``sorted_token_ids``; barrier;
 3. place: per chunk of ``RANK_C`` routes, a held route goes to ``padded_start[e]`` + its rank
@@ -74,12 +74,14 @@ def moe_align_block_size_kernel(
     expert_ids_ptr,  # int32 [NUM_BLOCKS] out: local expert of each block, -1 past the total
     total_ptr,  # int32 [1] out: rows in use
     run_ptr,  # int32 [E_PAD] scratch: running per-expert destinations (not ONEHOT)
+    held_ptr,  # int8 [R] out: 1 where the route's expert is held, else 0 (HAS_HELD)
     R,  # routes (T * k)
     E,  # num_experts
     BM,  # block_m
     MAX_PADDED,  # R + E * (BM - 1)
     NUM_BLOCKS,  # ceil(MAX_PADDED / BM)
     HAS_MAP: tl.constexpr,
+    HAS_HELD: tl.constexpr,
     ONEHOT: tl.constexpr,
     E_PAD: tl.constexpr,  # power of two >= E
     RANK_C: tl.constexpr,  # routes per chunk in phase 3
@@ -97,6 +99,8 @@ def moe_align_block_size_kernel(
         offs = start + tl.arange(0, HIST_C)
         bucket, held = _route_buckets(ids_ptr, map_ptr, offs, R, E, HAS_MAP)
         counts += tl.histogram(bucket, E_PAD, mask=held)
+        if HAS_HELD:
+            tl.store(held_ptr + offs, held.to(tl.int8), mask=offs < R)
 
     # 2. padded layout, total, sentinel fill
     padded = (counts + BM - 1) // BM * BM

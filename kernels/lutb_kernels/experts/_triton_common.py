@@ -3,9 +3,9 @@
 The skeleton (spec section 4, for every backend that batches the experts with grouped GEMMs)::
 
     check_forward_args (host sync: topk id range)
-    held = expert_map[topk_ids] >= 0                              [T, k]; None for a whole layer
-    routing = moe_align_block_size(topk_ids, route_block, E, expert_map)   one Triton launch at decode
-                                                                  sizes, torch ops above (triton_routing_wins)
+    routing, held = moe_align_block_size(topk_ids, route_block, E, expert_map)   one Triton launch at
+                                                                  decode sizes, torch ops above (triton_routing_wins);
+                                                                  held [T, k]: route's expert held here (shards only)
     y = backend._routed_forward(...)                              [T*k, H], rows of held routes
     flag check (host sync: NaN/Inf met by an MXFP8 quantization)
     combined:    moe_combine(y, held)   (float32 sum over held routes, rounded to d)
@@ -216,10 +216,11 @@ class RoutedTritonExperts(LayerExperts):
             nonfinite = torch.zeros(1, dtype=torch.int32, device=self.device)
         x = x.contiguous()
         weights = topk_weights.float().contiguous()
-        held = None if self.whole_layer else self._emap[topk_ids.long()] >= 0  # [T, k]; three launches saved when whole
+        # [T, k]: which routes go to experts held here, written by the routing op (no mask for a whole layer)
+        held = None if self.whole_layer else torch.empty((tokens, top_k), dtype=torch.bool, device=self.device)
         route_block = self.route_block(tokens * top_k)
         align = moe_align_block_size_triton if triton_routing_wins(topk_ids.numel(), self.config.num_experts) else moe_align_block_size
-        routing = align(topk_ids, route_block, self.config.num_experts, expert_map=self._emap)
+        routing = align(topk_ids, route_block, self.config.num_experts, expert_map=self._emap, held_out=held)
         y = self._routed_forward(
             x, weights, held, routing, top_k, route_block, nonfinite,
             weight_on_input=apply_router_weight_on_input,

@@ -43,11 +43,17 @@ def _poisoned_out(num_routes: int, block_m: int, experts: int) -> tuple[torch.Te
             torch.full((1,), POISON, dtype=torch.int32))
 
 
+def _held_by_hand(ids: torch.Tensor, experts: int, emap: torch.Tensor | None) -> list[bool]:
+    return [0 <= e < experts and (emap is None or int(emap[e]) >= 0) for e in ids.reshape(-1).tolist()]
+
+
 def _check(ids: torch.Tensor, block_m: int, experts: int, emap: torch.Tensor | None) -> None:
     ref = moe_align_block_size(ids, block_m, experts, emap)
     out = _poisoned_out(ids.numel(), block_m, experts)
-    got = moe_align_block_size_triton(ids, block_m, experts, emap, out=out)
+    held = torch.rand(ids.shape) < 0.5  # poison: every route's flag must be written
+    got = moe_align_block_size_triton(ids, block_m, experts, emap, out=out, held_out=held)
     assert all(g is o for g, o in zip(got, out))
+    assert held.reshape(-1).tolist() == _held_by_hand(ids, experts, emap)
     for name, g, r in zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), got, ref):
         assert g.dtype == r.dtype == torch.int32 and g.shape == r.shape, name
         assert torch.equal(g, r), (name, (g != r).nonzero()[:8].flatten().tolist())
@@ -107,7 +113,9 @@ def test_block_m_one_and_single_expert() -> None:
 def test_ids_out_of_range_get_no_rows() -> None:
     """Not the reference's contract (it indexes out of range): the kernel must stay in bounds."""
     ids = torch.tensor([[0, 9], [-1, 2], [1, 3]], dtype=torch.int32)  # 9, -1 and 3 are not experts of 3
-    sorted_ids, expert_ids, total = moe_align_block_size_triton(ids, 4, 3)  # 6 + 3 * 3 = 15 rows, 4 blocks
+    held = torch.ones(3, 2, dtype=torch.bool)
+    sorted_ids, expert_ids, total = moe_align_block_size_triton(ids, 4, 3, held_out=held)  # 6 + 3 * 3 = 15 rows, 4 blocks
+    assert held.tolist() == [[True, False], [False, True], [True, False]]
     assert int(total) == 12 and sorted_ids.numel() == 15
     assert sorted_ids[:12].tolist() == [0, 6, 6, 6, 4, 6, 6, 6, 3, 6, 6, 6]
     assert expert_ids.tolist() == [0, 1, 2, -1]
@@ -118,6 +126,10 @@ def test_bad_arguments_refused() -> None:
     ids = torch.zeros(2, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="topk_ids"):
         moe_align_block_size_triton(ids.float(), 16, 4)
+    with pytest.raises(ValueError, match="held_out"):
+        moe_align_block_size_triton(ids, 16, 4, held_out=torch.zeros(4, dtype=torch.int8))
+    with pytest.raises(ValueError, match="held_out"):
+        moe_align_block_size_triton(ids, 16, 4, held_out=torch.zeros(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="block_m"):
         moe_align_block_size_triton(ids, 0, 4)
     with pytest.raises(ValueError, match="expert_map"):
