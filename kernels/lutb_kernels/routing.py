@@ -11,6 +11,7 @@ import torch
 
 
 def check_held_out(held_out: torch.Tensor, num_routes: int, device: torch.device) -> None:
+    """Refuse a ``held_out`` that is not a contiguous bool tensor of ``num_routes`` elements on ``device``."""
     if held_out.dtype != torch.bool or held_out.numel() != num_routes or not held_out.is_contiguous() or held_out.device != device:
         raise ValueError(f"held_out must be a contiguous bool tensor of {num_routes} elements on {device}, "
                          f"got {held_out.dtype} {tuple(held_out.shape)} on {held_out.device}")

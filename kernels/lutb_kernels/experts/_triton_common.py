@@ -3,9 +3,10 @@
 The skeleton (spec section 4, for every backend that batches the experts with grouped GEMMs)::
 
     check_forward_args (host sync: topk id range)
-    routing, held = moe_align_block_size(topk_ids, route_block, E, expert_map)   one Triton launch at
-                                                                  decode sizes, torch ops above (triton_routing_wins);
-                                                                  held [T, k]: route's expert held here (shards only)
+    routing = moe_align_block_size(topk_ids, route_block, E, expert_map, held_out=held)
+                                                                  one Triton launch at decode sizes, torch ops above
+                                                                  (triton_routing_wins); held: bool [T, k], the
+                                                                  route's expert is held here (None: whole layer)
     y = backend._routed_forward(...)                              [T*k, H], rows of held routes
     flag check (host sync: NaN/Inf met by an MXFP8 quantization)
     combined:    moe_combine(y, held)   (float32 sum over held routes, rounded to d)
