@@ -334,6 +334,7 @@ def _child_serve(config: dict[str, Any]) -> None:
     """Run ``lutb serve`` with these settings until SIGTERM (optionally under cProfile)."""
     import logging
 
+    from lutb_server import event_loop
     from lutb_server.app import serve
     from lutb_server.settings import ServerSettings
 
@@ -341,7 +342,7 @@ def _child_serve(config: dict[str, Any]) -> None:
     profile_path = config.pop("_cprofile", None)
     settings = ServerSettings(**config)
     if profile_path is None:
-        asyncio.run(serve(settings))
+        event_loop.run(serve(settings))
         return
     import cProfile
     import pstats
@@ -357,7 +358,7 @@ def _child_serve(config: dict[str, Any]) -> None:
         except Exception:  # noqa: BLE001 - "another profiler is active": the main one covers the worker
             pass
 
-    asyncio.run(serve(settings, on_ready=ready))
+    event_loop.run(serve(settings, on_ready=ready))
     main_prof.disable()
     with open(profile_path, "w") as fh:
         profiles = [("event-loop thread" + ("" if holder else " (all threads on Python >= 3.12)"), main_prof)]
@@ -370,7 +371,10 @@ def _child_serve(config: dict[str, Any]) -> None:
 
 
 def _child_echo(port: int) -> None:
+    """The transport floor: a bare grpc.aio echo on the event loop the server runs on (lutb_server.event_loop)."""
     import grpc
+
+    from lutb_server import event_loop
 
     cache: dict[int, bytes] = {}
 
@@ -398,7 +402,7 @@ def _child_echo(port: int) -> None:
         await stop.wait()
         await server.stop(0)
 
-    asyncio.run(main())
+    event_loop.run(main())
 
 
 def echo_payloads(request_bytes: int, response_bytes: int) -> list[bytes]:

@@ -98,6 +98,7 @@ def _child_serve(config: dict[str, Any]) -> None:
     import torch
 
     from lutb_kernels.checkpoint import Checkpoint
+    from lutb_server import event_loop
     from lutb_server.app import serve
     from lutb_server.backends import BackendChoice
     from lutb_server.engine import ExpertEngine
@@ -115,7 +116,7 @@ def _child_serve(config: dict[str, Any]) -> None:
 
     if switch_us:  # an experiment: the GIL hand-over between the event loop and the compute worker
         sys.setswitchinterval(switch_us / 1e6)
-    asyncio.run(serve(settings, engine_loader=loader))
+    event_loop.run(serve(settings, engine_loader=loader))
 
 
 # ----------------------------------------------------------------------------- load generator (other processes)

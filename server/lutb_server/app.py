@@ -273,8 +273,10 @@ class ExpertServer:
         self.port = port
         self._server = server
         await server.start()
-        log.info("gRPC on %s (NOT_SERVING while loading)%s", _address(s.host, port),
-                 f", metrics on http://{_address(s.host, self.metrics_port)}/metrics" if self.metrics_port else ", metrics off")
+        loop_type = type(asyncio.get_running_loop())
+        log.info("gRPC on %s (NOT_SERVING while loading)%s; event loop %s.%s", _address(s.host, port),
+                 f", metrics on http://{_address(s.host, self.metrics_port)}/metrics" if self.metrics_port else ", metrics off",
+                 loop_type.__module__, loop_type.__qualname__)
         worker: BatchWorker | None = None
         try:
             engine = await asyncio.to_thread(loader)

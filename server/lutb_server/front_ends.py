@@ -21,6 +21,7 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from lutb_server import event_loop
 from lutb_server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def front_end_main(settings: dict, index: int, connection: socket.socket, ready:
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [front end {index}]: %(message)s")
     terminate_with_parent(parent)
-    sys.exit(asyncio.run(serve(ServerSettings(**settings), compute_connection=connection, on_ready=lambda _: ready.set())))
+    sys.exit(event_loop.run(serve(ServerSettings(**settings), compute_connection=connection, on_ready=lambda _: ready.set())))
 
 
 def terminate_with_parent(parent: int) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights, write_checkpoint
 from lutb_kernels.tiles import TILE, TILE_BYTES, pack_tiles
+from lutb_server import event_loop
 from lutb_server.app import ExpertServer
 from lutb_server.settings import ServerSettings
 
@@ -81,7 +82,7 @@ class ServerThread:
         settings.setdefault("metrics_port", 0)
         self.settings = ServerSettings(**settings)
         self._engine_loader = engine_loader
-        self.loop = asyncio.new_event_loop()
+        self.loop = event_loop.new_event_loop()
         self.server: ExpertServer | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, name="lutb-test-server", daemon=True)
 

@@ -71,12 +71,12 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
 
     from pydantic import ValidationError
 
     from lutb_kernels.errors import LutBError
+    from lutb_server import event_loop
     from lutb_server.app import serve
     from lutb_server.errors import BackendUnavailableError
 
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"lutb serve: listening on {settings.host}:{server.port}", flush=True)
 
     try:
-        return asyncio.run(serve(settings, on_ready=ready))
+        return event_loop.run(serve(settings, on_ready=ready))
     except (BackendUnavailableError, LutBError, OSError, RuntimeError) as exc:
         print(f"lutb serve: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP_ERROR

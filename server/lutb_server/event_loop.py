@@ -1,0 +1,52 @@
+"""The asyncio event loop the serving processes run on: uvloop where it is installed.
+
+Every request costs the serving process's one event-loop thread the same Python and gRPC work
+(callbacks, decode, validation, encode), and under load that thread is what limits a front
+end. uvloop (libuv under asyncio's API) runs the same coroutines with less of that thread's
+time: on the 2-core development machine, with the fake backend of ``bench/serving_overhead.py``
+(16 tokens per request), the server's CPU per request fell 5-10% and the event loop's 8-11% at
+1, 8 and 64 concurrent callers, in each of three interleaved pairs
+(bench/results/2026-12-04-uvloop-cpu.md). grpc.aio runs on any asyncio loop.
+
+``lutb serve``, its extra front ends, :class:`~lutb_server.testing.ServerThread` and the
+benchmarks' server and echo processes start their loops here. uvloop is a dependency on
+Linux and macOS; where it is missing (Windows, a hand-made environment) asyncio's own loop
+runs the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _uvloop() -> Any | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop
+
+
+def implementation() -> str:
+    """``"uvloop <version>"`` or ``"asyncio"``: what :func:`run` and :func:`new_event_loop` use."""
+    uvloop = _uvloop()
+    return f"uvloop {uvloop.__version__}" if uvloop is not None else "asyncio"
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop (uvloop's when installed); the caller runs and closes it."""
+    uvloop = _uvloop()
+    return uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)`` on uvloop's loop when installed (``uvloop.run``); returns ``main``'s result."""
+    uvloop = _uvloop()
+    return uvloop.run(main) if uvloop is not None else asyncio.run(main)
+
+
+__all__ = ["implementation", "new_event_loop", "run"]
