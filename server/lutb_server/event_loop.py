@@ -31,12 +31,6 @@ def _uvloop() -> Any | None:
     return uvloop
 
 
-def implementation() -> str:
-    """``"uvloop <version>"`` or ``"asyncio"``: what :func:`run` and :func:`new_event_loop` use."""
-    uvloop = _uvloop()
-    return f"uvloop {uvloop.__version__}" if uvloop is not None else "asyncio"
-
-
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """A new event loop (uvloop's when installed); the caller runs and closes it."""
     uvloop = _uvloop()
@@ -49,4 +43,4 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main) if uvloop is not None else asyncio.run(main)
 
 
-__all__ = ["implementation", "new_event_loop", "run"]
+__all__ = ["new_event_loop", "run"]
