@@ -39,7 +39,7 @@ def compile_variant(block_m: int, block_n: int, warps: int, g: int, *, decoder: 
     """
     sig = {
         "a_ptr": "*bf16" if a_deq else "*u8", "as_ptr": "*u8" if not a_deq else "*bf16", "w_bytes_ptr": "*u8",
-        "w_words_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "topk_w_ptr": "*fp32", "sorted_ptr": "*i32",
+        "w_words_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "counters_ptr": "*i32", "topk_w_ptr": "*fp32", "sorted_ptr": "*i32",
         "eid_ptr": "*i32", "ntpp_ptr": "*i32", "N": "i32", "K": "i32", "num_valid": "i32", "tiles_per_split": "i32",
         "num_programs": "i32", "num_route_blocks": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_om": "i32",
     }

@@ -20,7 +20,7 @@ sm80+), ``prmt2`` (the same values bit for bit, fewer instructions per weight: u
 once per tile, scale applied after the lookup, cheaper selectors) or ``triton`` (pure Triton: the
 CPU interpreter and other GPUs), rows per program, output
 columns per program (a divisor of 128: a program stays inside one tile row), split-K (one float32
-slice per split, then a reduce pass), stream-K (a persistent grid splitting all K tiles evenly,
+slice per split, summed in order by a second launch), stream-K (a persistent grid splitting all K tiles evenly,
 the default for short decode grids), swap-AB (weights as the MMA's M side for small batches), warps and
 pipeline stages.
 """
@@ -91,8 +91,9 @@ class LutBGemmConfig:
     splits the sequence of every unit's K tiles into equal contiguous runs of at least
     ``ceil(K tiles / split_k)`` tiles, so every program does the same work whatever the routing
     and however few routing blocks are in use (the plain grid's last wave runs part-full); a unit
-    split between programs gets one partial per program, summed by the same deterministic reduce
-    as split-K (at most ``split_k + 1`` slices)."""
+    split between programs gets one partial per program (at most ``split_k + 1``), summed in slice
+    order by the unit's last program to finish, in the same launch (an int32 counter per unit,
+    ``lut_b_moe_gemm``'s ``split_k_counters``)."""
     maxnreg: int | None = None
     """Registers per thread the compiler may use (PTX ``.maxnreg``; NVIDIA only), or None for its
     own choice. At decode configs the kernel takes 127, which holds an SM to 4 blocks of 4 warps
@@ -274,6 +275,7 @@ def lut_b_moe_gemm(
     config: LutBGemmConfig | None = None,
     held_routes: int | None = None,
     planes_rotated: bool = False,
+    split_k_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[route] = (A[route // top_k] @ W[expert]^T) * topk_weights[route]`` over the routed rows.
 
@@ -300,6 +302,13 @@ def lut_b_moe_gemm(
         planes_rotated: ``w_packed``'s planes 1 and 2 are stored rotated
             (:func:`lutb_kernels.tiles.rotate_planes`, how the packed experts keep them): the
             ``prmt2`` selector then takes 4 integer instructions instead of 6; same result.
+        split_k_counters: int32 on the device, all zero, one element per unit of the launch
+            (``expert_ids.numel() * (block_m / config.block_m) * (N / config.block_n)``): the
+            counters a stream-K launch uses to find each unit's last partial (it leaves them zero
+            again; plain split-K grids sum their slices in a second launch and use none). None, or
+            too small: the call allocates a zeroed one (one memset more).
+            Callers that run many GEMMs (the packed experts) keep one buffer for all of them; two
+            launches must not use one buffer at the same time (one stream).
 
     Returns:
         ``out``.
@@ -309,10 +318,7 @@ def lut_b_moe_gemm(
     num_valid = m * top_k
     if num_valid == 0 or n == 0 or expert_ids.numel() == 0:
         return out
-    from lutb_kernels._lut_b_gemm_details.kernels import (
-        lut_b_moe_gemm_kernel,
-        split_k_reduce_kernel,
-    )
+    from lutb_kernels._lut_b_gemm_details.kernels import lut_b_moe_gemm_kernel, split_k_reduce_kernel
 
     device = a_mxfp8.device
     if config is None:
@@ -335,11 +341,21 @@ def lut_b_moe_gemm(
         grid: tuple[int, ...] = (programs,)
     else:
         grid = (blocks * (block_m // bm), n // config.block_n, split_k)
-    # split-K: one float32 slice per partial, written with plain stores (no zeroing, no atomics)
+    # split-K: one float32 slice per partial, written with plain stores (no zeroing, no float
+    # atomics), summed in slice order by the unit's last program (stream-K: an int32 counter per
+    # unit) or by a second launch (plain grids of many waves, where that measured faster)
     ws = torch.empty((split_k, num_valid, n), dtype=torch.float32, device=device) if split_k > 1 else out
+    counters = ws
+    if config.stream_k:
+        units = blocks * (block_m // bm) * (n // config.block_n)
+        counters = split_k_counters
+        if counters is not None and (counters.dtype != torch.int32 or counters.device != device or not counters.is_contiguous()):
+            raise ValueError(f"split_k_counters must be a contiguous int32 tensor on {device}, got {counters.dtype} on {counters.device}")
+        if counters is None or counters.numel() < units:
+            counters = torch.zeros(units, dtype=torch.int32, device=device)
     lut_b_moe_gemm_kernel[grid](
         a_mxfp8.view(torch.uint8) if a_scales is not None else a_mxfp8,
-        a_scales if a_scales is not None else a_mxfp8, w_packed, w_packed.view(torch.int32), out, ws,
+        a_scales if a_scales is not None else a_mxfp8, w_packed, w_packed.view(torch.int32), out, ws, counters,
         topk_weights if topk_weights is not None else ws,
         sorted_token_ids, expert_ids, num_tokens_post_padded,
         n, k, num_valid, tiles_per_split, programs, blocks,
@@ -361,16 +377,13 @@ def lut_b_moe_gemm(
         **({"maxnreg": config.maxnreg} if config.maxnreg is not None and not interpreting() else {}),
         **pdl_launch(device),
     )
-    if split_k > 1:
-        # stream-K: the reduce walks the GEMM's units (sub-block, column block) to find their slices
-        fin_r = bm if config.stream_k else min(block_m, 16)
-        fin_n = config.block_n if config.stream_k else min(256, next_pow2(n))
-        split_k_reduce_kernel[(blocks * (block_m // fin_r), cdiv(n, fin_n))](
+    if split_k > 1 and not config.stream_k:
+        fin_n = min(256, next_pow2(n))
+        split_k_reduce_kernel[(blocks * (block_m // min(block_m, 16)), cdiv(n, fin_n))](
             ws, out, topk_weights if topk_weights is not None else ws,
             sorted_token_ids, expert_ids, num_tokens_post_padded, n, num_valid, out.stride(0),
-            k_tiles, tiles_per_split, programs, blocks,
-            ROUTE_BLOCK=block_m, BLOCK_R=fin_r, BLOCK_N=fin_n, SPLIT_K=split_k,
-            MUL_WEIGHT=topk_weights is not None, STREAM_K=config.stream_k > 0, num_warps=4, **pdl_launch(device),
+            ROUTE_BLOCK=block_m, BLOCK_R=min(block_m, 16), BLOCK_N=fin_n, SPLIT_K=split_k,
+            MUL_WEIGHT=topk_weights is not None, num_warps=4, **pdl_launch(device),
         )
     return out
 

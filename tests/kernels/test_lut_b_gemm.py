@@ -179,6 +179,38 @@ def test_stream_k_any_work_split(tokens: int, route_block: int, block_m: int, pe
     assert rel_l2(out, ref) < 5e-3
 
 
+@pytest.mark.parametrize("stream_k,split_k", [(0, 2), (0, 8), (4, 4), (4, 16)])
+def test_split_k_is_deterministic(stream_k: int, split_k: int) -> None:
+    """Split-K sums the slices in slice order (stream-K: the unit's last program, whatever order the programs
+    finish in; plain grids: a second launch): ten launches give the same bits, match the reference, and leave
+    the shared counters all zero."""
+    from lutb_kernels import mxfp8_triton as mt
+
+    tokens, top_k, experts, n, k = 5, 8, 64, 2048, 2048
+    w = rotate_planes(random_tiles((experts, n // 128, k // 128), k=k, device="cuda"))
+    x = torch.randn(tokens, k, device="cuda").to(torch.bfloat16)
+    a = mt.mxfp8_qdq(x, k_order="decoder", out_dtype=torch.bfloat16)
+    q, s = mt.mxfp8_quantize(x, k_order="decoder")
+    _, _, (sorted_ids, expert_ids, ntpp) = _routing(tokens, top_k, experts, None, 16)
+    tw = torch.rand(tokens, top_k, device="cuda")
+    counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    config = LutBGemmConfig(block_m=16, block_n=128, split_k=split_k, swap_ab=True, decoder="prmt2", groups_per_step=1,
+                            tile_loop=True, stream_k=stream_k, maxnreg=128 if stream_k else None)
+    outs = []
+    for _ in range(10):
+        out = torch.full((tokens * top_k, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lut_b_moe_gemm(a, None, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order="decoder",
+                       config=config, planes_rotated=True, split_k_counters=counters)
+        outs.append(out)
+    ref = torch.full_like(outs[0], float("nan"))
+    lut_b_moe_gemm_reference(q, s, w, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order="decoder",
+                             planes_rotated=True)
+    assert not outs[0].isnan().any()
+    assert rel_l2(outs[0], ref) < 5e-3
+    assert all(torch.equal(o, outs[0]) for o in outs[1:]), "split-K results differ between launches"
+    assert not counters.any(), "a split-K counter was left non-zero"
+
+
 @pytest.mark.parametrize("decoder", ["prmt2", "prmt", "triton"])
 @pytest.mark.parametrize("tokens,stream_k,block_n", [(1, 0, 128), (1, 4, 128), (37, 0, 64), (37, 2, 128)])
 def test_rotated_planes_give_the_same_bits(decoder: str, tokens: int, stream_k: int, block_n: int) -> None:

@@ -618,18 +618,60 @@ def _unit_partial(a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, o
 
 
 @triton.jit
-def _store_partial(ws_ptr, slot, acc, route, valid, n0, N, num_valid, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """Deterministic split-K: a partial goes into its own float32 slice ``ws[slot]`` (no zeroing
-    pass, no atomics); :func:`split_k_reduce_kernel` sums the slices."""
+def _unit_offsets(route, valid, n0, N, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Offsets ``route * N + column`` of a unit's outputs in a row-major ``[*, N]`` array and their
+    mask (held rows), in the accumulator's shape (``[BLOCK_N, BLOCK_M]`` with ``SWAP_AB``)."""
     cols = n0 + tl.arange(0, BLOCK_N)
     route64 = route.to(tl.int64)
     if SWAP_AB:
-        ws_off = (route64 * N)[None, :] + cols[:, None]
+        off = (route64 * N)[None, :] + cols[:, None]
         mask = valid[None, :]
     else:
-        ws_off = (route64 * N)[:, None] + cols[None, :]
+        off = (route64 * N)[:, None] + cols[None, :]
         mask = valid[:, None]
-    tl.store(ws_ptr + slot.to(tl.int64) * num_valid * N + ws_off, acc, mask=mask)
+    return off, mask
+
+
+@triton.jit
+def _store_out(out_ptr, topk_w_ptr, acc, route, valid, n0, stride_om, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
+               MUL_WEIGHT: tl.constexpr):
+    """``out[route, n0:n0+BLOCK_N] = (acc * w[route]).to(out dtype)`` for the held rows."""
+    if MUL_WEIGHT:
+        w = tl.load(topk_w_ptr + route, mask=valid, other=0.0)
+        if SWAP_AB:
+            acc = acc * w[None, :]
+        else:
+            acc = acc * w[:, None]
+    off, mask = _unit_offsets(route, valid, n0, stride_om, BLOCK_N, SWAP_AB)
+    tl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_partial_and_finish(ws_ptr, counters_ptr, out_ptr, topk_w_ptr, unit, slot, pieces, acc, route, valid, n0, N,
+                              num_valid, stride_om, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
+                              MUL_WEIGHT: tl.constexpr):
+    """Deterministic split-K in one launch (stream-K): store this program's partial into its own
+    float32 slice ``ws[slot]`` (no zeroing pass, no float atomics), count it on the unit's int32
+    counter, and if it was the unit's last of ``pieces`` partials, sum the slices in slot order (the
+    same float32 additions whatever order the programs finished in), apply the routed weight, store
+    ``out`` and set the counter back to 0 (the buffer is left as found: all zero).
+
+    The fence and the atomic's round trip lengthen every program by a little: that pays in a
+    stream-K launch (one wave, where a second launch would wait for the slowest program) and cost
+    0.7-3.6% in plain split grids of many waves on the H200, which keep :func:`split_k_reduce_kernel`
+    (bench/results/2026-12-04-split-k-fixup-h200.md)."""
+    off, mask = _unit_offsets(route, valid, n0, N, BLOCK_N, SWAP_AB)
+    tl.store(ws_ptr + slot.to(tl.int64) * num_valid * N + off, acc, mask=mask)
+    # Every thread's partial is stored before the count says so (the barrier orders the CTA's stores
+    # before the release), and the last program reads the others' slices after its acquire.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counters_ptr + unit, 1, sem="acq_rel", scope="gpu")
+    if arrived == pieces - 1:
+        tl.store(counters_ptr + unit, 0)
+        total = tl.load(ws_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in range(1, pieces):
+            total += tl.load(ws_ptr + (s * num_valid).to(tl.int64) * N + off, mask=mask, other=0.0, cache_modifier=".cg")
+        _store_out(out_ptr, topk_w_ptr, total, route, valid, n0, stride_om, BLOCK_N, SWAP_AB, MUL_WEIGHT)
 
 
 @triton.jit
@@ -640,6 +682,7 @@ def lut_b_moe_gemm_kernel(
     w_words_ptr,  # int32 view of the same memory, [E, N/128, K/128, 1668]
     out_ptr,  # [num_valid, N] out dtype (SPLIT_K == 1)
     ws_ptr,  # float32 [SPLIT_K, num_valid, N] workspace (SPLIT_K > 1): one slice per partial
+    counters_ptr,  # int32 [units] (STREAM_K): partials stored per unit; all zero before and after
     topk_w_ptr,  # float32, flat route index
     sorted_ptr,  # int32 [EM]
     eid_ptr,  # int32 [EM / ROUTE_BLOCK]
@@ -701,8 +744,10 @@ def lut_b_moe_gemm_kernel(
                     a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, offs_m, n0, k_lo, k_hi,
                     N, K, num_valid, stride_am, stride_asm, TOP_K, BLOCK_M, BLOCK_N, DECODER, A_PERMUTED,
                     A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, TILE_LOOP, PREFETCH, UNROLL, ROTATED)
-                _store_partial(ws_ptr, pid - unit * k_tiles // run, acc, route, valid, n0, N, num_valid, BLOCK_N,
-                               SWAP_AB)
+                first = unit * k_tiles // run
+                pieces = ((unit + 1) * k_tiles - 1) // run - first + 1
+                _store_partial_and_finish(ws_ptr, counters_ptr, out_ptr, topk_w_ptr, unit, pid - first, pieces, acc, route,
+                                          valid, n0, N, num_valid, stride_om, BLOCK_N, SWAP_AB, MUL_WEIGHT)
             it += k_hi - k_lo
         return
 
@@ -723,22 +768,10 @@ def lut_b_moe_gemm_kernel(
         N, K, num_valid, stride_am, stride_asm, TOP_K, BLOCK_M, BLOCK_N, DECODER, A_PERMUTED,
         A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, TILE_LOOP, PREFETCH, UNROLL, ROTATED)
     if SPLIT_K == 1:
-        cols = n0 + tl.arange(0, BLOCK_N)
-        route64 = route.to(tl.int64)
-        if MUL_WEIGHT:
-            w = tl.load(topk_w_ptr + route, mask=valid, other=0.0)
-            if SWAP_AB:
-                acc = acc * w[None, :]
-            else:
-                acc = acc * w[:, None]
-        if SWAP_AB:
-            tl.store(out_ptr + route64[None, :] * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty),
-                     mask=valid[None, :])
-        else:
-            tl.store(out_ptr + route64[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=valid[:, None])
-    else:
-        _store_partial(ws_ptr, pid_k, acc, route, valid, n0, N, num_valid, BLOCK_N, SWAP_AB)
+        _store_out(out_ptr, topk_w_ptr, acc, route, valid, n0, stride_om, BLOCK_N, SWAP_AB, MUL_WEIGHT)
+    else:  # split_k_reduce_kernel sums the slices (a second launch: see _store_partial_and_finish)
+        off, mask = _unit_offsets(route, valid, n0, N, BLOCK_N, SWAP_AB)
+        tl.store(ws_ptr + pid_k.to(tl.int64) * num_valid * N + off, acc, mask=mask)
 
 
 @triton.jit
@@ -752,23 +785,15 @@ def split_k_reduce_kernel(
     N,
     num_valid,
     stride_om,
-    k_tiles,  # STREAM_K: the GEMM's K tiles, least run, programs and routing blocks (stream_k_run)
-    min_run,
-    num_programs,
-    num_route_blocks,
     ROUTE_BLOCK: tl.constexpr,
-    BLOCK_R: tl.constexpr,  # rows per program (divides ROUTE_BLOCK; STREAM_K: the GEMM's BLOCK_M)
-    BLOCK_N: tl.constexpr,  # STREAM_K: the GEMM's BLOCK_N
-    SPLIT_K: tl.constexpr,  # slices to sum (STREAM_K: the unit's pieces, at most SPLIT_K)
+    BLOCK_R: tl.constexpr,  # rows per program (divides ROUTE_BLOCK)
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # slices to sum
     MUL_WEIGHT: tl.constexpr,
-    STREAM_K: tl.constexpr = False,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
-    """Rows of held routes only: ``out[route] = (sum_s ws[s, route] * w[route]).to(out dtype)``.
-
-    With ``STREAM_K`` the program's unit (sub-block, column block) has ``last - first + 1``
-    slices, ``first = unit * k_tiles // run`` and ``last = ((unit + 1) * k_tiles - 1) // run``
-    (the GEMM's split, :func:`stream_k_run`)."""
+    """Plain split-K grids: rows of held routes only, ``out[route] = (sum_s ws[s, route] * w[route]).to(out dtype)``,
+    slices summed in slice order."""
     pdl_prologue(PDL)
     SUBS: tl.constexpr = ROUTE_BLOCK // BLOCK_R
     pid0 = tl.program_id(0)
@@ -787,15 +812,8 @@ def split_k_reduce_kernel(
     mask = valid[:, None] & (cols < N)[None, :]
     off = (route64 * N)[:, None] + cols[None, :]
     acc = tl.load(ws_ptr + off, mask=mask, other=0.0)
-    if STREAM_K:
-        run, items = stream_k_run(ntpp, num_route_blocks, N // BLOCK_N, k_tiles, num_programs, min_run, ROUTE_BLOCK, SUBS)
-        unit = pid0 * (N // BLOCK_N) + pid_n
-        pieces = ((unit + 1) * k_tiles - 1) // run - unit * k_tiles // run + 1
-        for s in range(1, pieces):
-            acc += tl.load(ws_ptr + (s * num_valid).to(tl.int64) * N + off, mask=mask, other=0.0)
-    else:
-        for s in tl.static_range(1, SPLIT_K):
-            acc += tl.load(ws_ptr + s * num_valid * N + off, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + s * num_valid * N + off, mask=mask, other=0.0)
     if MUL_WEIGHT:
         wt = tl.load(topk_w_ptr + route, mask=valid, other=0.0)
         acc = acc * wt[:, None]

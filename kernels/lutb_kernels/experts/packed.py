@@ -65,10 +65,18 @@ class LutBPackedExperts(RoutedTritonExperts):
     allocator); larger layers keep decoding in the GEMM. Deepseek-v3's W13 (15 GB in bf16) does:
     there the dense pass cost more than the decode it saves at every batch measured."""
 
+    split_k_counters: ClassVar[int] = 1 << 16
+    """Int32 counters kept zeroed on the device for the GEMMs' split-K (``lut_b_moe_gemm``'s
+    ``split_k_counters``: one per unit of a launch; 256 KiB). Decode launches, the ones that split,
+    need at most a few ten thousand (deepseek-v3 T=32: 256 routing blocks x 56 column blocks);
+    a launch needing more allocates its own (one memset). The GEMMs of one experts object share
+    them, so its forwards run one at a time (one stream), as the server's compute worker runs them."""
+
     def __init__(self, config: CheckpointConfig, weights: LayerWeights, device: torch.device | str) -> None:
         super().__init__(config, weights, device)
         self.w13 = self._to_device(weights.w13)
         self.w2 = self._to_device(weights.w2)
+        self._counters = torch.zeros(self.split_k_counters, dtype=torch.int32, device=self.device)
 
     def _to_device(self, tiles: torch.Tensor) -> torch.Tensor:
         """The tiles on the device, planes rotated when :attr:`planes_rotated` (in place, one expert at a
@@ -115,7 +123,8 @@ class LutBPackedExperts(RoutedTritonExperts):
         from lutb_kernels.lut_b_gemm import lut_b_moe_gemm
 
         lut_b_moe_gemm(a, a_scales, w, out, topk_weights, *routing, top_k, block_m=route_block, a_k_order=self.a_k_order,  # type: ignore[arg-type]
-                       held_routes=self.held_routes(out.shape[0]), planes_rotated=self.planes_rotated)
+                       held_routes=self.held_routes(out.shape[0]), planes_rotated=self.planes_rotated,
+                       split_k_counters=self._counters)
 
     def _dense_gemm(self, a, a_scales, w, out, topk_weights, routing, top_k, route_block):  # noqa: ANN001
         """:meth:`_gemm` on the prefill path: the grouped GEMM on the tiles dequantized to ``a.dtype``

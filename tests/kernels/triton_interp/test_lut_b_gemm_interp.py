@@ -211,6 +211,37 @@ def test_stream_k_sub_blocks() -> None:
     assert rel_l2(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("stream_k,split_k", [(1, 2), (1, 4), (2, 8)])
+def test_split_k_counters_are_left_zero(stream_k: int, split_k: int) -> None:
+    """Stream-K sums each unit's partials in the same launch: a caller's counter buffer is used (its tail past the
+    launch's units untouched), left all zero, and serves the next call; the results equal the reference's both times."""
+    tokens, top_k, experts, n, k = 7, 2, 3, 128, 512
+    gen = torch.Generator().manual_seed(17 + split_k)
+    w = random_tiles((experts, n // 128, k // 128), k=k, generator=gen)
+    x = torch.randn(tokens, k, generator=gen)
+    q, s = mt.mxfp8_quantize(x, k_order="decoder")
+    _, _, (sorted_ids, expert_ids, ntpp) = _routing(tokens, top_k, experts, None, 16, seed=9)
+    tw = torch.rand(tokens, top_k, generator=gen)
+    units = expert_ids.numel() * (n // 64)
+    counters = torch.zeros(units + 5, dtype=torch.int32)
+    counters[units:] = 7
+    cfg = LutBGemmConfig(block_m=16, block_n=64, split_k=split_k, swap_ab=True, decoder="triton", num_stages=1,
+                         groups_per_step=1, tile_loop=True, stream_k=stream_k)
+    ref = torch.full((tokens * top_k, n), float("nan"))
+    lut_b_moe_gemm_reference(q, s, w, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order="decoder")
+    for _ in range(2):
+        out = torch.full_like(ref, float("nan"))
+        lut_b_moe_gemm(q, s, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order="decoder", config=cfg,
+                       split_k_counters=counters)
+        assert not out.isnan().any()
+        assert rel_l2(out, ref) < 1e-5
+        assert not counters[:units].any(), "a unit's counter was not set back to zero"
+        assert (counters[units:] == 7).all(), "a counter past the launch's units was touched"
+    with pytest.raises(ValueError, match="split_k_counters"):
+        lut_b_moe_gemm(q, s, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order="decoder", config=cfg,
+                       split_k_counters=counters.float())
+
+
 def test_rotated_planes_group_loop_and_reference() -> None:
     """The per-group loop (G = 4) reads rotated planes too; the reference twin undoes the rotation (so rotated tiles
     read as unrotated ones would give another result)."""
