@@ -263,6 +263,7 @@ AB_SWITCHES = {
     "unroll": ("lutb_kernels.lut_b_gemm", "TILE_UNROLL", 2, 1),
     "stream_k": ("lutb_kernels.lut_b_gemm", "STREAM_K_PER_SM", 4, 0),
     "qdq_grid": ("lutb_kernels.mxfp8_triton", "QDQ_PROGRAMS_PER_SM", 8, 0),
+    "stream_k_tiles": ("lutb_kernels.lut_b_gemm", "STREAM_K_BELOW_TILES", 32, 16),
 }
 AB = ()  # the switches to A/B (set from the command line)
 
@@ -867,7 +868,8 @@ def main() -> int:
     parser.add_argument("--ab", nargs="*", default=[], choices=list(AB_SWITCHES),
                         help="also time packed with each of these switches on and off (interleaved pairs): pdl "
                              "(programmatic dependent launch), unroll (TILE_UNROLL 2 vs 1), stream_k (STREAM_K_PER_SM 4 vs 0), "
-                             "qdq_grid (the MXFP8 kernels' QDQ_PROGRAMS_PER_SM 8 vs 0)")
+                             "qdq_grid (the MXFP8 kernels' QDQ_PROGRAMS_PER_SM 8 vs 0), stream_k_tiles (stream-K for programs of up to "
+                             "31 K tiles, STREAM_K_BELOW_TILES 32 vs 16)")
     args = parser.parse_args()
     global AB
     AB = tuple(args.ab)
