@@ -66,11 +66,12 @@ class LutBPackedExperts(RoutedTritonExperts):
     there the dense pass cost more than the decode it saves at every batch measured."""
 
     split_k_counters: ClassVar[int] = 1 << 16
-    """Int32 counters kept zeroed on the device for the GEMMs' split-K (``lut_b_moe_gemm``'s
-    ``split_k_counters``: one per unit of a launch; 256 KiB). Decode launches, the ones that split,
-    need at most a few ten thousand (deepseek-v3 T=32: 256 routing blocks x 56 column blocks);
-    a launch needing more allocates its own (one memset). The GEMMs of one experts object share
-    them, so its forwards run one at a time (one stream), as the server's compute worker runs them."""
+    """Int32 counters kept zeroed on the device for the stream-K GEMMs' split-K (``lut_b_moe_gemm``'s
+    ``split_k_counters``: one per unit of the launch's grid; 256 KiB). Stream-K runs at decode, where
+    the grid's routing blocks are bounded by ``routes / 16 + experts`` (deepseek-v3 T=1's w2: 241 blocks
+    x 56 column blocks = 13,496 units); a launch needing more allocates its own (one memset). The GEMMs
+    of one experts object share them, so its forwards run one at a time (one stream), as the server's
+    compute worker runs them."""
 
     def __init__(self, config: CheckpointConfig, weights: LayerWeights, device: torch.device | str) -> None:
         super().__init__(config, weights, device)
