@@ -342,7 +342,7 @@ def _child_serve(config: dict[str, Any]) -> None:
     profile_path = config.pop("_cprofile", None)
     settings = ServerSettings(**config)
     if profile_path is None:
-        event_loop.run(serve(settings))
+        event_loop.run(serve(settings), settings.event_loop)
         return
     import cProfile
     import pstats
@@ -358,7 +358,7 @@ def _child_serve(config: dict[str, Any]) -> None:
         except Exception:  # noqa: BLE001 - "another profiler is active": the main one covers the worker
             pass
 
-    event_loop.run(serve(settings, on_ready=ready))
+    event_loop.run(serve(settings, on_ready=ready), settings.event_loop)
     main_prof.disable()
     with open(profile_path, "w") as fh:
         profiles = [("event-loop thread" + ("" if holder else " (all threads on Python >= 3.12)"), main_prof)]
@@ -370,7 +370,7 @@ def _child_serve(config: dict[str, Any]) -> None:
             stats.sort_stats("tottime").print_stats(40)
 
 
-def _child_echo(port: int) -> None:
+def _child_echo(port: int, loop: str) -> None:
     """The transport floor: a bare grpc.aio echo on the event loop the server runs on (lutb_server.event_loop)."""
     import grpc
 
@@ -402,7 +402,7 @@ def _child_echo(port: int) -> None:
         await stop.wait()
         await server.stop(0)
 
-    event_loop.run(main())
+    event_loop.run(main(), loop)  # type: ignore[arg-type]
 
 
 def echo_payloads(request_bytes: int, response_bytes: int) -> list[bytes]:
@@ -581,7 +581,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         "max_batch_tokens": args.max_batch_tokens, "max_tokens_per_request": max(args.tokens),
         "cuda_graph_max_tokens": args.cuda_graph_max_tokens, "cuda_graph_top_k": shape["top_k"], "shutdown_grace_s": 5,
         "max_queue_requests": 4096, "gil_switch_interval_us": args.gil_switch_interval_us,
-        "compute_worker": args.compute_worker, "front_ends": args.front_ends,
+        "compute_worker": args.compute_worker, "front_ends": args.front_ends, "event_loop": args.event_loop,
     }
     profiler = Profiler(out, shape_name) if args.profile else None
     if profiler is not None and not profiler.py_spy:
@@ -748,6 +748,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="server pooling wait (0: never wait; closed-loop callers pool while a batch runs anyway)")
     p.add_argument("--max-batch-tokens", type=int, default=8192)
     p.add_argument("--cuda-graph-max-tokens", type=int, default=512)
+    p.add_argument("--event-loop", default="uvloop", choices=("uvloop", "asyncio"),
+                   help="the server's and the echo server's event loop (the server setting event_loop)")
     p.add_argument("--compute-worker", default="thread", choices=("thread", "process"),
                    help="the server's compute_worker: a thread of the serving process, or a child process")
     p.add_argument("--front-ends", type=int, default=1,
@@ -792,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "serve":
             _child_serve(json.loads(raw[2]))
         elif kind == "echo":
-            _child_echo(int(raw[2]))
+            _child_echo(int(raw[2]), raw[3])
         return 0
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops us: still stop the children
@@ -801,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     echo_port = _free_port()
-    echo = _spawn_child(["echo", str(echo_port)], out / "echo.log")
+    echo = _spawn_child(["echo", str(echo_port), args.event_loop], out / "echo.log")
     pool = LoadPool(max(1, min(args.load_procs, max(args.concurrency))))
     all_rows: list[Row] = []
     infos: dict[str, Any] = {}

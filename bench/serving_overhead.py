@@ -116,7 +116,7 @@ def _child_serve(config: dict[str, Any]) -> None:
 
     if switch_us:  # an experiment: the GIL hand-over between the event loop and the compute worker
         sys.setswitchinterval(switch_us / 1e6)
-    event_loop.run(serve(settings, engine_loader=loader))
+    event_loop.run(serve(settings, engine_loader=loader), settings.event_loop)
 
 
 # ----------------------------------------------------------------------------- load generator (other processes)
@@ -242,9 +242,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
               "metrics_port": 0, "validate_checkpoint": False, "max_wait_us": args.max_wait_us,
               "max_batch_tokens": args.max_batch_tokens, "max_queue_requests": 4096, "shutdown_grace_s": 2,
               "cuda_graph_max_tokens": 0, "intra_op_threads": args.intra_op_threads, "_base_us": args.base_us, "_per_token_us": args.per_token_us,
-              "_launches": args.launches, "_switch_interval_us": args.switch_interval_us}
+              "_launches": args.launches, "_switch_interval_us": args.switch_interval_us, "event_loop": args.event_loop}
     server = _spawn(["serve", json.dumps(config)], out / "server.log")
-    echo = subprocess.Popen([sys.executable, _serving.__file__, "--child", "echo", str(echo_port)],
+    echo = subprocess.Popen([sys.executable, _serving.__file__, "--child", "echo", str(echo_port), args.event_loop],
                             stdout=open(out / "echo.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
     pool = _serving.LoadPool(max(1, min(args.load_procs, max(args.concurrency))), load_fn=_run_load)
     profiler = None
@@ -324,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="fake backend: small torch ops (GIL held) per experts call before the sleep, like kernel launches")
     p.add_argument("--switch-interval-us", type=float, default=None,
                    help="the server process's sys.setswitchinterval in microseconds (default: Python's 5000)")
+    p.add_argument("--event-loop", default="uvloop", choices=("uvloop", "asyncio"),
+                   help="the server's and the echo server's event loop (the server setting event_loop)")
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--tokens", default="1,16")
     p.add_argument("--hidden", type=int, default=2048)

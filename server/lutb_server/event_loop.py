@@ -11,19 +11,27 @@ time: on the 2-core development machine, with the fake backend of ``bench/servin
 ``lutb serve``, its extra front ends, :class:`~lutb_server.testing.ServerThread` and the
 benchmarks' server and echo processes start their loops here. uvloop is a dependency on
 Linux and macOS; where it is missing (Windows, a hand-made environment) asyncio's own loop
-runs the same code.
+runs the same code. ``kind="asyncio"`` (the server setting ``event_loop``, ``LUTB_EVENT_LOOP``)
+picks asyncio's own loop even where uvloop is installed: a way around an incompatibility
+without uninstalling it, and the other half of an A/B (``bench/serving.py --event-loop``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 T = TypeVar("T")
+EventLoopKind = Literal["uvloop", "asyncio"]
+"""``uvloop``: uvloop's loop where installed, else asyncio's; ``asyncio``: asyncio's own loop."""
 
 
-def _uvloop() -> Any | None:
+def _uvloop(kind: EventLoopKind) -> Any | None:
+    if kind not in ("uvloop", "asyncio"):
+        raise ValueError(f"event loop must be 'uvloop' or 'asyncio', got {kind!r}")
+    if kind == "asyncio":
+        return None
     try:
         import uvloop
     except ImportError:
@@ -31,16 +39,16 @@ def _uvloop() -> Any | None:
     return uvloop
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A new event loop (uvloop's when installed); the caller runs and closes it."""
-    uvloop = _uvloop()
+def new_event_loop(kind: EventLoopKind = "uvloop") -> asyncio.AbstractEventLoop:
+    """A new event loop of ``kind`` (:data:`EventLoopKind`); the caller runs and closes it."""
+    uvloop = _uvloop(kind)
     return uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(main)`` on uvloop's loop when installed (``uvloop.run``); returns ``main``'s result."""
-    uvloop = _uvloop()
+def run(main: Coroutine[Any, Any, T], kind: EventLoopKind = "uvloop") -> T:
+    """``asyncio.run(main)`` on a loop of ``kind`` (``uvloop.run`` for uvloop); returns ``main``'s result."""
+    uvloop = _uvloop(kind)
     return uvloop.run(main) if uvloop is not None else asyncio.run(main)
 
 
-__all__ = ["new_event_loop", "run"]
+__all__ = ["EventLoopKind", "new_event_loop", "run"]

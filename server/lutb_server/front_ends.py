@@ -122,7 +122,8 @@ def front_end_main(settings: dict, index: int, connection: socket.socket, ready:
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [front end {index}]: %(message)s")
     terminate_with_parent(parent)
-    sys.exit(event_loop.run(serve(ServerSettings(**settings), compute_connection=connection, on_ready=lambda _: ready.set())))
+    front_end = ServerSettings(**settings)
+    sys.exit(event_loop.run(serve(front_end, compute_connection=connection, on_ready=lambda _: ready.set()), front_end.event_loop))
 
 
 def terminate_with_parent(parent: int) -> None:

@@ -93,6 +93,10 @@ class ServerSettings(BaseSettings):
         "feeding one compute process that merges their concurrent batches; metrics_port serves all of their metrics "
         "(label front_end; front end k listens on loopback metrics_port + k for it)",
     )
+    event_loop: Literal["uvloop", "asyncio"] = Field(
+        "uvloop", description="the serving processes' asyncio event loop: uvloop (where installed, else asyncio's own; "
+        "less server CPU per request) or asyncio (asyncio's own loop even where uvloop is installed)",
+    )
     expert_metrics: bool = Field(
         False, description="export lutb_expert_tokens_total{layer,expert}: tokens per held expert (E x layers series; for `lutb load`)"
     )

@@ -82,7 +82,7 @@ class ServerThread:
         settings.setdefault("metrics_port", 0)
         self.settings = ServerSettings(**settings)
         self._engine_loader = engine_loader
-        self.loop = event_loop.new_event_loop()
+        self.loop = event_loop.new_event_loop(self.settings.event_loop)
         self.server: ExpertServer | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, name="lutb-test-server", daemon=True)
 

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"lutb serve: listening on {settings.host}:{server.port}", flush=True)
 
     try:
-        return event_loop.run(serve(settings, on_ready=ready))
+        return event_loop.run(serve(settings, on_ready=ready), settings.event_loop)
     except (BackendUnavailableError, LutBError, OSError, RuntimeError) as exc:
         print(f"lutb serve: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP_ERROR
