@@ -57,12 +57,11 @@ def _clamp_pow2(n: int, lo: int, hi: int) -> int:
 class RoutingLaunch:
     """The kernel's compile-time shape for one problem size (see :func:`routing_launch`)."""
 
-    __slots__ = ("block_chunk", "e_pad", "fill_chunk", "hist_chunk", "num_warps", "onehot", "rank_chunk")
+    __slots__ = ("e_pad", "fill_chunk", "hist_chunk", "num_warps", "onehot", "rank_chunk")
 
-    def __init__(self, e_pad: int, onehot: bool, rank_chunk: int, hist_chunk: int, fill_chunk: int, block_chunk: int,
-                 num_warps: int):
+    def __init__(self, e_pad: int, onehot: bool, rank_chunk: int, hist_chunk: int, fill_chunk: int, num_warps: int):
         self.e_pad, self.onehot = e_pad, onehot
-        self.rank_chunk, self.hist_chunk, self.fill_chunk, self.block_chunk = rank_chunk, hist_chunk, fill_chunk, block_chunk
+        self.rank_chunk, self.hist_chunk, self.fill_chunk = rank_chunk, hist_chunk, fill_chunk
         self.num_warps = num_warps
 
     def __repr__(self) -> str:
@@ -77,7 +76,6 @@ def routing_launch(num_routes: int, num_experts: int, max_padded: int, num_block
     - ``rank_chunk``: routes per placement step, ``<= 8192 / e_pad`` (one-hot) or 128 ([C, C]);
     - ``hist_chunk``: routes per counting step, <= 1024;
     - ``fill_chunk``: positions per fill step, <= 1024;
-    - ``block_chunk``: blocks per block-expert step (``[block_chunk, e_pad]``), ``<= 8192 / e_pad``.
     """
     e_pad = max(16, _pow2(num_experts))
     onehot = e_pad <= ONEHOT_MAX_EXPERTS
@@ -88,7 +86,6 @@ def routing_launch(num_routes: int, num_experts: int, max_padded: int, num_block
         rank_chunk=_clamp_pow2(num_routes, 16, rank_cap),
         hist_chunk=_clamp_pow2(num_routes, 16, 1024),
         fill_chunk=_clamp_pow2(max(max_padded, num_blocks), 16, 1024),
-        block_chunk=_clamp_pow2(num_blocks, 16, max(16, 8192 // e_pad)),
         num_warps=4,
     )
 
@@ -196,7 +193,6 @@ def moe_align_block_size_triton(
         RANK_C=launch.rank_chunk,
         HIST_C=launch.hist_chunk,
         FILL_C=launch.fill_chunk,
-        BLK_C=launch.block_chunk,
         num_warps=launch.num_warps,
         **pdl_launch(device),
     )

@@ -16,8 +16,9 @@ orders the phases that read what another thread wrote:
    comparison gives the rank, the counters live in the global scratch ``run_ptr``: read
    them, barrier, the last route of each expert in the chunk writes its counter back,
    barrier;
-4. expert of each block: block ``b`` in use belongs to ``#{e : padded_end[e] <= b * BM}``
-   (a ``[BLK_C, E_PAD]`` comparison over the blocks in use only); the others get -1.
+4. expert of each block: expert ``e`` owns blocks ``padded_start[e] / BM`` to
+   ``padded_end[e] / BM - 1``, written as ``[E_PAD]`` scatters, one per block an expert can
+   hold (at most ``ceil(R / BM)``; at decode a few); blocks past the total get -1.
 
 Only ``tl`` builtins are called (``tl.reduce`` / ``tl.associative_scan``, ``tl.full``,
 ``tl.histogram``), never ``triton.language``'s ``@jit`` helpers (``tl.sum``, ``tl.cumsum``,
@@ -87,7 +88,6 @@ def moe_align_block_size_kernel(
     RANK_C: tl.constexpr,  # routes per chunk in phase 3
     HIST_C: tl.constexpr,  # routes per chunk in phase 1
     FILL_C: tl.constexpr,  # positions / blocks per chunk of the fills (phases 2 and 4)
-    BLK_C: tl.constexpr,  # blocks per chunk of the block-expert search (phase 4)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
     pdl_prologue(PDL)
@@ -141,13 +141,12 @@ def moe_align_block_size_kernel(
             tl.store(run_ptr + bucket, base + n_same, mask=held & (rank == n_same - 1))
             tl.debug_barrier()  # the counters are written back before the next chunk reads them
 
-    # 4. expert of each block in use (searchsorted(padded_end, b * BM, right=True)); -1 after
+    # 4. expert e owns blocks padded_start[e] / BM .. padded_end[e] / BM - 1 (ranges disjoint); -1 after
     used = total // BM
-    real = (e_idx < E)[None, :]
-    for start in range(0, used, BLK_C):
-        blk = start + tl.arange(0, BLK_C)
-        ended = (padded_end[None, :] <= (blk * BM)[:, None]) & real  # [BLK_C, E_PAD]
-        tl.store(expert_ids_ptr + blk, tl.reduce(ended.to(tl.int32), 1, _sum), mask=blk < used)
+    first_block = padded_start // BM
+    own_blocks = padded // BM
+    for j in range(0, (R + BM - 1) // BM):  # an expert holds at most ceil(R / BM) blocks
+        tl.store(expert_ids_ptr + first_block + j, e_idx, mask=j < own_blocks)
     no_expert = tl.full((FILL_C,), -1, tl.int32)
     for start in range(used, NUM_BLOCKS, FILL_C):
         blk = start + tl.arange(0, FILL_C)
