@@ -62,13 +62,14 @@ def packed_rows(results: dict) -> dict[tuple[str, int], tuple[float, float]]:
 
 def table(new: list[dict], old: list[dict]) -> tuple[str, list[dict]]:
     """Markdown table of the packed forward per (shape, T): each run's us, the difference of means, the ratio to the peer."""
-    keys = sorted(set.intersection(*(set(packed_rows(r)) for r in new + old)), key=lambda k: (k[0], k[1]))
+    new_rows, old_rows = [packed_rows(r) for r in new], [packed_rows(r) for r in old]
+    keys = sorted(set.intersection(*(set(r) for r in new_rows + old_rows)))
     lines = ["| shape | T | new us (runs) | old us (runs) | new - old (means) | packed / fastest peer, new | old |",
              "|---|---|---|---|---|---|---|"]
     data = []
     for key in keys:
-        n = [packed_rows(r)[key] for r in new]
-        o = [packed_rows(r)[key] for r in old]
+        n = [r[key] for r in new_rows]
+        o = [r[key] for r in old_rows]
         diff = statistics.mean(x for x, _ in n) - statistics.mean(x for x, _ in o)
         fmt = " / ".join
         lines.append(f"| {key[0]} | {key[1]} | {fmt(f'{x:.1f}' for x, _ in n)} | {fmt(f'{x:.1f}' for x, _ in o)} | {diff:+.1f} | "

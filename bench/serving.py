@@ -729,6 +729,10 @@ def write_report(out: Path, args: argparse.Namespace, infos: dict[str, Any], row
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from typing import get_args
+
+    from lutb_server.event_loop import EventLoopKind
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="directory for serving.json, serving.md, logs and profiles")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run: smoke shape, reference backend, few requests (< 60 s)")
@@ -748,7 +752,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="server pooling wait (0: never wait; closed-loop callers pool while a batch runs anyway)")
     p.add_argument("--max-batch-tokens", type=int, default=8192)
     p.add_argument("--cuda-graph-max-tokens", type=int, default=512)
-    p.add_argument("--event-loop", default="uvloop", choices=("uvloop", "asyncio"),
+    p.add_argument("--event-loop", default="uvloop", choices=get_args(EventLoopKind),
                    help="the server's and the echo server's event loop (the server setting event_loop)")
     p.add_argument("--compute-worker", default="thread", choices=("thread", "process"),
                    help="the server's compute_worker: a thread of the serving process, or a child process")

@@ -316,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
         if raw[1] == "serve":
             _child_serve(json.loads(raw[2]))
         return 0
+    from typing import get_args
+
+    from lutb_server.event_loop import EventLoopKind
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="directory for logs, checkpoint, overhead.json/.md (default: a temp dir)")
     p.add_argument("--base-us", type=float, default=350.0, help="fake backend: sleep per experts call")
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="fake backend: small torch ops (GIL held) per experts call before the sleep, like kernel launches")
     p.add_argument("--switch-interval-us", type=float, default=None,
                    help="the server process's sys.setswitchinterval in microseconds (default: Python's 5000)")
-    p.add_argument("--event-loop", default="uvloop", choices=("uvloop", "asyncio"),
+    p.add_argument("--event-loop", default="uvloop", choices=get_args(EventLoopKind),
                    help="the server's and the echo server's event loop (the server setting event_loop)")
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--tokens", default="1,16")

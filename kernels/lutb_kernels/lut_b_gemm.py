@@ -378,11 +378,11 @@ def lut_b_moe_gemm(
         **pdl_launch(device),
     )
     if split_k > 1 and not config.stream_k:
-        fin_n = min(256, next_pow2(n))
-        split_k_reduce_kernel[(blocks * (block_m // min(block_m, 16)), cdiv(n, fin_n))](
+        fin_r, fin_n = min(block_m, 16), min(256, next_pow2(n))
+        split_k_reduce_kernel[(blocks * (block_m // fin_r), cdiv(n, fin_n))](
             ws, out, topk_weights if topk_weights is not None else ws,
             sorted_token_ids, expert_ids, num_tokens_post_padded, n, num_valid, out.stride(0),
-            ROUTE_BLOCK=block_m, BLOCK_R=min(block_m, 16), BLOCK_N=fin_n, SPLIT_K=split_k,
+            ROUTE_BLOCK=block_m, BLOCK_R=fin_r, BLOCK_N=fin_n, SPLIT_K=split_k,
             MUL_WEIGHT=topk_weights is not None, num_warps=4, **pdl_launch(device),
         )
     return out

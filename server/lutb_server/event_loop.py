@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 T = TypeVar("T")
 EventLoopKind = Literal["uvloop", "asyncio"]
@@ -28,8 +28,8 @@ EventLoopKind = Literal["uvloop", "asyncio"]
 
 
 def _uvloop(kind: EventLoopKind) -> Any | None:
-    if kind not in ("uvloop", "asyncio"):
-        raise ValueError(f"event loop must be 'uvloop' or 'asyncio', got {kind!r}")
+    if kind not in get_args(EventLoopKind):
+        raise ValueError(f"event loop must be {' or '.join(map(repr, get_args(EventLoopKind)))}, got {kind!r}")
     if kind == "asyncio":
         return None
     try:

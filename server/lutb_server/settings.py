@@ -18,6 +18,8 @@ from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from lutb_server.event_loop import EventLoopKind
+
 ENV_PREFIX = "LUTB_"
 BackendName = Literal["auto", "reference", "emulated", "packed", "native"]
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
@@ -93,7 +95,7 @@ class ServerSettings(BaseSettings):
         "feeding one compute process that merges their concurrent batches; metrics_port serves all of their metrics "
         "(label front_end; front end k listens on loopback metrics_port + k for it)",
     )
-    event_loop: Literal["uvloop", "asyncio"] = Field(
+    event_loop: EventLoopKind = Field(
         "uvloop", description="the serving processes' asyncio event loop: uvloop (where installed, else asyncio's own; "
         "less server CPU per request) or asyncio (asyncio's own loop even where uvloop is installed)",
     )

@@ -647,6 +647,15 @@ def _store_out(out_ptr, topk_w_ptr, acc, route, valid, n0, stride_om, BLOCK_N: t
 
 
 @triton.jit
+def _store_partial(ws_ptr, slot, acc, route, valid, n0, N, num_valid, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A split-K partial into its own float32 slice ``ws[slot]`` (no zeroing pass, no float atomics);
+    returns the unit's offsets and mask inside a slice (:func:`_unit_offsets`)."""
+    off, mask = _unit_offsets(route, valid, n0, N, BLOCK_N, SWAP_AB)
+    tl.store(ws_ptr + slot.to(tl.int64) * num_valid * N + off, acc, mask=mask)
+    return off, mask
+
+
+@triton.jit
 def _store_partial_and_finish(ws_ptr, counters_ptr, out_ptr, topk_w_ptr, unit, slot, pieces, acc, route, valid, n0, N,
                               num_valid, stride_om, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
                               MUL_WEIGHT: tl.constexpr):
@@ -660,8 +669,7 @@ def _store_partial_and_finish(ws_ptr, counters_ptr, out_ptr, topk_w_ptr, unit, s
     stream-K launch (one wave, where a second launch would wait for the slowest program) and cost
     0.7-3.6% in plain split grids of many waves on the H200, which keep :func:`split_k_reduce_kernel`
     (bench/results/2026-12-04-split-k-fixup-h200.md)."""
-    off, mask = _unit_offsets(route, valid, n0, N, BLOCK_N, SWAP_AB)
-    tl.store(ws_ptr + slot.to(tl.int64) * num_valid * N + off, acc, mask=mask)
+    off, mask = _store_partial(ws_ptr, slot, acc, route, valid, n0, N, num_valid, BLOCK_N, SWAP_AB)
     # Every thread's partial is stored before the count says so (the barrier orders the CTA's stores
     # before the release), and the last program reads the others' slices after its acquire.
     tl.debug_barrier()
@@ -770,8 +778,7 @@ def lut_b_moe_gemm_kernel(
     if SPLIT_K == 1:
         _store_out(out_ptr, topk_w_ptr, acc, route, valid, n0, stride_om, BLOCK_N, SWAP_AB, MUL_WEIGHT)
     else:  # split_k_reduce_kernel sums the slices (a second launch: see _store_partial_and_finish)
-        off, mask = _unit_offsets(route, valid, n0, N, BLOCK_N, SWAP_AB)
-        tl.store(ws_ptr + pid_k.to(tl.int64) * num_valid * N + off, acc, mask=mask)
+        _store_partial(ws_ptr, pid_k, acc, route, valid, n0, N, num_valid, BLOCK_N, SWAP_AB)
 
 
 @triton.jit
