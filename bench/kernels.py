@@ -424,7 +424,7 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
     from lutb_kernels.lut_b_gemm import LutBGemmConfig, default_config, lut_b_moe_gemm
     from lutb_kernels.mxfp8_triton import act_mxfp8_qdq, mxfp8_qdq
     from lutb_kernels.routing import moe_align_block_size
-    from lutb_kernels.tiles import rotate_planes
+    from lutb_kernels.tiles import to_kernel_layout
     from lutb_kernels.routing_triton import moe_align_block_size_triton
 
     out = results.setdefault("breakdown", {})
@@ -432,8 +432,8 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
     for name in shapes:
         experts, hidden, inter, top_k = SHAPES[name]
         pk = _packed_only(name)
-        assert pk.planes_rotated
-        unrotated = {}  # the checkpoint-layout candidates' weights (rotate_planes inverse), made on first use
+        assert pk.kernel_layout
+        unrotated = {}  # the checkpoint-layout candidates' weights (to_kernel_layout inverse), made on first use
         per_expert = pk.weight_bytes // experts
         w13_bytes = pk.w13[0].numel()
         w2_bytes = pk.w2[0].numel()
@@ -463,16 +463,16 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
                 if rotated:
                     return w
                 if id(w) not in unrotated:
-                    unrotated[id(w)] = rotate_planes(w, inverse=True)
+                    unrotated[id(w)] = to_kernel_layout(w, inverse=True)
                 return unrotated[id(w)]
 
             def g1(d, cfg=None, rotated=True):  # noqa: ANN001, ANN202
                 lut_b_moe_gemm(d["a1"], None, weights_for(pk.w13, rotated), d["h"], None, *d["routing"], top_k,
-                               block_m=block, a_k_order="decoder", config=cfg, planes_rotated=rotated)
+                               block_m=block, a_k_order="decoder", config=cfg, kernel_layout=rotated)
 
             def g2(d, cfg=None, rotated=True):  # noqa: ANN001, ANN202
                 lut_b_moe_gemm(d["a2"], None, weights_for(pk.w2, rotated), d["y"], wflat, *d["routing"], 1,
-                               block_m=block, a_k_order="decoder", config=cfg, planes_rotated=rotated)
+                               block_m=block, a_k_order="decoder", config=cfg, kernel_layout=rotated)
 
             stages = {
                 # a shard's held mask as three torch launches (before 2026-12-04), and the routing kernel writing it
@@ -695,14 +695,14 @@ def tune(results: dict, quick: bool, out_dir: Path, budget_s: float = 1e9) -> No
     from lutb_kernels.experts._triton_common import choose_route_block
     from lutb_kernels.lut_b_gemm import default_config, lut_b_moe_gemm, random_tiles
     from lutb_kernels.routing import moe_align_block_size
-    from lutb_kernels.tiles import rotate_planes
+    from lutb_kernels.tiles import to_kernel_layout
 
     t0 = time.time()
     recs = results.setdefault("tune", [])
     for name in ("mixtral-8x7b", "deepseek-v3"):
         experts, hidden, inter, top_k = SHAPES[name]
         for which, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
-            w = rotate_planes(random_tiles((experts, n // 128, k // 128), k=k, device="cuda"))  # as packed keeps them
+            w = to_kernel_layout(random_tiles((experts, n // 128, k // 128), k=k, device="cuda"))  # as packed keeps them
             per_expert = w[0].numel()
             for tokens in ((1, 32) if quick else TUNE_SMALL_T + TUNE_LARGE_T):
                 if time.time() - t0 > budget_s:
@@ -725,7 +725,7 @@ def tune(results: dict, quick: bool, out_dir: Path, budget_s: float = 1e9) -> No
                 for cfg in cands:
                     try:
                         fns = [lambda rt=rt, cfg=cfg: lut_b_moe_gemm(q, None, w, outt, tw, *rt, tk, block_m=block,
-                                                                      a_k_order="decoder", config=cfg, planes_rotated=True)
+                                                                      a_k_order="decoder", config=cfg, kernel_layout=True)
                                for rt in routings]
                         us, _ = time_graph_rot(fns, calls=8 if tokens >= 2048 else 24, rounds=3)
                     except Exception as exc:  # noqa: BLE001

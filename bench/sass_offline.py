@@ -46,7 +46,7 @@ def compile_variant(block_m: int, block_n: int, warps: int, g: int, *, decoder: 
     consts = dict(TOP_K=1, ROUTE_BLOCK=max(16, block_m), BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k,
                   MUL_WEIGHT=False, DECODER=decoder, A_PERMUTED=True, A_DEQUANTIZED=a_deq, SWAP_AB=swap,
                   DOT_BF16=True, G=g, TILE_LOOP=tile_loop, PREFETCH=prefetch, UNROLL=unroll,
-                  STREAM_K=stream_k, ROTATED=rotated)
+                  STREAM_K=stream_k, KERNEL_LAYOUT=rotated)
     for k, v in consts.items():
         sig[k] = "constexpr"
     # pointers 16-byte aligned, N/K/strides multiples of 16 (what triton specializes on at launch)
@@ -111,7 +111,7 @@ VARIANTS.update({f"16,128,w4 tile loop prmt2 maxnreg={r}": (16, 128, 4, 1, dict(
                  for r in (96, 80, 64)})
 # the decode default on a stream-K grid (LutBGemmConfig.stream_k): the same K loop inside a loop over units
 VARIANTS["16,128,w4 tile loop prmt2 stream-K"] = (16, 128, 4, 1, dict(tile_loop=True, prefetch=False, decoder=2, stream_k=True))
-# tiles with rotated planes (how the packed experts keep them; lutb_kernels.tiles.rotate_planes)
+# tiles in the kernel layout (how the packed experts keep them; lutb_kernels.tiles.to_kernel_layout)
 VARIANTS.update({f"{name} rotated": (bm, bn, w, g, dict(kw, rotated=True)) for name, (bm, bn, w, g, kw) in list(VARIANTS.items())
                  if name in ("16,128,w4 tile loop prmt2", "16,128,w4 tile loop", "128,128,w8 tile loop",
                              "128,128,w8 tile loop prmt2", "16,128,w4 tile loop prmt2 stream-K")})

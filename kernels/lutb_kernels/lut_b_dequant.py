@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from lutb_kernels._grouped_gemm_details.launch import interpreting, pdl_launch
-from lutb_kernels.tiles import TILE, TILE_BYTES, rotate_planes, tiles_to_dense
+from lutb_kernels.tiles import TILE, TILE_BYTES, tiles_to_dense, to_kernel_layout
 
 ROWS_PER_PROGRAM = 32
 """Tile rows one program decodes (4 programs per tile)."""
@@ -38,7 +38,7 @@ def _check(w_packed: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype)
 
 
 def lut_b_dequantize(w_packed: torch.Tensor, out: torch.Tensor | None = None, *,
-                     dtype: torch.dtype = torch.bfloat16, planes_rotated: bool = False) -> torch.Tensor:
+                     dtype: torch.dtype = torch.bfloat16, kernel_layout: bool = False) -> torch.Tensor:
     """Dense weights of stacked LUT-B matrices, one Triton pass.
 
     Args:
@@ -47,8 +47,8 @@ def lut_b_dequantize(w_packed: torch.Tensor, out: torch.Tensor | None = None, *,
         out: ``[E, N, K]`` bfloat16/float16/float32 on the same device, contiguous in its last
             two dimensions (a slice of a larger scratch is fine), or None to allocate one.
         dtype: the dtype of an allocated ``out``.
-        planes_rotated: the tiles' planes 1 and 2 are stored rotated
-            (:func:`lutb_kernels.tiles.rotate_planes`), as the packed experts keep them.
+        kernel_layout: the tiles are in the kernel layout
+            (:func:`lutb_kernels.tiles.to_kernel_layout`), as the packed experts keep them.
 
     Returns:
         ``out``: element ``(e, n, k)`` is ``lut[code] * 2**(scale - 127)`` of its tile, computed in
@@ -64,18 +64,18 @@ def lut_b_dequantize(w_packed: torch.Tensor, out: torch.Tensor | None = None, *,
 
     words = w_packed.contiguous().view(torch.int32)
     lut_b_dequant_kernel[(e * nt * kt, TILE // ROWS_PER_PROGRAM)](
-        words, out, nt * kt, kt, out.stride(0), out.stride(1), ROWS=ROWS_PER_PROGRAM, ROTATED=planes_rotated, num_warps=4,
+        words, out, nt * kt, kt, out.stride(0), out.stride(1), ROWS=ROWS_PER_PROGRAM, KERNEL_LAYOUT=kernel_layout, num_warps=4,
         **pdl_launch(w_packed.device),
     )
     return out
 
 
 def lut_b_dequantize_reference(w_packed: torch.Tensor, out: torch.Tensor | None = None, *,
-                               dtype: torch.dtype = torch.bfloat16, planes_rotated: bool = False) -> torch.Tensor:
+                               dtype: torch.dtype = torch.bfloat16, kernel_layout: bool = False) -> torch.Tensor:
     """Plain-PyTorch twin of :func:`lut_b_dequantize` (any device)."""
     out = _check(w_packed, out, dtype)
     for i in range(w_packed.shape[0]):  # one expert at a time bounds the float32 temporaries
-        tiles = rotate_planes(w_packed[i], inverse=True) if planes_rotated else w_packed[i]
+        tiles = to_kernel_layout(w_packed[i], inverse=True) if kernel_layout else w_packed[i]
         out[i] = tiles_to_dense(tiles, out.dtype)
     return out
 

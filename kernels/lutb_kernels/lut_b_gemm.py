@@ -44,7 +44,7 @@ from lutb_kernels._grouped_gemm_details.launch import (
 )
 from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize
 from lutb_kernels.mxfp8_triton import decoder_column_order
-from lutb_kernels.tiles import TILE, TILE_BYTES, rotate_planes, tiles_to_dense
+from lutb_kernels.tiles import TILE, TILE_BYTES, tiles_to_dense, to_kernel_layout
 
 Decoder = Literal["prmt", "prmt2", "triton"]
 # the kernel's constexpr DECODER for each decoder name
@@ -274,7 +274,7 @@ def lut_b_moe_gemm(
     a_k_order: Literal["natural", "decoder"] = "natural",
     config: LutBGemmConfig | None = None,
     held_routes: int | None = None,
-    planes_rotated: bool = False,
+    kernel_layout: bool = False,
     split_k_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[route] = (A[route // top_k] @ W[expert]^T) * topk_weights[route]`` over the routed rows.
@@ -299,9 +299,10 @@ def lut_b_moe_gemm(
         held_routes: routes expected to land on ``w_packed``'s experts, when it holds a shard of
             the experts the routing chose from (uniform share: ``M * top_k * E / E_layer``); None:
             all ``M * top_k``. Sizes the default launch only; the result does not depend on it.
-        planes_rotated: ``w_packed``'s planes 1 and 2 are stored rotated
-            (:func:`lutb_kernels.tiles.rotate_planes`, how the packed experts keep them): the
-            ``prmt2`` selector then takes 4 integer instructions instead of 6; same result.
+        kernel_layout: ``w_packed`` is in the kernel layout (:func:`lutb_kernels.tiles.to_kernel_layout`,
+            how the packed experts keep it: planes rotated, rows chunk-major): the ``prmt2``
+            selector takes 4 integer instructions instead of 6 and each 16-byte plane load reads
+            whole sectors; same result. False: the checkpoint layout.
         split_k_counters: int32 on the device, all zero, one element per unit of the launch
             (``expert_ids.numel() * (block_m / config.block_m) * (N / config.block_n)``): the
             counters a stream-K launch uses to find each unit's last partial (it leaves them zero
@@ -372,7 +373,7 @@ def lut_b_moe_gemm(
         PREFETCH=config.prefetch,
         UNROLL=config.unroll,
         STREAM_K=config.stream_k > 0,
-        ROTATED=planes_rotated,
+        KERNEL_LAYOUT=kernel_layout,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg is not None and not interpreting() else {}),
         **pdl_launch(device),
@@ -403,7 +404,7 @@ def lut_b_moe_gemm_reference(
     a_k_order: Literal["natural", "decoder"] = "natural",
     config: LutBGemmConfig | None = None,
     held_routes: int | None = None,
-    planes_rotated: bool = False,
+    kernel_layout: bool = False,
 ) -> torch.Tensor:
     """Plain-PyTorch twin of :func:`lut_b_moe_gemm` (``config`` and ``held_routes`` are ignored).
 
@@ -434,7 +435,7 @@ def lut_b_moe_gemm_reference(
         if routes.numel() == 0:
             continue
         if e not in dense:
-            tiles = rotate_planes(w_packed[e], inverse=True) if planes_rotated else w_packed[e]
+            tiles = to_kernel_layout(w_packed[e], inverse=True) if kernel_layout else w_packed[e]
             dense[e] = tiles_to_dense(tiles, torch.float32)
         y = a[routes // top_k] @ dense[e].T
         if flat_w is not None:

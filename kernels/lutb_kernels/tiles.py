@@ -204,19 +204,28 @@ def tiles_from_dense_fields(codes: torch.Tensor, scales: torch.Tensor, lut: torc
     return pack_tiles(tile_codes, tile_scales.contiguous(), lut)
 
 
-def rotate_planes(tiles: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
-    """A copy of tiles ``uint8 [..., 6672]`` with every bit-plane-1 word rotated left by 1 bit and
-    every plane-2 word by 2 (``inverse``: right, undoing it); LUT, scales and plane 0 unchanged.
+def to_kernel_layout(tiles: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """A copy of tiles ``uint8 [..., 6672]`` in the kernel layout (``inverse``: back to the
+    checkpoint layout): the same bytes per weight, arranged for the GEMM's loads and decoder.
 
-    The same bytes per weight in another arrangement: the packed experts keep their tiles this way
-    on the GPU (the bits of column ``c`` of a (row, group) then sit at bits ``c``, ``c + 1`` and
-    ``c + 2`` mod 32 of its three plane words, which spares the GEMM's decoder two shifts per
-    selector; ``lut_b_moe_gemm(..., planes_rotated=True)``). Plane ``b`` of (row ``r``, group
-    ``g``) is int32 word ``132 + 3 (4 r + g) + b`` of a tile (little-endian).
+    How the packed experts keep their tiles on the GPU (``lut_b_moe_gemm(..., kernel_layout=True)``,
+    ``lut_b_dequantize(..., kernel_layout=True)``). LUT (words 0-3) and scales (words 4-131) are
+    unchanged. In the checkpoint layout the 12 plane words of row ``r`` (plane ``b`` of group ``g``
+    at ``q = 3g + b``) are words ``132 + 12 r + q``. The kernel layout changes two things:
+
+    - *rotated planes*: every plane-1 word is rotated left by 1 bit and every plane-2 word by 2,
+      so the bits of column ``c`` of a (row, group) sit at bits ``c``, ``c + 1`` and ``c + 2``
+      mod 32 of its three words (the decoder's selectors then need two shifts fewer);
+    - *chunk-major rows*: the 12 words of a row are cut into three 16-byte chunks ``v = q // 4``
+      and chunk ``v`` of row ``r`` is stored at words ``132 + 512 v + 4 r + q % 4``, so the GEMM's
+      16-byte load of chunk ``v`` for consecutive rows reads consecutive bytes (whole 32-byte
+      sectors, where the 48-byte row stride fetched every sector twice).
     """
     if tiles.dtype != torch.uint8 or tiles.dim() == 0 or tiles.shape[-1] != TILE_BYTES:
         raise ValueError(f"tiles must be uint8 [..., {TILE_BYTES}], got {tiles.dtype} {tuple(tiles.shape)}")
     words = tiles.contiguous().view(torch.int32).clone()
+    if inverse:  # chunk-major back to row-major first ([3, 128, 4] -> [128, 3, 4]); reshape copies
+        words[..., 132:] = words[..., 132:].unflatten(-1, (3, TILE, 4)).transpose(-3, -2).flatten(-3)
     planes = words[..., 132:].unflatten(-1, (-1, 3))
     p1, p2 = planes[..., 1], planes[..., 2]  # each right-hand side is computed before its store
     if inverse:  # int32 >> is arithmetic: mask the sign copies off
@@ -225,6 +234,7 @@ def rotate_planes(tiles: torch.Tensor, *, inverse: bool = False) -> torch.Tensor
     else:
         planes[..., 1] = (p1 << 1) | ((p1 >> 31) & 1)
         planes[..., 2] = (p2 << 2) | ((p2 >> 30) & 3)
+        words[..., 132:] = words[..., 132:].unflatten(-1, (TILE, 3, 4)).transpose(-3, -2).flatten(-3)
     return words.view(torch.uint8)
 
 

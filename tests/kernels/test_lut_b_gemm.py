@@ -10,7 +10,7 @@ from lutb_gpu_testdata import rel_l2
 
 from lutb_kernels.lut_b_gemm import LutBGemmConfig, lut_b_moe_gemm, lut_b_moe_gemm_reference, random_tiles
 from lutb_kernels.routing import moe_align_block_size
-from lutb_kernels.tiles import rotate_planes, tiles_to_dense
+from lutb_kernels.tiles import to_kernel_layout, tiles_to_dense
 
 pytestmark = pytest.mark.gpu
 
@@ -187,7 +187,7 @@ def test_split_k_is_deterministic(stream_k: int, split_k: int) -> None:
     from lutb_kernels import mxfp8_triton as mt
 
     tokens, top_k, experts, n, k = 5, 8, 64, 2048, 2048
-    w = rotate_planes(random_tiles((experts, n // 128, k // 128), k=k, device="cuda"))
+    w = to_kernel_layout(random_tiles((experts, n // 128, k // 128), k=k, device="cuda"))
     x = torch.randn(tokens, k, device="cuda").to(torch.bfloat16)
     a = mt.mxfp8_qdq(x, k_order="decoder", out_dtype=torch.bfloat16)
     q, s = mt.mxfp8_quantize(x, k_order="decoder")
@@ -200,11 +200,11 @@ def test_split_k_is_deterministic(stream_k: int, split_k: int) -> None:
     for _ in range(10):
         out = torch.full((tokens * top_k, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         lut_b_moe_gemm(a, None, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order="decoder",
-                       config=config, planes_rotated=True, split_k_counters=counters)
+                       config=config, kernel_layout=True, split_k_counters=counters)
         outs.append(out)
     ref = torch.full_like(outs[0], float("nan"))
     lut_b_moe_gemm_reference(q, s, w, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order="decoder",
-                             planes_rotated=True)
+                             kernel_layout=True)
     assert not outs[0].isnan().any()
     assert rel_l2(outs[0], ref) < 5e-3
     assert all(torch.equal(o, outs[0]) for o in outs[1:]), "split-K results differ between launches"
@@ -213,9 +213,9 @@ def test_split_k_is_deterministic(stream_k: int, split_k: int) -> None:
 
 @pytest.mark.parametrize("decoder", ["prmt2", "prmt", "triton"])
 @pytest.mark.parametrize("tokens,stream_k,block_n", [(1, 0, 128), (1, 4, 128), (37, 0, 64), (37, 2, 128)])
-def test_rotated_planes_give_the_same_bits(decoder: str, tokens: int, stream_k: int, block_n: int) -> None:
-    """``planes_rotated=True`` on ``rotate_planes(w)`` gives the output of ``w`` bit for bit (same config otherwise),
-    on the plain and the stream-K grid, for every decoder; on unrotated tiles it does not (the test can tell the
+def test_kernel_layout_gives_the_same_bits(decoder: str, tokens: int, stream_k: int, block_n: int) -> None:
+    """``kernel_layout=True`` on ``to_kernel_layout(w)`` gives the output of ``w`` bit for bit (same config otherwise),
+    on the plain and the stream-K grid, for every decoder; on checkpoint-layout tiles it does not (the test can tell the
     layouts apart)."""
     from lutb_kernels import mxfp8_triton as mt
 
@@ -225,12 +225,12 @@ def test_rotated_planes_give_the_same_bits(decoder: str, tokens: int, stream_k: 
     a = mt.mxfp8_qdq(x, k_order="decoder", out_dtype=torch.bfloat16)
     _, _, routing = _routing(tokens, top_k, experts, None, 16)
     outs = []
-    for tiles, rotated in ((w, False), (rotate_planes(w), True), (w, True)):
+    for tiles, rotated in ((w, False), (to_kernel_layout(w), True), (w, True)):
         out = torch.full((tokens * top_k, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         cfg = LutBGemmConfig(block_m=16, block_n=block_n, split_k=2, swap_ab=True, decoder=decoder, groups_per_step=1,
                              tile_loop=True, stream_k=stream_k, maxnreg=128 if stream_k else None)
         lut_b_moe_gemm(a, None, tiles, out, None, *routing, top_k, block_m=16, a_k_order="decoder", config=cfg,
-                       planes_rotated=rotated)
+                       kernel_layout=rotated)
         outs.append(out)
     assert not outs[0].isnan().any()
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))

@@ -52,7 +52,7 @@ def selector_pre_rotated(p0: int, p1: int, p2: int, i: int) -> int:
 
 
 def selector_stored_rotated(p0: int, p1: int, p2: int, i: int) -> int:
-    """``prmt2``'s selector on rotated planes (PRMT2R_LOOKUP_ASM) as stored by ``rotate_planes`` (``b = rotl(p1, 1)``,
+    """``prmt2``'s selector on rotated planes (PRMT2R_LOOKUP_ASM) as stored by ``to_kernel_layout`` (``b = rotl(p1, 1)``,
     ``c = rotl(p2, 2)``), step by step: two bit-selects (``lop3`` 0xE4) with the per-thread masks of
     ``rotated_selector_masks``, a mask, one rotation right by ``i``."""
     b, c = _rotr(p1, 31), _rotr(p2, 30)
@@ -150,10 +150,10 @@ def test_scale_words_match_prmt() -> None:
 def test_prmt2_equals_prmt_edge_values_gpu(tile_loop: bool, groups: int, block_m: int, block_n: int) -> None:
     """Edge scales (0 = the subnormal 2**-127, 1, 2, ...) and LUTs (+-0, bf16 subnormals, the
     smallest normal) read back through one-hot activations: ``prmt2`` == ``prmt`` bit for bit, and
-    both on the same tiles with rotated planes (``rotate_planes``, ``planes_rotated=True``) too."""
+    both on the same tiles in the kernel layout (``to_kernel_layout``, ``kernel_layout=True``) too."""
     from lutb_kernels import mxfp8_triton as mt
     from lutb_kernels.lut_b_gemm import LutBGemmConfig, lut_b_moe_gemm, random_tiles
-    from lutb_kernels.tiles import rotate_planes
+    from lutb_kernels.tiles import to_kernel_layout
     from lutb_kernels.routing import moe_align_block_size
 
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -171,8 +171,8 @@ def test_prmt2_equals_prmt_edge_values_gpu(tile_loop: bool, groups: int, block_m
         out = torch.full((128, 256), float("nan"), device="cuda")
         cfg = LutBGemmConfig(block_m=block_m, block_n=block_n, swap_ab=True, decoder=decoder, groups_per_step=groups,
                              tile_loop=tile_loop)
-        lut_b_moe_gemm(q, s, rotate_planes(w) if rotated else w, out, None, sorted_ids, expert_ids, ntpp, 1, block_m=128,
-                       a_k_order="decoder", config=cfg, planes_rotated=rotated)
+        lut_b_moe_gemm(q, s, to_kernel_layout(w) if rotated else w, out, None, sorted_ids, expert_ids, ntpp, 1, block_m=128,
+                       a_k_order="decoder", config=cfg, kernel_layout=rotated)
         outs.append(out)
     assert not outs[0].isnan().any()
     for other in outs[1:]:

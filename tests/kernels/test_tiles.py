@@ -191,25 +191,31 @@ def test_pack_refuses_bad_fields() -> None:
         pack_tiles(codes, scales, lut.float())
 
 
-def test_rotate_planes_rotates_planes_1_and_2_only() -> None:
-    """``rotate_planes``: every plane-1 word rotated left by 1 bit, every plane-2 word by 2, everything else (LUT,
-    scales, plane 0) unchanged, the input untouched; ``inverse=True`` undoes it."""
+def test_kernel_layout_rotates_planes_and_makes_rows_chunk_major() -> None:
+    """``to_kernel_layout``: plane word ``q = 3g + b`` of row ``r`` moves from word ``132 + 12r + q`` to
+    ``132 + 512 (q // 4) + 4r + q % 4``, plane-1 words rotated left by 1 bit and plane-2 words by 2; LUT and
+    scales unchanged, the input untouched; ``inverse=True`` undoes it. Checked word by word, independently of
+    the implementation's reshapes."""
     from lutb_kernels.lut_b_gemm import random_tiles
-    from lutb_kernels.tiles import rotate_planes
+    from lutb_kernels.tiles import to_kernel_layout
 
     def rotl(x: int, n: int) -> int:
         return ((x << n) | (x >> (32 - n))) & 0xFFFFFFFF
 
     w = random_tiles((2, 3, 2), k=256, generator=torch.Generator().manual_seed(3))
     before = w.clone()
-    r = rotate_planes(w)
-    assert torch.equal(w, before) and r.shape == w.shape and r.dtype == torch.uint8
-    assert torch.equal(rotate_planes(r, inverse=True), w)
-    old = [v & 0xFFFFFFFF for v in w.view(torch.int32).flatten().tolist()]
-    new = [v & 0xFFFFFFFF for v in r.view(torch.int32).flatten().tolist()]
-    for n, (a, b) in enumerate(zip(old, new, strict=True)):
-        word = n % 1668
-        plane = (word - 132) % 3 if word >= 132 else 0
-        assert b == (rotl(a, plane) if plane else a), (n, hex(a), hex(b))
+    kl = to_kernel_layout(w)
+    assert torch.equal(w, before) and kl.shape == w.shape and kl.dtype == torch.uint8
+    assert torch.equal(to_kernel_layout(kl, inverse=True), w)
+    old = [[v & 0xFFFFFFFF for v in t] for t in w.view(torch.int32).reshape(-1, 1668).tolist()]
+    new = [[v & 0xFFFFFFFF for v in t] for t in kl.view(torch.int32).reshape(-1, 1668).tolist()]
+    for t, (a, b) in enumerate(zip(old, new, strict=True)):
+        assert a[:132] == b[:132], t
+        for r in range(128):
+            for q in range(12):
+                plane = q % 3
+                got = b[132 + 512 * (q // 4) + 4 * r + q % 4]
+                want = rotl(a[132 + 12 * r + q], plane) if plane else a[132 + 12 * r + q]
+                assert got == want, (t, r, q, hex(got), hex(want))
     with pytest.raises(ValueError, match="uint8"):
-        rotate_planes(w[..., :100])
+        to_kernel_layout(w[..., :100])

@@ -2,7 +2,8 @@
 
 Tile layout as int32 words (spec section 1; see the GEMM kernel module): words 0..3 hold the 8
 bf16 LUT entries (entry 2w in the low half of word w), word 4 + r the 4 E8M0 scale bytes of row
-r (group g in byte g), words 132 + 3 (4r + g) + b the bit-plane b of (row r, group g).
+r (group g in byte g), words 132 + 3 (4r + g) + b the bit-plane b of (row r, group g); or the
+kernel layout (``lutb_kernels.tiles.to_kernel_layout``: planes rotated, rows chunk-major).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lutb_kernels._lut_b_gemm_details.kernels import load_lut_words
+from lutb_kernels._lut_b_gemm_details.kernels import load_lut_words, plane_word
 from lutb_kernels._pdl_details import pdl_prologue
 
 TILE_WORDS = tl.constexpr(1668)  # 6672 bytes
@@ -25,7 +26,7 @@ def lut_b_dequant_kernel(
     stride_oe,
     stride_on,
     ROWS: tl.constexpr,  # tile rows per program (divides 128)
-    ROTATED: tl.constexpr = False,  # planes 1 and 2 stored rotated left by 1 and 2 bits (tiles.rotate_planes)
+    KERNEL_LAYOUT: tl.constexpr = False,  # tiles in the kernel layout (tiles.to_kernel_layout)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
     """Program (tile, row block): ``out[e, 128 nt + r, 128 kt + c] = lut[code] * 2**(s - 127)``.
@@ -58,13 +59,13 @@ def lut_b_dequant_kernel(
     s = (scale_word[:, None] >> (8 * g[None, :])) & 0xFF  # [ROWS, 4]
     bits = tl.where(s == 0, 0x400000, s << 23)  # 2**(s - 127); 0 is the subnormal 2**-127
     scale = tl.where(s == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)  # 255: NaN
-    plane = w_words_ptr + base + 132 + (r[:, None] * 4 + g[None, :]) * 3  # [ROWS, 4]
-    p0 = tl.load(plane).to(tl.uint32, bitcast=True)[:, :, None]
-    p1 = tl.load(plane + 1).to(tl.uint32, bitcast=True)[:, :, None]
-    p2 = tl.load(plane + 2).to(tl.uint32, bitcast=True)[:, :, None]
+    q = 3 * g[None, :]  # [1, 4] plane 0 of each group
+    p0 = tl.load(w_words_ptr + base + plane_word(r[:, None], q, KERNEL_LAYOUT)).to(tl.uint32, bitcast=True)[:, :, None]
+    p1 = tl.load(w_words_ptr + base + plane_word(r[:, None], q + 1, KERNEL_LAYOUT)).to(tl.uint32, bitcast=True)[:, :, None]
+    p2 = tl.load(w_words_ptr + base + plane_word(r[:, None], q + 2, KERNEL_LAYOUT)).to(tl.uint32, bitcast=True)[:, :, None]
     b0 = ((p0 >> i[None, None, :]) & 1) != 0  # [ROWS, 4, 32]: bit 0 of each code
-    i1 = (i + 1) % 32 if ROTATED else i  # where plane 1 (2) keeps column i's bit
-    i2 = (i + 2) % 32 if ROTATED else i
+    i1 = (i + 1) % 32 if KERNEL_LAYOUT else i  # where plane 1 (2) keeps column i's bit (rotated planes)
+    i2 = (i + 2) % 32 if KERNEL_LAYOUT else i
     b1 = ((p1 >> i1[None, None, :]) & 1) != 0
     b2 = ((p2 >> i2[None, None, :]) & 1) != 0
     low = tl.where(b1, tl.where(b0, l3, l2), tl.where(b0, l1, l0))

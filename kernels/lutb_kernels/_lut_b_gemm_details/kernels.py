@@ -32,12 +32,17 @@ Three decoders produce the same values (constexpr ``DECODER``):
 - ``DECODER == 0`` (pure Triton, for the interpreter and other GPUs): shifts, masks and a
   3-level select over the LUT, float32 scale multiply.
 
-Rotated planes (constexpr ``ROTATED``; how the packed experts keep their tiles on the GPU, see
-``lutb_kernels.tiles.rotate_planes``): every plane-1 word is stored rotated left by 1 bit and
-every plane-2 word by 2, so the bits of column ``c`` sit at bits ``c``, ``c + 1`` and ``c + 2``
-(mod 32) of the three words. ``prmt2`` then builds a selector with two bit-selects, a mask and
-one rotation (4 integer instructions instead of 6); ``prmt`` and the pure decoder shift by
-``c + 1`` and ``c + 2`` (rotating) instead of ``c``, at no extra cost. Same values bit for bit.
+Kernel layout (constexpr ``KERNEL_LAYOUT``; how the packed experts keep their tiles on the GPU,
+see ``lutb_kernels.tiles.to_kernel_layout``), two changes, same values bit for bit:
+
+- rotated planes (the decoders' constexpr ``ROTATED``): every plane-1 word is stored rotated left
+  by 1 bit and every plane-2 word by 2, so the bits of column ``c`` sit at bits ``c``, ``c + 1``
+  and ``c + 2`` (mod 32) of the three words. ``prmt2`` then builds a selector with two
+  bit-selects, a mask and one rotation (4 integer instructions instead of 6); ``prmt`` and the
+  pure decoder shift by ``c + 1`` and ``c + 2`` (rotating) instead of ``c``, at no extra cost;
+- chunk-major rows: plane word ``q = 3g + b`` of row ``r`` sits at word ``132 + 512 (q // 4) +
+  4 r + q % 4`` (:func:`plane_word`), so the tile loop's three 16-byte loads per row each read
+  consecutive bytes across consecutive rows.
 """
 
 from __future__ import annotations
@@ -46,6 +51,16 @@ import triton
 import triton.language as tl
 
 from lutb_kernels._pdl_details import pdl_prologue
+
+
+@triton.jit
+def plane_word(r, q, KERNEL_LAYOUT: tl.constexpr):
+    """Word index inside a tile of plane word ``q = 3g + b`` (0..11: plane ``b`` of group ``g``) of
+    tile row ``r``, in the checkpoint layout or the kernel layout (chunk-major rows)."""
+    if KERNEL_LAYOUT:
+        return 132 + 512 * (q // 4) + 4 * r + q % 4
+    else:
+        return 132 + 12 * r + q
 
 
 @triton.jit
@@ -395,7 +410,7 @@ def decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N: tl.constexpr, G: tl.co
     """``prmt2`` decoder: the same bfloat16 ``[BLOCK_N, 32 G]`` as :func:`decode_prmt`, bit for bit.
 
     ``p0, p1, p2``: uint32 ``[BLOCK_N, G]`` plane words (``ROTATED``: planes 1 and 2 as stored by
-    ``lutb_kernels.tiles.rotate_planes``, rotated left by 1 and 2 bits; the selector then
+    ``lutb_kernels.tiles.to_kernel_layout``, rotated left by 1 and 2 bits; the selector then
     takes 4 instead of 6 integer instructions); ``sw``: uint32 ``[BLOCK_N, G]``, the bf16 scale of
     each (row, group) in both halves (:func:`e8m0_bf16x2` or a broadcast half of
     :func:`e8m0_pairs_bf16x2`); ``l0, l1, h0, h1``: the tile's :func:`lut_bytes`, shape
@@ -448,7 +463,7 @@ def _dot_step(acc, w_op, af, DOT_BF16: tl.constexpr, SWAP_AB: tl.constexpr):
 @triton.jit
 def _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg, valid, k_lo, k_hi,
                 BLOCK_N: tl.constexpr, DECODER: tl.constexpr, A_DEQUANTIZED: tl.constexpr, SWAP_AB: tl.constexpr,
-                DOT_BF16: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, ROTATED: tl.constexpr):
+                DOT_BF16: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, KERNEL_LAYOUT: tl.constexpr):
     """The per-group K loop (``G`` 32-column groups per step; the first version, any G)."""
     STEPS: tl.constexpr = 4 // G  # K steps per tile
     rg = 4 * rows[:, None] + gg[None, :]  # [BN, G] (row, group) index of the step's first group
@@ -458,17 +473,17 @@ def _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg,
         tw = tile * 1668
         w0, w1, w2, w3 = load_lut_words(w_words_ptr, tw)
         sc = tl.load(w_bytes_ptr + tile * 6672 + 16 + g0 + rg).to(tl.int32)
-        pw = w_words_ptr + tw + 132 + 3 * (rg + g0)
-        p0 = tl.load(pw).to(tl.uint32, bitcast=True)
-        p1 = tl.load(pw + 1).to(tl.uint32, bitcast=True)
-        p2 = tl.load(pw + 2).to(tl.uint32, bitcast=True)
+        q = 3 * (gg[None, :] + g0)  # [1, G] plane 0 of the step's groups
+        p0 = tl.load(w_words_ptr + tw + plane_word(rows[:, None], q, KERNEL_LAYOUT)).to(tl.uint32, bitcast=True)
+        p1 = tl.load(w_words_ptr + tw + plane_word(rows[:, None], q + 1, KERNEL_LAYOUT)).to(tl.uint32, bitcast=True)
+        p2 = tl.load(w_words_ptr + tw + plane_word(rows[:, None], q + 2, KERNEL_LAYOUT)).to(tl.uint32, bitcast=True)
         if DECODER == 1:
-            w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G, ROTATED)
+            w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G, KERNEL_LAYOUT)
         elif DECODER == 2:
             l0, l1, h0, h1 = lut_bytes(w0, w1, w2, w3, (BLOCK_N, G, 4))
-            w_op = decode_prmt2(p0, p1, p2, e8m0_bf16x2(sc), l0, l1, h0, h1, BLOCK_N, G, ROTATED)
+            w_op = decode_prmt2(p0, p1, p2, e8m0_bf16x2(sc), l0, l1, h0, h1, BLOCK_N, G, KERNEL_LAYOUT)
         else:
-            w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G, ROTATED)
+            w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, G, KERNEL_LAYOUT)
 
         if A_DEQUANTIZED:  # MXFP8 values already dequantized (bf16 holds them exactly)
             af = tl.load(a_base + step * (32 * G), mask=valid[:, None], other=0.0)
@@ -483,14 +498,14 @@ def _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg,
 
 
 @triton.jit
-def _load_tile_words(w_words_ptr, tw, pv_off, sw_off):
+def _load_tile_words(w_words_ptr, tw, pv_off, sw_off, CHUNK: tl.constexpr):
     """A tile's words for the per-tile loop (``tw``: its first word): the 4 LUT words, the three
-    ``[BLOCK_N, 4]`` plane-word blocks of its rows (words ``4v + j`` of a row's 12) and each row's
-    scale word."""
+    ``[BLOCK_N, 4]`` plane-word chunks of its rows (words ``4v + j`` of a row's 12; chunk ``v`` at
+    ``pv_off + v * CHUNK``) and each row's scale word."""
     w0, w1, w2, w3 = load_lut_words(w_words_ptr, tw)
     c0 = tl.load(w_words_ptr + tw + pv_off)
-    c1 = tl.load(w_words_ptr + tw + pv_off + 4)
-    c2 = tl.load(w_words_ptr + tw + pv_off + 8)
+    c1 = tl.load(w_words_ptr + tw + pv_off + CHUNK)
+    c2 = tl.load(w_words_ptr + tw + pv_off + 2 * CHUNK)
     cs = tl.load(w_words_ptr + tw + sw_off)
     return w0, w1, w2, w3, c0, c1, c2, cs
 
@@ -498,28 +513,33 @@ def _load_tile_words(w_words_ptr, tw, pv_off, sw_off):
 @triton.jit
 def _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi,
                BLOCK_N: tl.constexpr, DECODER: tl.constexpr, A_DEQUANTIZED: tl.constexpr, SWAP_AB: tl.constexpr,
-               DOT_BF16: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr, ROTATED: tl.constexpr):
+               DOT_BF16: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr, KERNEL_LAYOUT: tl.constexpr):
     """The per-tile K loop over tiles ``k_lo .. k_hi - 1`` of the row of tiles starting at ``tile0``.
 
     One iteration per tile. Each thread owns whole tile rows: 3 x 16-byte loads fetch the 12
-    plane words of a row (4 groups x 3 planes, contiguous), one word its 4 scale bytes, so a
+    plane words of a row (4 groups x 3 planes; in the kernel layout each load reads the same
+    chunk of consecutive rows, consecutive bytes), one word its 4 scale bytes, so a
     program has 4x (8x with PREFETCH) the bytes in flight of the per-group loop; the 4 groups are
     then decoded and fed to the MMA one at a time (the G == 1 register layout). Returns ``acc``
     plus the range's products.
     """
     jj = tl.arange(0, 4)
-    pv_off = 132 + 12 * rows[:, None] + jj[None, :]  # [BN, 4] words 4v + j of the row's planes
+    pv_off = plane_word(rows[:, None], jj[None, :], KERNEL_LAYOUT)  # [BN, 4] words 0-3 of the row's planes
+    if KERNEL_LAYOUT:  # words 4v + j of a row are CHUNK * v further on
+        CHUNK: tl.constexpr = 512
+    else:
+        CHUNK: tl.constexpr = 4
     sw_off = 4 + rows  # word holding the row's 4 scale bytes
     if PREFETCH:
-        lw0, lw1, lw2, lw3, v0, v1, v2, swd = _load_tile_words(w_words_ptr, (tile0 + k_lo) * 1668, pv_off, sw_off)
+        lw0, lw1, lw2, lw3, v0, v1, v2, swd = _load_tile_words(w_words_ptr, (tile0 + k_lo) * 1668, pv_off, sw_off, CHUNK)
     for t in tl.range(k_lo, k_hi, loop_unroll_factor=UNROLL):
         if PREFETCH:
             w0, w1, w2, w3 = lw0, lw1, lw2, lw3
             c0, c1, c2, cs = v0, v1, v2, swd
             twn = (tile0 + tl.minimum(t + 1, k_hi - 1)) * 1668  # the last iteration reloads its own tile
-            lw0, lw1, lw2, lw3, v0, v1, v2, swd = _load_tile_words(w_words_ptr, twn, pv_off, sw_off)
+            lw0, lw1, lw2, lw3, v0, v1, v2, swd = _load_tile_words(w_words_ptr, twn, pv_off, sw_off, CHUNK)
         else:
-            w0, w1, w2, w3, c0, c1, c2, cs = _load_tile_words(w_words_ptr, (tile0 + t) * 1668, pv_off, sw_off)
+            w0, w1, w2, w3, c0, c1, c2, cs = _load_tile_words(w_words_ptr, (tile0 + t) * 1668, pv_off, sw_off, CHUNK)
         # plane word index 4v + j = 3g + b
         q0, q1, q2, q3 = split4(c0)  # words 0-3: g0 b0,b1,b2; g1 b0
         q4, q5, q6, q7 = split4(c1)  # words 4-7: g1 b1,b2; g2 b0,b1
@@ -543,12 +563,12 @@ def _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi
             p2 = p2.to(tl.uint32, bitcast=True)[:, None]
             sc = sc[:, None]
             if DECODER == 1:
-                w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1, ROTATED)
+                w_op = decode_prmt(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1, KERNEL_LAYOUT)
             elif DECODER == 2:
                 sw = bf16x2_broadcast_half(s02 if g % 2 == 0 else s13, g // 2)[:, None]
-                w_op = decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N, 1, ROTATED)
+                w_op = decode_prmt2(p0, p1, p2, sw, l0, l1, h0, h1, BLOCK_N, 1, KERNEL_LAYOUT)
             else:
-                w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1, ROTATED)
+                w_op = decode_pure(p0, p1, p2, sc, w0, w1, w2, w3, BLOCK_N, 1, KERNEL_LAYOUT)
             step = t * 4 + g
             if A_DEQUANTIZED:
                 af = tl.load(a_base + step * 32, mask=valid[:, None], other=0.0)
@@ -582,7 +602,7 @@ def _unit_partial(a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, o
                   TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODER: tl.constexpr,
                   A_PERMUTED: tl.constexpr, A_DEQUANTIZED: tl.constexpr, SWAP_AB: tl.constexpr, DOT_BF16: tl.constexpr,
                   G: tl.constexpr, TILE_LOOP: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr,
-                  ROTATED: tl.constexpr):
+                  KERNEL_LAYOUT: tl.constexpr):
     """Float32 products of one unit (routed rows ``offs_m``, output columns ``n0 .. n0 + BLOCK_N``)
     over its K tiles ``k_lo .. k_hi - 1``: ``(acc, route, valid)``; ``acc`` is ``[BLOCK_N, BLOCK_M]``
     with ``SWAP_AB``, else ``[BLOCK_M, BLOCK_N]``."""
@@ -610,10 +630,10 @@ def _unit_partial(a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, o
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     if TILE_LOOP:
         acc = _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi, BLOCK_N, DECODER,
-                         A_DEQUANTIZED, SWAP_AB, DOT_BF16, PREFETCH, UNROLL, ROTATED)
+                         A_DEQUANTIZED, SWAP_AB, DOT_BF16, PREFETCH, UNROLL, KERNEL_LAYOUT)
     else:
         acc = _group_loop(acc, a_base, as_base, w_bytes_ptr, w_words_ptr, tile0, rows, gg, valid, k_lo, k_hi,
-                          BLOCK_N, DECODER, A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, BLOCK_M, ROTATED)
+                          BLOCK_N, DECODER, A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, BLOCK_M, KERNEL_LAYOUT)
     return acc, route, valid
 
 
@@ -720,7 +740,7 @@ def lut_b_moe_gemm_kernel(
     PREFETCH: tl.constexpr = False,  # TILE_LOOP: load tile t+1's words while decoding tile t
     UNROLL: tl.constexpr = 1,  # TILE_LOOP: tiles per loop iteration after unrolling (1: none)
     STREAM_K: tl.constexpr = False,  # a 1-D grid of num_programs programs walks the work in equal runs
-    ROTATED: tl.constexpr = False,  # planes 1 and 2 stored rotated left by 1 and 2 bits (rotate_planes)
+    KERNEL_LAYOUT: tl.constexpr = False,  # tiles in the kernel layout (tiles.to_kernel_layout)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
 ):
     """Grid ``(EM / ROUTE_BLOCK * SUBS, N / BLOCK_N, SPLIT_K)``: one program per unit (routing
@@ -751,7 +771,7 @@ def lut_b_moe_gemm_kernel(
                 acc, route, valid = _unit_partial(
                     a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, offs_m, n0, k_lo, k_hi,
                     N, K, num_valid, stride_am, stride_asm, TOP_K, BLOCK_M, BLOCK_N, DECODER, A_PERMUTED,
-                    A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, TILE_LOOP, PREFETCH, UNROLL, ROTATED)
+                    A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, TILE_LOOP, PREFETCH, UNROLL, KERNEL_LAYOUT)
                 first = unit * k_tiles // run
                 pieces = ((unit + 1) * k_tiles - 1) // run - first + 1
                 _store_partial_and_finish(ws_ptr, counters_ptr, out_ptr, topk_w_ptr, unit, pid - first, pieces, acc, route,
@@ -774,7 +794,7 @@ def lut_b_moe_gemm_kernel(
     acc, route, valid = _unit_partial(
         a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, offs_m, n0, k_lo, k_hi,
         N, K, num_valid, stride_am, stride_asm, TOP_K, BLOCK_M, BLOCK_N, DECODER, A_PERMUTED,
-        A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, TILE_LOOP, PREFETCH, UNROLL, ROTATED)
+        A_DEQUANTIZED, SWAP_AB, DOT_BF16, G, TILE_LOOP, PREFETCH, UNROLL, KERNEL_LAYOUT)
     if SPLIT_K == 1:
         _store_out(out_ptr, topk_w_ptr, acc, route, valid, n0, stride_om, BLOCK_N, SWAP_AB, MUL_WEIGHT)
     else:  # split_k_reduce_kernel sums the slices (a second launch: see _store_partial_and_finish)

@@ -36,7 +36,7 @@ from lutb_kernels.experts._triton_common import (
     triton_present,
 )
 from lutb_kernels.experts.base import Support, all_of
-from lutb_kernels.tiles import TILE, TILE_BYTES, rotate_planes
+from lutb_kernels.tiles import TILE, TILE_BYTES, to_kernel_layout
 
 
 class LutBPackedExperts(RoutedTritonExperts):
@@ -55,11 +55,13 @@ class LutBPackedExperts(RoutedTritonExperts):
     module docstring); None: never. On the H200 (bench/results/2026-12-02-kernels-prefill-h200.md)
     that path won at 512 (qwen3 T=8192: 2286 vs 2569 us; mixtral T=2048: 4260 vs 4326) and 2048
     (mixtral T=8192: 12324 vs 17066) and lost at 64-256 (deepseek, qwen3 T=2048)."""
-    planes_rotated: ClassVar[bool] = True
-    """Keep the tiles on the GPU with bit-planes 1 and 2 rotated (:func:`lutb_kernels.tiles.rotate_planes`,
-    the same bytes): the decode's selectors then take 4 integer instructions instead of 6, which
-    made every decode GEMM timed on the H200 2.5-7% faster (bench/results/2026-12-04-rotated-planes-h200.md).
-    The native backend keeps the checkpoint's layout (its op's contract)."""
+    kernel_layout: ClassVar[bool] = True
+    """Keep the tiles on the GPU in the kernel layout (:func:`lutb_kernels.tiles.to_kernel_layout`, the
+    same bytes): with bit-planes 1 and 2 rotated the decode's selectors take 4 integer instructions
+    instead of 6 (every decode GEMM 2.5-7% faster on the H200, bench/results/2026-12-04-rotated-planes-h200.md);
+    with each row's plane words chunk-major every 16-byte plane load reads whole sectors (decode
+    forwards 6-9% faster, bench/results/2026-12-04-chunked-rows-h200.md). The native backend keeps the
+    checkpoint's layout (its op's contract)."""
     dense_scratch_bytes: int = 2 << 30
     """Most bytes the dequantized weights of one GEMM may take (transient, from torch's caching
     allocator); larger layers keep decoding in the GEMM. Deepseek-v3's W13 (15 GB in bf16) does:
@@ -80,14 +82,14 @@ class LutBPackedExperts(RoutedTritonExperts):
         self._counters = torch.zeros(self.split_k_counters, dtype=torch.int32, device=self.device)
 
     def _to_device(self, tiles: torch.Tensor) -> torch.Tensor:
-        """The tiles on the device, planes rotated when :attr:`planes_rotated` (in place, one expert at a
-        time, on a copy: the caller's tensor is never changed)."""
+        """The tiles on the device, in the kernel layout when :attr:`kernel_layout` (in place, one expert
+        at a time, on a copy: the caller's tensor is never changed)."""
         out = tiles.to(self.device).contiguous()
-        if self.planes_rotated:
+        if self.kernel_layout:
             if out.data_ptr() == tiles.data_ptr():
                 out = out.clone()
             for e in range(out.shape[0]):
-                out[e] = rotate_planes(out[e])
+                out[e] = to_kernel_layout(out[e])
         return out
 
     @classmethod
@@ -124,7 +126,7 @@ class LutBPackedExperts(RoutedTritonExperts):
         from lutb_kernels.lut_b_gemm import lut_b_moe_gemm
 
         lut_b_moe_gemm(a, a_scales, w, out, topk_weights, *routing, top_k, block_m=route_block, a_k_order=self.a_k_order,  # type: ignore[arg-type]
-                       held_routes=self.held_routes(out.shape[0]), planes_rotated=self.planes_rotated,
+                       held_routes=self.held_routes(out.shape[0]), kernel_layout=self.kernel_layout,
                        split_k_counters=self._counters)
 
     def _dense_gemm(self, a, a_scales, w, out, topk_weights, routing, top_k, route_block):  # noqa: ANN001
@@ -133,7 +135,7 @@ class LutBPackedExperts(RoutedTritonExperts):
         from lutb_kernels.grouped_gemm import grouped_gemm
         from lutb_kernels.lut_b_dequant import lut_b_dequantize
 
-        grouped_gemm(a, lut_b_dequantize(w, dtype=a.dtype, planes_rotated=self.planes_rotated), out, topk_weights, *routing, top_k,
+        grouped_gemm(a, lut_b_dequantize(w, dtype=a.dtype, kernel_layout=self.kernel_layout), out, topk_weights, *routing, top_k,
                      block_m=route_block, allow_tf32=True, held_routes=self.held_routes(out.shape[0]))
 
     def _routed_forward(self, x, topk_weights, held, routing, top_k, route_block, nonfinite, *,  # noqa: ANN001

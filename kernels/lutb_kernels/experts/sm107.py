@@ -60,7 +60,7 @@ class LutBSm107Experts(LutBPackedExperts):
     a_k_order: ClassVar[str] = "natural"
     dequantized_a_from_block: ClassVar[int | None] = None
     fixed_route_block: ClassVar[int | None] = NATIVE_BLOCK_M
-    planes_rotated: ClassVar[bool] = False  # the native op reads the checkpoint's tile layout
+    kernel_layout: ClassVar[bool] = False  # the native op reads the checkpoint's tile layout
     dense_from_rows_per_expert: int | None = None  # every GEMM goes to the native op, at any batch
 
     @classmethod

@@ -161,15 +161,15 @@ def test_native_flow_on_a_stand_in_op(stand_in_native_op) -> None:  # noqa: ANN0
     assert not ok
 
 
-def test_packed_keeps_rotated_planes_without_touching_the_callers_tiles() -> None:
-    """LutBPackedExperts holds its tiles with rotated planes (``planes_rotated``) on a copy: the layer it was built
+def test_packed_keeps_the_kernel_layout_without_touching_the_callers_tiles() -> None:
+    """LutBPackedExperts holds its tiles in the kernel layout (``kernel_layout``) on a copy: the layer it was built
     from still holds the checkpoint's bytes (on the CPU ``.to(device)`` would otherwise alias them)."""
-    from lutb_kernels.tiles import rotate_planes
+    from lutb_kernels.tiles import to_kernel_layout
 
     cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=2, activation="silu", dtype="float32")
     layer = make_layer(cfg, [0, 1], seed=5)
     w13, w2 = layer.w13.clone(), layer.w2.clone()
     experts = LutBPackedExperts(cfg, layer, "cpu")
     assert torch.equal(layer.w13, w13) and torch.equal(layer.w2, w2)
-    assert torch.equal(experts.w13, rotate_planes(w13)) and torch.equal(experts.w2, rotate_planes(w2))
-    assert not LutBSm107Experts.planes_rotated
+    assert torch.equal(experts.w13, to_kernel_layout(w13)) and torch.equal(experts.w2, to_kernel_layout(w2))
+    assert not LutBSm107Experts.kernel_layout

@@ -7,7 +7,7 @@ import torch
 
 from lutb_kernels.lut_b_dequant import lut_b_dequantize, lut_b_dequantize_reference
 from lutb_kernels.lut_b_gemm import random_tiles
-from lutb_kernels.tiles import rotate_planes
+from lutb_kernels.tiles import to_kernel_layout
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),  # triton interpreter
@@ -67,14 +67,14 @@ def test_bad_arguments_are_refused() -> None:
         lut_b_dequantize(tiles, dtype=torch.int8)
 
 
-def test_rotated_planes_bit_for_bit() -> None:
-    """``planes_rotated=True`` on ``rotate_planes(tiles)`` (how the packed experts keep them) gives the same bits, in the
+def test_kernel_layout_bit_for_bit() -> None:
+    """``kernel_layout=True`` on ``to_kernel_layout(tiles)`` (how the packed experts keep them) gives the same bits, in the
     kernel and in its twin."""
     tiles = _tiles((2, 1, 2), seed=11)
     want = lut_b_dequantize_reference(tiles, dtype=torch.float32)
-    rotated = rotate_planes(tiles)
+    rotated = to_kernel_layout(tiles)
     got = torch.full_like(want, float("nan"))
-    lut_b_dequantize(rotated, got, planes_rotated=True)
+    lut_b_dequantize(rotated, got, kernel_layout=True)
     assert torch.equal(_bits(got), _bits(want))
-    assert torch.equal(_bits(lut_b_dequantize_reference(rotated, dtype=torch.float32, planes_rotated=True)), _bits(want))
+    assert torch.equal(_bits(lut_b_dequantize_reference(rotated, dtype=torch.float32, kernel_layout=True)), _bits(want))
     assert not torch.equal(_bits(lut_b_dequantize(rotated, dtype=torch.float32)), _bits(want))

@@ -16,7 +16,7 @@ from lutb_kernels.grouped_gemm import (
 )
 from lutb_kernels.lut_b_gemm import LutBGemmConfig, lut_b_moe_gemm, lut_b_moe_gemm_reference, random_tiles
 from lutb_kernels.routing import moe_align_block_size
-from lutb_kernels.tiles import rotate_planes
+from lutb_kernels.tiles import to_kernel_layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # triton interpreter
 
@@ -180,12 +180,12 @@ def test_lut_b_moe_gemm_tile_loop(tokens, top_k, experts, held, dtype, split_k, 
     ref = out.clone()
     cfg = LutBGemmConfig(block_m=16, block_n=64, split_k=split_k, swap_ab=True, decoder="triton", num_stages=1,
                          groups_per_step=1, tile_loop=True, prefetch=prefetch, unroll=unroll, stream_k=stream_k)
-    rotated = stream_k == 1  # the stream-K cases also read the tiles with rotated planes (as packed keeps them)
-    tiles = rotate_planes(w) if rotated else w
+    rotated = stream_k == 1  # the stream-K cases also read the tiles in the kernel layout (as packed keeps them)
+    tiles = to_kernel_layout(w) if rotated else w
     lut_b_moe_gemm(q, s, tiles, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order, config=cfg,
-                   planes_rotated=rotated)
+                   kernel_layout=rotated)
     lut_b_moe_gemm_reference(q, s, tiles, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, a_k_order=order,
-                             planes_rotated=rotated)
+                             kernel_layout=rotated)
     routed = torch.ones(tokens * top_k, dtype=torch.bool) if emap is None else (emap[ids.long()] >= 0).reshape(-1)
     assert not out[routed].isnan().any(), "a routed row was not written"
     assert out[~routed].isnan().all(), "a row of an expert not held was touched"
@@ -242,9 +242,9 @@ def test_split_k_counters_are_left_zero(stream_k: int, split_k: int) -> None:
                        split_k_counters=counters.float())
 
 
-def test_rotated_planes_group_loop_and_reference() -> None:
-    """The per-group loop (G = 4) reads rotated planes too; the reference twin undoes the rotation (so rotated tiles
-    read as unrotated ones would give another result)."""
+def test_kernel_layout_group_loop_and_reference() -> None:
+    """The per-group loop (G = 4) reads the kernel layout too; the reference twin undoes it (so kernel-layout tiles
+    read as checkpoint-layout ones would give another result)."""
     tokens, top_k, experts, n, k = 6, 2, 3, 128, 256
     gen = torch.Generator().manual_seed(9)
     w = random_tiles((experts, n // 128, k // 128), k=k, generator=gen)
@@ -255,10 +255,10 @@ def test_rotated_planes_group_loop_and_reference() -> None:
     lut_b_moe_gemm_reference(q, s, w, ref, None, *routing, top_k, block_m=16)
     out = torch.full_like(ref, float("nan"))
     cfg = LutBGemmConfig(block_m=16, block_n=64, decoder="triton", num_stages=1, groups_per_step=4)
-    lut_b_moe_gemm(q, s, rotate_planes(w), out, None, *routing, top_k, block_m=16, config=cfg, planes_rotated=True)
+    lut_b_moe_gemm(q, s, to_kernel_layout(w), out, None, *routing, top_k, block_m=16, config=cfg, kernel_layout=True)
     assert rel_l2(out, ref) < 1e-5
     ref_rot = torch.full_like(ref, float("nan"))
-    lut_b_moe_gemm_reference(q, s, rotate_planes(w), ref_rot, None, *routing, top_k, block_m=16, planes_rotated=True)
+    lut_b_moe_gemm_reference(q, s, to_kernel_layout(w), ref_rot, None, *routing, top_k, block_m=16, kernel_layout=True)
     assert torch.equal(ref_rot, ref)
-    lut_b_moe_gemm_reference(q, s, rotate_planes(w), ref_rot, None, *routing, top_k, block_m=16)
+    lut_b_moe_gemm_reference(q, s, to_kernel_layout(w), ref_rot, None, *routing, top_k, block_m=16)
     assert rel_l2(ref_rot, ref) > 0.1
