@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The one script to run on the GPU device, from the repo root, with the project NOT installed:
 #
-#   OUT=/some/dir bash bench/device_check.sh [gemm-tests|tests|bench|interp]
+#   OUT=/some/dir bash bench/device_check.sh [all-tests|gemm-tests|tests|bench|interp]
 #
+#   all-tests: gemm-tests and tests side by side (two pytest processes on the one GPU; the Triton
+#          compiles, which dominate, then use two cores): every @gpu test in ~6 min cold
 #   gemm-tests: the @gpu tests of the LUT-B GEMM, its selectors and the dequantizer: every config
 #          against the reference, bit-exact decoder and layout checks               (~6-8 min cold)
 #   tests: the other @gpu tests: routing, MXFP8, experts (packed, emulated, dense prefill path),
@@ -60,13 +62,27 @@ table() {
 }
 
 versions
+gemm_tests() {
+  gpu_tests gpu_tests_gemm tests/kernels/test_lut_b_gemm.py tests/kernels/test_lut_b_gemm_selectors.py \
+    tests/kernels/test_lut_b_dequant.py
+}
+
+other_tests() {
+  gpu_tests gpu_tests tests/kernels/test_routing_triton.py tests/kernels/test_mxfp8_triton.py \
+    tests/kernels/test_experts_gpu.py tests/kernels/test_cuda_graphs.py tests/server
+}
+
 case "$PHASE" in
-  gemm-tests) gpu_tests gpu_tests_gemm tests/kernels/test_lut_b_gemm.py tests/kernels/test_lut_b_gemm_selectors.py \
-                tests/kernels/test_lut_b_dequant.py ;;
-  tests) gpu_tests gpu_tests tests/kernels/test_routing_triton.py tests/kernels/test_mxfp8_triton.py \
-           tests/kernels/test_experts_gpu.py tests/kernels/test_cuda_graphs.py tests/server ;;
+  all-tests)
+    { gemm_tests; exit "$status"; } > "$OUT/gemm_tests.txt" 2>&1 &  # a subshell: its status comes back by wait
+    gemm_pid=$!
+    other_tests
+    wait "$gemm_pid" || status=1
+    cat "$OUT/gemm_tests.txt" ;;
+  gemm-tests) gemm_tests ;;
+  tests) other_tests ;;
   bench) bench; sass; table ;;
   interp) interp ;;
-  *) echo "usage: bash bench/device_check.sh [gemm-tests|tests|bench|interp]"; exit 2 ;;
+  *) echo "usage: bash bench/device_check.sh [all-tests|gemm-tests|tests|bench|interp]"; exit 2 ;;
 esac
 exit $status
