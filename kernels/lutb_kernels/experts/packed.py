@@ -60,7 +60,7 @@ class LutBPackedExperts(RoutedTritonExperts):
     same bytes): with bit-planes 1 and 2 rotated the decode's selectors take 4 integer instructions
     instead of 6 (every decode GEMM 2.5-7% faster on the H200, bench/results/2026-12-04-rotated-planes-h200.md);
     with each row's plane words chunk-major every 16-byte plane load reads whole sectors (decode
-    forwards 6-9% faster, bench/results/2026-12-04-chunked-rows-h200.md). The native backend keeps the
+    forwards 6.5-9% faster, bench/results/2026-12-04-chunked-rows-h200.md). The native backend keeps the
     checkpoint's layout (its op's contract)."""
     dense_scratch_bytes: int = 2 << 30
     """Most bytes the dequantized weights of one GEMM may take (transient, from torch's caching
