@@ -433,7 +433,7 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
         experts, hidden, inter, top_k = SHAPES[name]
         pk = _packed_only(name)
         assert pk.kernel_layout
-        unrotated = {}  # the checkpoint-layout candidates' weights (to_kernel_layout inverse), made on first use
+        checkpoint_layout = {}  # the checkpoint-layout candidates' weights (to_kernel_layout inverse), made on first use
         per_expert = pk.weight_bytes // experts
         w13_bytes = pk.w13[0].numel()
         w2_bytes = pk.w2[0].numel()
@@ -459,20 +459,20 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
                 y = torch.empty((tokens * top_k, hidden), dtype=torch.bfloat16, device="cuda")
                 st.append(dict(ids=ids, routing=routing, held=held, held_buf=torch.empty_like(held), a1=a1, h=h, a2=a2, y=y))
 
-            def weights_for(w: torch.Tensor, rotated: bool) -> torch.Tensor:
-                if rotated:
+            def weights_for(w: torch.Tensor, kernel_layout: bool) -> torch.Tensor:
+                if kernel_layout:
                     return w
-                if id(w) not in unrotated:
-                    unrotated[id(w)] = to_kernel_layout(w, inverse=True)
-                return unrotated[id(w)]
+                if id(w) not in checkpoint_layout:
+                    checkpoint_layout[id(w)] = to_kernel_layout(w, inverse=True)
+                return checkpoint_layout[id(w)]
 
-            def g1(d, cfg=None, rotated=True):  # noqa: ANN001, ANN202
-                lut_b_moe_gemm(d["a1"], None, weights_for(pk.w13, rotated), d["h"], None, *d["routing"], top_k,
-                               block_m=block, a_k_order="decoder", config=cfg, kernel_layout=rotated)
+            def g1(d, cfg=None, kernel_layout=True):  # noqa: ANN001, ANN202
+                lut_b_moe_gemm(d["a1"], None, weights_for(pk.w13, kernel_layout), d["h"], None, *d["routing"], top_k,
+                               block_m=block, a_k_order="decoder", config=cfg, kernel_layout=kernel_layout)
 
-            def g2(d, cfg=None, rotated=True):  # noqa: ANN001, ANN202
-                lut_b_moe_gemm(d["a2"], None, weights_for(pk.w2, rotated), d["y"], wflat, *d["routing"], 1,
-                               block_m=block, a_k_order="decoder", config=cfg, kernel_layout=rotated)
+            def g2(d, cfg=None, kernel_layout=True):  # noqa: ANN001, ANN202
+                lut_b_moe_gemm(d["a2"], None, weights_for(pk.w2, kernel_layout), d["y"], wflat, *d["routing"], 1,
+                               block_m=block, a_k_order="decoder", config=cfg, kernel_layout=kernel_layout)
 
             stages = {
                 # a shard's held mask as three torch launches (before 2026-12-04), and the routing kernel writing it
@@ -529,10 +529,10 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
                         cands[f"split_k={sk}"] = LutBGemmConfig(**{**base.__dict__, "split_k": sk})
                 cands["block_n=64"] = LutBGemmConfig(**{**base.__dict__, "block_n": 64})
                 cands["decoder=prmt"] = LutBGemmConfig(**{**base.__dict__, "decoder": "prmt"})
-                # the same configs on the checkpoint's plane layout (the selector's shifts back)
-                cands["checkpoint planes"] = base
+                # the same configs on the checkpoint's tile layout (the selector's shifts back, 48-byte rows)
+                cands["checkpoint layout"] = base
                 if plain != base:
-                    cands["plain grid, checkpoint planes"] = plain
+                    cands["plain grid, checkpoint layout"] = plain
                 cands["prefetch"] = LutBGemmConfig(**{**base.__dict__, "prefetch": True})
                 cands["stages=4"] = LutBGemmConfig(**{**base.__dict__, "num_stages": 4})
                 for regs in (None, 96, 80):  # the compiler's choice (127 at decode: 4 blocks per SM), 5 and 6 blocks
@@ -543,8 +543,8 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
                 tb = (w13_bytes if gname == "gemm1" else w2_bytes) * te
                 for cname, cfg in cands.items():
                     try:
-                        rot = "checkpoint planes" not in cname
-                        us, _ = time_graph_rot([lambda d=d, cfg=cfg, rot=rot: gfn(d, cfg, rot) for d in st])
+                        kl = "checkpoint layout" not in cname
+                        us, _ = time_graph_rot([lambda d=d, cfg=cfg, kl=kl: gfn(d, cfg, kl) for d in st])
                     except Exception as exc:  # noqa: BLE001
                         log(f"  {gname} {cname}: {type(exc).__name__}: {str(exc)[:100]}")
                         continue
@@ -557,7 +557,7 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
                 log(f"   {k:28s} {v['us']:8.1f} us {v['TBps']:5.2f} TB/s")
             del st
         routing_prefill(results, name, experts, top_k, emap)
-        unrotated.clear()
+        checkpoint_layout.clear()
         del pk
         torch.cuda.empty_cache()
 
