@@ -169,6 +169,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         batch_tokens: list[int] = []
         compute_us: list[int] = []
         queue_us: list[int] = []
+        handoff_us: list[int] = []
         total_us: list[int] = []
         sizes = {"request": len(payloads[0]), "response": 0}
         errors: list[str] = []
@@ -230,6 +231,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                         batch_tokens.append(int(response.timing.batch_tokens))
                         compute_us.append(int(response.timing.compute_us))
                         queue_us.append(int(response.timing.queue_us))
+                        handoff_us.append(int(response.timing.handoff_us))
                         total_us.append(int(response.timing.total_us))
                 sizes["response"] = len(raw)
             if duplex is not None:
@@ -240,7 +242,8 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
 
         await asyncio.gather(*(caller(spec["first_index"] + j) for j in range(spec["concurrency"])))
     return {"latencies": latencies, "tokens": done_tokens, "window_s": spec["duration_s"], "batch_tokens": batch_tokens,
-            "compute_us": compute_us, "queue_us": queue_us, "total_us": total_us, "sizes": sizes, "errors": errors[:5]}
+            "compute_us": compute_us, "queue_us": queue_us, "handoff_us": handoff_us, "total_us": total_us, "sizes": sizes,
+            "errors": errors[:5]}
 
 
 def _load_worker(conn: Any, load_fn: Any = None) -> None:
@@ -310,6 +313,7 @@ class LoadPool:
             "batch_tokens_mean": statistics.fmean(batch) if batch else None,
             "server_compute_us_p50": _pct([float(c) for c in compute], 0.5) if compute else None,
             "server_queue_us_p50": median_of("queue_us"),
+            "server_handoff_us_p50": median_of("handoff_us"),
             "server_total_us_p50": median_of("total_us"),
             "request_bytes": parts[0]["sizes"]["request"],
             "response_bytes": max(p["sizes"]["response"] for p in parts),
@@ -683,20 +687,24 @@ def short_table(rows: list[Row]) -> str:
 
 
 TIME_SPLIT_NOTE = ("Medians in us, each column its own. server total: from the servicer receiving the request to its "
-                   "response being ready (decode, validation, queue, compute, encode); handler: total - queue - compute; "
+                   "response being ready (decode, validation, queue, compute, encode); hand-off: the batch's trip to the "
+                   "compute worker and back to the event loop less compute (wake-ups, a compute process's messages); "
+                   "handler: total - queue - compute - hand-off; "
                    "outside: the end-to-end p50 minus the server total (gRPC on both sides, the transport, the load generator).")
 
 
 def time_split_table(rows: list[Row]) -> str:
     """Where a request's time goes, from the responses' ``timing`` (see ``TIME_SPLIT_NOTE``)."""
-    head = "| shape | wire | api | C | T | p50 us | server total | queue | compute | handler | outside | in-proc us |"
-    lines = [head, "|" + "|".join("---" for _ in range(12)) + "|"]
+    head = "| shape | wire | api | C | T | p50 us | server total | queue | compute | hand-off | handler | outside | in-proc us |"
+    lines = [head, "|" + "|".join("---" for _ in range(13)) + "|"]
     for r in rows:
-        total, queue, compute = (r.server.get(k) for k in ("server_total_us_p50", "server_queue_us_p50", "server_compute_us_p50"))
-        handler = total - queue - compute if None not in (total, queue, compute) else None
+        total, queue, compute, handoff = (r.server.get(k) for k in (
+            "server_total_us_p50", "server_queue_us_p50", "server_compute_us_p50", "server_handoff_us_p50"))
+        handler = total - queue - compute - handoff if None not in (total, queue, compute, handoff) else None
         outside = r.server["p50_us"] - total if total is not None else None
         lines.append(f"| {r.shape} | {r.wire} | {r.api} | {r.concurrency} | {r.tokens} | {_fmt(r.server['p50_us'])} | {_fmt(total)} "
-                     f"| {_fmt(queue)} | {_fmt(compute)} | {_fmt(handler)} | {_fmt(outside)} | {_fmt(r.inproc.get('us'))} |")
+                     f"| {_fmt(queue)} | {_fmt(compute)} | {_fmt(handoff)} | {_fmt(handler)} | {_fmt(outside)} "
+                     f"| {_fmt(r.inproc.get('us'))} |")
     return "\n".join(lines)
 
 

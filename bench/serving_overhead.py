@@ -19,8 +19,9 @@ Per cell it prints:
   the sleep's own overshoot included);
 - ``overhead``: median(latency - compute_us) - echo p50: what the server adds per request
   beyond compute and bare gRPC (the issue's C=1 target is overhead <= 150 us);
-- ``handler``: median ``timing.total_us - compute_us - queue_us`` (decode, validate, encode,
-  the hops to the worker and back);
+- ``hand-off``: median ``timing.handoff_us`` (the batch's hops to the worker and back, less compute);
+- ``handler``: median ``timing.total_us - compute_us - queue_us - handoff_us`` (decode, validate,
+  encode, resuming the request's coroutine);
 - ``server CPU us/req``: CPU time of the server process per answered request, from
   ``/proc`` (per thread in the JSON/log: ``main`` is the event loop) -- robust on a busy machine;
 - ``ideal tok/s``: back-to-back batches of the formed size (``T_b / sleep(T_b)``) and the
@@ -158,9 +159,10 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                 if t0 >= t_start and t1 <= t_end:
                     if spec["kind"] == "expert":
                         timing = pb.ForwardResponse.FromString(raw).timing
-                        rows.append((t1 - t0, timing.batch_tokens, timing.compute_us, timing.queue_us, timing.total_us))
+                        rows.append((t1 - t0, timing.batch_tokens, timing.compute_us, timing.queue_us, timing.total_us,
+                                     timing.handoff_us))
                     else:
-                        rows.append((t1 - t0, 0, 0, 0, 0))
+                        rows.append((t1 - t0, 0, 0, 0, 0, 0))
 
         await asyncio.gather(*(caller(spec["first_index"] + j) for j in range(spec["concurrency"])))
     return {"rows": rows, "errors": errors[:5], "sizes": sizes, "answered": answered[0]}
@@ -271,7 +273,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 lat = [r[0] * 1e6 for r in res["rows"]]
                 batch = [float(r[1]) for r in res["rows"]]
                 overhead = [r[0] * 1e6 - r[2] for r in res["rows"]]
-                handler = [float(r[4] - r[2] - r[3]) for r in res["rows"]]
+                handler = [float(r[4] - r[2] - r[3] - r[5]) for r in res["rows"]]
                 echo_p50 = _median([r[0] * 1e6 for r in echo_res["rows"]])
                 formed = _median(batch) if batch else float(tokens)
                 ideal = formed / (sleep_us(formed) / 1e6)
@@ -280,6 +282,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                        "batch_tokens_p50": formed, "batch_tokens_mean": sum(batch) / max(1, len(batch)),
                        "sleep_us": sleep_us(formed), "echo_p50_us": echo_p50,
                        "overhead_us": _median(overhead) - echo_p50, "handler_us": _median(handler),
+                       "handoff_us": _median([float(r[5]) for r in res["rows"]]),
                        "compute_us_p50": _median([float(r[2]) for r in res["rows"]]),
                        "cpu_us_per_request": cpu * 1e6 / max(1, res["answered"]),
                        "thread_cpu_us_per_request": {k: round(v * 1e6 / max(1, res["answered"])) for k, v in threads.items() if v > 0},
@@ -301,12 +304,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| C | T | p50 us | p99 us | tok/s | batch p50 | batch mean | compute us | echo p50 us | overhead us | handler us "
-             "| server CPU us/req | ideal tok/s | tok/s / ideal |", "|" + "---|" * 14]
+    lines = ["| C | T | p50 us | p99 us | tok/s | batch p50 | batch mean | compute us | echo p50 us | overhead us | hand-off us "
+             "| handler us | server CPU us/req | ideal tok/s | tok/s / ideal |", "|" + "---|" * 15]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['tokens']} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['tokens_per_s']:.0f} "
                      f"| {r['batch_tokens_p50']:.0f} | {r['batch_tokens_mean']:.1f} | {r['compute_us_p50']:.0f} | {r['echo_p50_us']:.0f} "
-                     f"| {r['overhead_us']:.0f} | {r['handler_us']:.0f} | {r['cpu_us_per_request']:.0f} | {r['ideal_tokens_per_s']:.0f} | {r['ratio']:.0%} |")
+                     f"| {r['overhead_us']:.0f} | {r['handoff_us']:.0f} | {r['handler_us']:.0f} | {r['cpu_us_per_request']:.0f} | {r['ideal_tokens_per_s']:.0f} | {r['ratio']:.0%} |")
     return "\n".join(lines)
 
 

@@ -67,6 +67,8 @@ class ForwardResult:
     output: torch.Tensor
     queue_s: float
     compute_s: float
+    handoff_s: float
+    """The batch's trip to the worker and back to the event loop, less ``compute_s`` (wake-ups, IPC)."""
     batch_tokens: int
     """Tokens of the experts call that ran the request (see :attr:`~lutb_server.worker.BatchOutput.call_tokens`)."""
     batch_requests: int
@@ -263,6 +265,7 @@ class BatchScheduler:
 
     def _on_done(self, running: _Running) -> None:
         """The worker finished ``running`` (on the loop): next batch to the worker first, then hand out results."""
+        returned = time.monotonic()
         if running is not self._running:  # closed meanwhile: its requests were failed already
             return
         self._running = None
@@ -276,7 +279,7 @@ class BatchScheduler:
                 running.rerun = self._loop.create_task(self._rerun_alone(running, exc), name="lutb-rerun")
                 return
             self._dispatch()  # the device must not idle while this batch's results are handed out
-            self._complete(batch, running.started, result)
+            self._complete(batch, running.started, returned, result)
         except Exception:  # pragma: no cover - a scheduler bug must not stop serving
             log.exception("scheduler dispatch failed")
             for item in batch:
@@ -338,21 +341,26 @@ class BatchScheduler:
                 if item.future.done():
                     continue
                 try:
+                    sent = time.monotonic()
                     (output,), compute_s, call_tokens = await asyncio.wrap_future(self.worker.submit([item.request]))
+                    handoff_s = time.monotonic() - sent - compute_s
                 except asyncio.CancelledError:
                     raise
                 except Exception as single_exc:  # noqa: BLE001 - handed to that request
                     _fail(item, single_exc)
                 else:
-                    self._finish(item, output, started, compute_s, call_tokens, 1)
+                    self._finish(item, output, started, compute_s, handoff_s, call_tokens, 1)
         finally:
             if self._running is running:
                 self._running = None
                 self._dispatch()
 
-    def _complete(self, batch: list[_Item], started: float, result: BatchOutput) -> None:
+    def _complete(self, batch: list[_Item], started: float, returned: float, result: BatchOutput) -> None:
+        """Hand out a batch's results; ``started``/``returned``: ``time.monotonic()`` when it went to the worker and
+        when its end reached the loop."""
+        handoff_s = returned - started - result.seconds
         for item, output in zip(batch, result.outputs):
-            self._finish(item, output, started, result.seconds, result.call_tokens, len(batch))
+            self._finish(item, output, started, result.seconds, handoff_s, result.call_tokens, len(batch))
         if self._metrics is not None:
             m = self._layer_metrics(batch[0].request.layer)
             m.compute.observe(result.seconds)
@@ -373,12 +381,13 @@ class BatchScheduler:
             )
         return m
 
-    def _finish(self, item: _Item, output: torch.Tensor, started: float, compute_s: float, tokens: int, requests: int) -> None:
+    def _finish(self, item: _Item, output: torch.Tensor, started: float, compute_s: float, handoff_s: float, tokens: int,
+                requests: int) -> None:
         queue_s = started - item.enqueued
         if self._metrics is not None:
             self._layer_metrics(item.request.layer).queue_wait.observe(queue_s)
         if not item.future.done():
-            item.future.set_result(ForwardResult(output, queue_s, compute_s, tokens, requests))
+            item.future.set_result(ForwardResult(output, queue_s, compute_s, max(0.0, handoff_s), tokens, requests))
 
     def _set_depth(self) -> None:
         if self._metrics is not None:

@@ -194,6 +194,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         timing = response.timing
         timing.queue_us = int(result.queue_s * 1e6)
         timing.compute_us = int(result.compute_s * 1e6)
+        timing.handoff_us = int(result.handoff_s * 1e6)
         timing.batch_tokens = result.batch_tokens
         timing.total_us = int((time.monotonic() - received) * 1e6)
         return response

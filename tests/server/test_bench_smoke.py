@@ -35,6 +35,7 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
         # the server's own timing: per request total >= compute (so their medians too), below the end-to-end latency
         s = r["server"]
         assert s["server_total_us_p50"] >= s["server_compute_us_p50"] and s["server_queue_us_p50"] >= 0
+        assert s["server_handoff_us_p50"] >= 0
         assert 0 < s["server_total_us_p50"] < s["p50_us"]
         assert r["echo"]["requests"] > 0 and r["echo"]["request_bytes"] == r["server"]["request_bytes"]
         assert r["inproc"]["us"] > 0 and r["inproc"]["batch_tokens"] >= 4

@@ -82,9 +82,9 @@ def test_next_batch_goes_to_the_worker_before_results_are_delivered() -> None:
             return x * 2
 
     class Recording(BatchScheduler):
-        def _finish(self, item, output, started, compute_s, tokens, requests):  # type: ignore[override]
+        def _finish(self, item, output, started, compute_s, handoff_s, tokens, requests):  # type: ignore[override]
             events.append(("deliver", item.request.tokens))
-            super()._finish(item, output, started, compute_s, tokens, requests)
+            super()._finish(item, output, started, compute_s, handoff_s, tokens, requests)
 
     def req(tokens: int) -> PreparedRequest:
         return PreparedRequest(0, torch.randn(tokens, 4), torch.zeros(tokens, 1, dtype=torch.int32), torch.ones(tokens, 1),
@@ -112,3 +112,41 @@ def test_next_batch_goes_to_the_worker_before_results_are_delivered() -> None:
 
     asyncio.run(asyncio.wait_for(body(), 30))
     assert events == [("submit", 1), ("submit", 9), ("deliver", 1), ("deliver", 2), ("deliver", 3), ("deliver", 4)]
+
+
+def test_handoff_is_the_workers_round_trip_less_compute() -> None:
+    """``ForwardResult.handoff_s``: the batch's trip to the worker and back less its compute. A worker whose answer
+    reaches the loop 80 ms after its compute ended (a slow hand-off, injected) shows >= 80 ms of hand-off, and
+    queue + compute + hand-off never exceed the request's time in the scheduler."""
+    delay_s, compute_sleep_s = 0.08, 0.03
+
+    class Engine:
+        def forward(self, layer, x, topk_ids, topk_weights, *, apply_router_weight_on_input=False, output_mode="combined"):
+            time.sleep(compute_sleep_s)
+            return x * 2
+
+    async def body() -> None:
+        from concurrent.futures import Future
+
+        scheduler = BatchScheduler(Engine())
+        submit = scheduler.worker.submit
+
+        def slow_return(requests):  # the result reaches the loop delay_s after the worker finished
+            late: Future = Future()
+            submit(requests).add_done_callback(lambda f: threading.Timer(delay_s, late.set_result, (f.result(),)).start())
+            return late
+
+        scheduler.worker.submit = slow_return  # type: ignore[method-assign]
+        await scheduler.start()
+        try:
+            t0 = time.monotonic()
+            result = await scheduler.submit(PreparedRequest(0, torch.randn(3, 4), torch.zeros(3, 1, dtype=torch.int32),
+                                                            torch.ones(3, 1), False, "combined"))
+            elapsed = time.monotonic() - t0
+        finally:
+            await scheduler.close()
+        assert result.compute_s >= compute_sleep_s
+        assert delay_s <= result.handoff_s < delay_s + 0.5
+        assert result.queue_s + result.compute_s + result.handoff_s <= elapsed
+
+    asyncio.run(asyncio.wait_for(body(), 30))
