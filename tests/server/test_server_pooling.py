@@ -6,7 +6,7 @@ import asyncio
 import statistics
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -126,8 +126,6 @@ def test_handoff_is_the_workers_round_trip_less_compute() -> None:
             return x * 2
 
     async def body() -> None:
-        from concurrent.futures import Future
-
         scheduler = BatchScheduler(Engine())
         submit = scheduler.worker.submit
 

@@ -53,12 +53,16 @@ import triton.language as tl
 from lutb_kernels._pdl_details import pdl_prologue
 
 
+PLANE_CHUNK_WORDS = tl.constexpr(512)
+"""Kernel layout: words between chunk ``v`` and ``v + 1`` of a row's plane words (128 rows x 4 words)."""
+
+
 @triton.jit
 def plane_word(r, q, KERNEL_LAYOUT: tl.constexpr):
     """Word index inside a tile of plane word ``q = 3g + b`` (0..11: plane ``b`` of group ``g``) of
     tile row ``r``, in the checkpoint layout or the kernel layout (chunk-major rows)."""
     if KERNEL_LAYOUT:
-        return 132 + 512 * (q // 4) + 4 * r + q % 4
+        return 132 + PLANE_CHUNK_WORDS * (q // 4) + 4 * r + q % 4
     else:
         return 132 + 12 * r + q
 
@@ -526,7 +530,7 @@ def _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi
     jj = tl.arange(0, 4)
     pv_off = plane_word(rows[:, None], jj[None, :], KERNEL_LAYOUT)  # [BN, 4] words 0-3 of the row's planes
     if KERNEL_LAYOUT:  # words 4v + j of a row are CHUNK * v further on
-        CHUNK: tl.constexpr = 512
+        CHUNK: tl.constexpr = PLANE_CHUNK_WORDS
     else:
         CHUNK: tl.constexpr = 4
     sw_off = 4 + rows  # word holding the row's 4 scale bytes
