@@ -264,6 +264,8 @@ AB_SWITCHES = {
     "stream_k": ("lutb_kernels.lut_b_gemm", "STREAM_K_PER_SM", 4, 0),
     "qdq_grid": ("lutb_kernels.mxfp8_triton", "QDQ_PROGRAMS_PER_SM", 8, 0),
     "stream_k_tiles": ("lutb_kernels.lut_b_gemm", "STREAM_K_BELOW_TILES", 32, 16),
+    "min_split_waves": ("lutb_kernels.lut_b_gemm", "DECODE_MIN_SPLIT_BELOW_PROGRAMS_PER_SM", 24, 10**9),
+    "wide_grid_maxnreg": ("lutb_kernels.lut_b_gemm", "DECODE_WIDE_GRID_PROGRAMS_PER_SM", 12, 10**9),
 }
 AB = ()  # the switches to A/B (set from the command line)
 

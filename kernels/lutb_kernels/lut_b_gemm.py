@@ -137,6 +137,20 @@ TILE_UNROLL = 1
 # (:func:`expected_blocks` in place of min(E, routes) takes mixtral T=8 w2 from 2 to 4 splits:
 # -22% in the same runs.)
 DECODE_MIN_SPLIT_ROUTES = 256
+# ... unless the plain grid already holds this many programs per SM (6 waves of 4): with the kernel
+# layout (2026-12-04) deepseek-v3's w2 (~26 programs per SM at T=8) ran faster unsplit (190.4 -> 184.5
+# us; T=32: 491.9 -> 472.7 us) and its w13 at T=32 (43 per SM) the same, while grids of 5-15 programs
+# per SM still gained from two splits (deepseek w13 T=8: 351.6 -> 344.8 us; qwen3 w13 T=8, ~5 per SM:
+# a forward 8.6 us slower unsplit), bench/results/2026-12-04-min-split-h200.md. Stream-K is decided
+# before this.
+DECODE_MIN_SPLIT_BELOW_PROGRAMS_PER_SM = 24
+# Decode (16-row routing blocks) plain grids of at least this many programs per SM run under a
+# DECODE_WIDE_GRID_MAXNREG register cap: 5 blocks of 4 warps per SM instead of the compiler's 4 (the
+# same loop, no spills). It pays where the grid is many waves deep and costs where one wave more or
+# less is a large share (mixtral w2 at ~6 programs per SM: 104.0 -> 126.3 us at T=32);
+# bench/results/2026-12-04-min-split-h200.md.
+DECODE_WIDE_GRID_PROGRAMS_PER_SM = 12
+DECODE_WIDE_GRID_MAXNREG = 96
 # Decode (16-row routing blocks) whose plain grid would be under STREAM_K_BELOW_WAVES waves of
 # STREAM_K_PER_SM programs per SM, of fewer than STREAM_K_BELOW_TILES K tiles each, over at most
 # STREAM_K_MAX_BLOCKS routing blocks (expected), launches stream-K instead (LutBGemmConfig.stream_k;
@@ -179,8 +193,11 @@ def default_config(num_routes: int, n: int, k: int, num_experts: int, route_bloc
     Every size uses swap-AB (decoded weights in registers as the MMA's M side) and the per-tile
     K loop (``tile_loop``); small batches (decode) split K until the grid holds ``waves``
     programs per SM (:func:`expected_blocks` estimates the grid), and in at least two at decode
-    sizes (``DECODE_MIN_SPLIT_ROUTES``); a decode grid still under two waves of short programs
-    over few routing blocks runs stream-K (``STREAM_K_PER_SM``). ``TUNED`` entries replace the table for one exact shape.
+    sizes (``DECODE_MIN_SPLIT_ROUTES``) unless the grid is already deep
+    (``DECODE_MIN_SPLIT_BELOW_PROGRAMS_PER_SM``); deep decode grids run under a register cap
+    (``DECODE_WIDE_GRID_PROGRAMS_PER_SM``); a decode grid still under two waves of short programs
+    over few routing blocks runs stream-K (``STREAM_K_PER_SM``). ``TUNED`` entries replace the
+    table for one exact shape.
     """
     decoder = default_decoder(device)
     if interpreting():
@@ -204,7 +221,9 @@ def default_config(num_routes: int, n: int, k: int, num_experts: int, route_bloc
     split_k = 1
     while programs * split_k < target and k_tiles // (split_k * 2) >= MIN_TILES_PER_SPLIT:
         split_k *= 2
-    if split_k == 1 and route_block == 16 and num_routes <= DECODE_MIN_SPLIT_ROUTES and k_tiles // 2 >= MIN_TILES_PER_SPLIT:
+    min_split = (split_k == 1 and route_block == 16 and num_routes <= DECODE_MIN_SPLIT_ROUTES
+                 and k_tiles // 2 >= MIN_TILES_PER_SPLIT)
+    if min_split:
         split_k = 2
     if (route_block == 16 and STREAM_K_PER_SM and programs * split_k < STREAM_K_BELOW_WAVES * STREAM_K_PER_SM * sm_count(device)
             and cdiv(k_tiles, split_k) < STREAM_K_BELOW_TILES and blocks <= STREAM_K_MAX_BLOCKS):
@@ -215,6 +234,10 @@ def default_config(num_routes: int, n: int, k: int, num_experts: int, route_bloc
         return LutBGemmConfig(block_m=block_m, block_n=block_n, split_k=max(1, k_tiles // run), swap_ab=True,
                               decoder=decoder, num_warps=warps, num_stages=stages, groups_per_step=1, tile_loop=True,
                               unroll=TILE_UNROLL, stream_k=STREAM_K_PER_SM, maxnreg=STREAM_K_MAXNREG)
+    if min_split and programs >= DECODE_MIN_SPLIT_BELOW_PROGRAMS_PER_SM * sm_count(device):
+        split_k = 1
+    if route_block == 16 and maxnreg is None and programs * split_k >= DECODE_WIDE_GRID_PROGRAMS_PER_SM * sm_count(device):
+        maxnreg = DECODE_WIDE_GRID_MAXNREG
     return LutBGemmConfig(block_m=block_m, block_n=block_n, split_k=split_k, swap_ab=True, decoder=decoder,
                           num_warps=warps, num_stages=stages, groups_per_step=1, tile_loop=True, unroll=TILE_UNROLL,
                           maxnreg=maxnreg)

@@ -2,7 +2,8 @@
 
 The split-K choices below are the fastest of the candidates timed on an H200 for the same GEMMs
 (bench/results/2026-12-02-kernels-maxnreg-h200.md, run B; the earlier breakdown in
-2026-12-02-kernels-prmt2-h200.md agrees). CPU only: the device is faked as 132 SMs.
+2026-12-02-kernels-prmt2-h200.md agrees), re-timed on the kernel layout with the register caps
+(2026-12-04-min-split-h200.md). CPU only: the device is faked as 132 SMs.
 """
 
 from __future__ import annotations
@@ -30,21 +31,41 @@ def plain_grid(h200: torch.device, monkeypatch: pytest.MonkeyPatch) -> torch.dev
     return h200
 
 
-@pytest.mark.parametrize("shape,tokens,gemm,split_k", [
-    ("mixtral", 1, "w13", 2), ("mixtral", 1, "w2", 16),
-    ("mixtral", 8, "w13", 2), ("mixtral", 8, "w2", 4),  # were 1 and 2: 185.6 -> 162.7 us, 112.8 -> 87.5 us
-    ("mixtral", 32, "w13", 2), ("mixtral", 32, "w2", 2),
-    ("deepseek", 1, "w13", 4), ("deepseek", 1, "w2", 2),
-    ("deepseek", 8, "w13", 2), ("deepseek", 8, "w2", 2),  # were 1: 425.4 -> 382.0 us, 218.7 -> 214.3 us
-    ("deepseek", 32, "w13", 2), ("deepseek", 32, "w2", 2),  # were 1: 1088.2 -> 1032.0 us, 578.6 -> 555.6 us
+# The plain grid's split and register cap (None: the compiler's 127, 4 blocks per SM; 96: 5).
+@pytest.mark.parametrize("shape,tokens,gemm,split_k,maxnreg", [
+    ("mixtral", 1, "w13", 2, None), ("mixtral", 1, "w2", 16, None),
+    # were split 1 and 2: 185.6 -> 162.7 us, 112.8 -> 87.5 us; the cap 2% faster on w13, 2-21% slower on w2
+    ("mixtral", 8, "w13", 2, 96), ("mixtral", 8, "w2", 4, None),
+    ("mixtral", 32, "w13", 2, 96), ("mixtral", 32, "w2", 2, None),
+    ("deepseek", 1, "w13", 4, None), ("deepseek", 1, "w2", 2, None),
+    # w13 T=8 (~15 programs per SM): two splits won (425.4 -> 382.0 us; on the kernel layout 351.6 -> 344.8 us);
+    # the deeper grids ran as fast or faster unsplit on the kernel layout (w2 T=8 190.4 -> 184.5 us, T=32
+    # 491.9 -> 472.7 us; w13 T=32 900.7 -> 897.9 us), and the forward 2.4-3.1% faster with the cap
+    # (bench/results/2026-12-04-min-split-h200.md)
+    ("deepseek", 8, "w13", 2, 96), ("deepseek", 8, "w2", 1, 96),
+    ("deepseek", 32, "w13", 1, 96), ("deepseek", 32, "w2", 1, 96),
+    # ~5 programs per SM: unsplit, the forward 8.6 us slower (same results file)
+    ("qwen3", 8, "w13", 2, None), ("qwen3", 32, "w13", 2, 96),
 ])
-def test_decode_split_k_is_the_measured_best(plain_grid: torch.device, shape: str, tokens: int, gemm: str,
-                                             split_k: int) -> None:
+def test_decode_plain_grid_config_is_the_measured_best(plain_grid: torch.device, shape: str, tokens: int, gemm: str,
+                                                       split_k: int, maxnreg: int | None) -> None:
     experts, hidden, inter, top_k = SHAPES[shape]
     n, k = (2 * inter, hidden) if gemm == "w13" else (hidden, inter)
     config = op.default_config(tokens * top_k, n, k, experts, 16, plain_grid)
-    assert config.split_k == split_k
-    assert config.tile_loop and config.swap_ab and config.maxnreg is None and config.unroll == op.TILE_UNROLL
+    assert (config.split_k, config.maxnreg) == (split_k, maxnreg)
+    assert config.tile_loop and config.swap_ab and config.unroll == op.TILE_UNROLL
+
+
+def test_only_deep_decode_grids_drop_the_minimum_split_or_take_the_cap(plain_grid: torch.device,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both decode rules follow the grid's depth in programs per SM: deepseek's w2 at T=8 (~3400 programs)
+    is deep on 132 SMs and shallow on 8x as many."""
+    experts, hidden, inter, top_k = SHAPES["deepseek"]
+    deep = op.default_config(8 * top_k, hidden, inter, experts, 16, plain_grid)
+    assert (deep.split_k, deep.maxnreg) == (1, op.DECODE_WIDE_GRID_MAXNREG)
+    monkeypatch.setattr(op, "sm_count", lambda device: 8 * 132)
+    shallow = op.default_config(8 * top_k, hidden, inter, experts, 16, plain_grid)
+    assert (shallow.split_k, shallow.maxnreg) == (2, None)
 
 
 @pytest.mark.parametrize("tokens,route_block", [(128, 16), (512, 16), (2048, 64), (8192, 128)])
@@ -123,7 +144,7 @@ def test_decode_runs_stream_k_only_on_short_grids(h200: torch.device, shape: str
     config = op.default_config(tokens * top_k, n, k, experts, 16, h200)
     assert config.tile_loop and config.swap_ab
     if not stream_k:
-        assert config.stream_k == 0 and config.maxnreg is None
+        assert config.stream_k == 0 and config.maxnreg in (None, op.DECODE_WIDE_GRID_MAXNREG)
         return
     assert config.stream_k == op.STREAM_K_PER_SM == 4 and config.maxnreg == op.STREAM_K_MAXNREG == 128
     run = -(-k_tiles // config.split_k)  # the least run lut_b_moe_gemm derives from split_k
