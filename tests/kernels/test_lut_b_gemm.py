@@ -38,6 +38,8 @@ CONFIGS = [
     # the per-tile K loop (the defaults), with store-based split-K, register prefetch, other tilings
     LutBGemmConfig(block_m=16, block_n=128, split_k=4, swap_ab=True, decoder="prmt", groups_per_step=1, tile_loop=True),
     LutBGemmConfig(block_m=16, block_n=128, split_k=2, swap_ab=True, decoder="prmt", groups_per_step=1, tile_loop=True, maxnreg=80),
+    # a deep decode grid's default (DECODE_WIDE_GRID_MAXNREG), unsplit
+    LutBGemmConfig(block_m=16, block_n=128, split_k=1, swap_ab=True, decoder="prmt", groups_per_step=1, tile_loop=True, maxnreg=96),
     LutBGemmConfig(block_m=16, block_n=64, split_k=3, swap_ab=True, decoder="prmt", groups_per_step=1, tile_loop=True, prefetch=True),
     LutBGemmConfig(block_m=16, block_n=32, split_k=1, swap_ab=True, decoder="prmt", num_warps=2, groups_per_step=1, tile_loop=True),
     LutBGemmConfig(block_m=32, block_n=128, split_k=2, swap_ab=True, decoder="prmt", num_stages=4, groups_per_step=1, tile_loop=True),
