@@ -266,6 +266,7 @@ AB_SWITCHES = {
     "stream_k_tiles": ("lutb_kernels.lut_b_gemm", "STREAM_K_BELOW_TILES", 32, 16),
     "min_split_waves": ("lutb_kernels.lut_b_gemm", "DECODE_MIN_SPLIT_BELOW_PROGRAMS_PER_SM", 24, 10**9),
     "wide_grid_maxnreg": ("lutb_kernels.lut_b_gemm", "DECODE_WIDE_GRID_PROGRAMS_PER_SM", 12, 10**9),
+    "routing_chunk": ("lutb_kernels.routing_triton", "PAIRWISE_RANK_CHUNK", 32, 128),
 }
 AB = ()  # the switches to A/B (set from the command line)
 

@@ -9,16 +9,16 @@ to the host, so it can be captured in a CUDA graph. The torch version costs ~25 
 
 One program does everything (phases in :mod:`lutb_kernels._routing_details.kernels`), so it is
 built for decode sizes; it stays correct up to the int32 limit (padded length < 2**31). At
-prefill sizes the placement loop, not the launch, dominates: predicted tens of microseconds
-with <= 64 experts (one-hot mode) and ~0.3-0.6 ms for 65536 routes over 256 experts (pairwise
-mode), possibly slower than the torch version there (see docs/kernels.md).
+prefill sizes the placement loop, not the launch, dominates, and the torch version can be faster
+(below).
 
-Where it wins (H200, ``bench/kernels.py --breakdown``, bench/results/2026-12-02-routing-ep-h200.md):
-2.5-3.8 us against the torch version's 60-66 us at T=1 and T=8 (mixtral, deepseek); 21 us
-against 87 us at deepseek T=32 (256 routes, pairwise mode); 40 us against 102 us at mixtral
-T=2048 (one-hot mode), even at mixtral T=8192; but 845 us against 152 us at deepseek T=2048
-(pairwise mode, 16384 routes). :func:`triton_routing_wins` encodes that, and the experts
-backends call this kernel where it says so and the torch version elsewhere.
+Where it wins (H200): 2.5-3.8 us against the torch version's 60-66 us at T=1 and T=8 (mixtral,
+deepseek; bench/results/2026-12-02-routing-ep-h200.md), 40 us against 102 us at mixtral T=2048
+(one-hot mode), even at mixtral T=8192. The pairwise mode (more than 64 experts) places 32 routes
+per step (``PAIRWISE_RANK_CHUNK``): over 256 experts 3.0 / 5.1 / 12.5 / 44.1 us at 64 / 256 /
+1024 / 4096 routes against the torch version's 63-103 us, but 164 against 146 us at 16384 routes
+(bench/results/2026-12-04-routing-chunk-h200.md). :func:`triton_routing_wins` encodes that, and
+the experts backends call this kernel where it says so and the torch version elsewhere.
 
 Triton is optional: importing this module never imports triton.
 """
@@ -43,7 +43,12 @@ _INT32_LIMIT = 2**31
 # in the module docstring): the one-hot mode walks 8192 / e_pad routes per step and ties at 16384
 # routes over 8 experts; the pairwise mode costs ~50 us per 1024 routes.
 ONEHOT_MAX_ROUTES = 8192
-PAIRWISE_MAX_ROUTES = 1024
+PAIRWISE_MAX_ROUTES = 4096
+# Routes per placement step in the pairwise mode ([C, C] comparisons). On the H200 (256 experts,
+# routes 64-16384) 32 was the fastest of 16-256 at 4, 8 and 16 warps: 3-5x faster than 128 (whose
+# [128, 128] block takes 254 registers), bench/results/2026-12-04-routing-chunk-h200.md.
+PAIRWISE_RANK_CHUNK = 32
+ROUTING_WARPS = 4
 
 
 def _pow2(n: int) -> int:
@@ -73,20 +78,21 @@ def routing_launch(num_routes: int, num_experts: int, max_padded: int, num_block
 
     - ``e_pad``: experts padded to a power of two (the histogram's bins);
     - ``onehot``: phase-3 mode, ``e_pad <= ONEHOT_MAX_EXPERTS``;
-    - ``rank_chunk``: routes per placement step, ``<= 8192 / e_pad`` (one-hot) or 128 ([C, C]);
+    - ``rank_chunk``: routes per placement step, ``<= 8192 / e_pad`` (one-hot) or
+      ``PAIRWISE_RANK_CHUNK`` ([C, C]);
     - ``hist_chunk``: routes per counting step, <= 1024;
     - ``fill_chunk``: positions per fill step, <= 1024;
     """
     e_pad = max(16, _pow2(num_experts))
     onehot = e_pad <= ONEHOT_MAX_EXPERTS
-    rank_cap = max(16, 8192 // e_pad) if onehot else 128
+    rank_cap = max(16, 8192 // e_pad) if onehot else PAIRWISE_RANK_CHUNK
     return RoutingLaunch(
         e_pad=e_pad,
         onehot=onehot,
         rank_chunk=_clamp_pow2(num_routes, 16, rank_cap),
         hist_chunk=_clamp_pow2(num_routes, 16, 1024),
         fill_chunk=_clamp_pow2(max(max_padded, num_blocks), 16, 1024),
-        num_warps=4,
+        num_warps=ROUTING_WARPS,
     )
 
 
