@@ -187,6 +187,8 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
             if unanswered == 0 and now > t_start:
                 t_start, t_end = now, now + spec["duration_s"]
 
+        measured_per_caller = [0] * spec["concurrency"]  # responses inside the window, per caller
+
         async def caller(index: int) -> None:
             # api "stream": one ForwardStream per caller for the whole cell, one request in
             # flight on it (what an attention node keeping a stream open per expert server does)
@@ -222,6 +224,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                     answered = True
                     first_answer()
                 if t0 >= t_start and t1 <= t_end:
+                    measured_per_caller[index - spec["first_index"]] += 1
                     latencies.append(t1 - t0)
                     done_tokens += spec["tokens"]
                     if spec["kind"] == "expert":
@@ -241,7 +244,11 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                     errors.append("stream: a response after the last request")
 
         await asyncio.gather(*(caller(spec["first_index"] + j) for j in range(spec["concurrency"])))
+        # where this process's window sat on the wall clock (the processes' windows can differ: each starts after
+        # its own callers' first answers)
+        window_wall = time.time() - (time.perf_counter() - t_start)
     return {"latencies": latencies, "tokens": done_tokens, "window_s": spec["duration_s"], "batch_tokens": batch_tokens,
+            "measured_per_caller": measured_per_caller, "window_wall_start": window_wall,
             "compute_us": compute_us, "queue_us": queue_us, "handoff_us": handoff_us, "total_us": total_us, "sizes": sizes,
             "errors": errors[:5]}
 
@@ -319,6 +326,11 @@ class LoadPool:
             "response_bytes": max(p["sizes"]["response"] for p in parts),
             "errors": [e for p in parts for e in p["errors"]][:5],
             "load_procs": procs,
+            # callers with at least one response in their process's window, and how far apart the windows started:
+            # fewer callers than the concurrency, or windows far apart, mean the cell did not load the server as asked
+            "callers_measured": sum(1 for p in parts for n in p.get("measured_per_caller", []) if n),
+            "window_start_spread_s": (max(p["window_wall_start"] for p in parts) - min(p["window_wall_start"] for p in parts)
+                                      if all("window_wall_start" in p for p in parts) else None),
         }
 
     def close(self) -> None:
@@ -618,7 +630,10 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
                         rows.append(Row(shape_name, wire, api, concurrency, tokens, result, echo))
                         print(f"[bench] {shape_name} {wire} {api} C={concurrency} T={tokens}: p50 {result['p50_us']:.0f} us, "
                               f"{result['tokens_per_s']:.0f} tok/s, batch {result['batch_tokens_p50']}, echo p50 {echo['p50_us']:.0f} us"
-                              + (f", errors {result['errors']}" if result["errors"] else ""), flush=True)
+                              + (f", errors {result['errors']}" if result["errors"] else "")
+                              + (f"; WARNING: only {result['callers_measured']} of {concurrency} callers answered in the "
+                                 f"measured window (window starts {result['window_start_spread_s']:.3f} s apart)"
+                                 if result["callers_measured"] < concurrency else ""), flush=True)
     finally:
         if profiler is not None:
             info["profile"] = profiler.detach() if server.poll() is None else None

@@ -37,6 +37,8 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
         assert s["server_total_us_p50"] >= s["server_compute_us_p50"] and s["server_queue_us_p50"] >= 0
         assert s["server_handoff_us_p50"] >= 0
         assert 0 < s["server_total_us_p50"] < s["p50_us"]
+        # every caller answered inside its process's window; the windows' start times recorded
+        assert s["callers_measured"] == r["concurrency"] and s["window_start_spread_s"] >= 0
         assert r["echo"]["requests"] > 0 and r["echo"]["request_bytes"] == r["server"]["request_bytes"]
         assert r["inproc"]["us"] > 0 and r["inproc"]["batch_tokens"] >= 4
     by_wire = {r["wire"]: r["server"]["request_bytes"] for r in rows}
