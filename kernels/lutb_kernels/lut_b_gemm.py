@@ -262,8 +262,8 @@ def _check_args(
         raise ValueError(f"a_mxfp8 must be {' or '.join(map(str, want))} [M, K] with unit column stride "
                          f"(a float dtype when a_scales is None), got {a_mxfp8.dtype} {tuple(a_mxfp8.shape)}")
     m, k = a_mxfp8.shape
-    if k % TILE:
-        raise ValueError(f"K must be a multiple of {TILE}, got {k}")
+    if k % TILE or k == 0:
+        raise ValueError(f"K must be a positive multiple of {TILE}, got {k}")
     if a_scales is None:
         pass
     elif a_scales.dtype != torch.uint8 or tuple(a_scales.shape) != (m, k // BLOCK) or a_scales.stride(1) != 1 or a_scales.device != device:

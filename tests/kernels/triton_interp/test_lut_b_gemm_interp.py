@@ -81,6 +81,8 @@ def test_lut_b_moe_gemm_refuses_bad_arguments() -> None:
         lut_b_moe_gemm(q, s, w[..., :-1], out, None, st, ei, nt, 1, block_m=16)
     with pytest.raises(ValueError, match="topk_weights"):
         lut_b_moe_gemm(q, s, w, out, torch.rand(2), st, ei, nt, 1, block_m=16)
+    with pytest.raises(ValueError, match="positive multiple"):  # K = 0: no tile to give a program
+        lut_b_moe_gemm(torch.zeros(3, 0), None, w[:, :, :0], out, None, st, ei, nt, 1, block_m=16)
     for regs in (16, 256):  # PTX .maxnreg outside what a thread can have
         with pytest.raises(ValueError, match="bad config"):
             lut_b_moe_gemm(q, s, w, out, None, st, ei, nt, 1, block_m=16,
