@@ -13,11 +13,10 @@ graph holding 20 calls.
 from __future__ import annotations
 
 import statistics
-from typing import Callable
-
-import torch
+from collections.abc import Callable
 
 import lutb_kernels.routing_triton as rt
+import torch
 from lutb_kernels.routing import moe_align_block_size
 
 # (tokens, experts, top_k, routing block): deepseek-v3-like decode and prefill sizes, and one qwen3-like
@@ -61,7 +60,8 @@ def main() -> None:
         for tokens, experts, top_k, block in SIZES:
             ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
             ref = moe_align_block_size(ids, block, experts)
-            torch_us = graph_us(lambda: moe_align_block_size(ids, block, experts), calls=5, rounds=5)
+            torch_us = graph_us(lambda ids=ids, block=block, experts=experts: moe_align_block_size(ids, block, experts),
+                                calls=5, rounds=5)
             print(f"{tokens:6d} {tokens * top_k:6d} {experts:4d} {block:4d} {'torch':>6s} {'':>5s} {torch_us:8.1f}")
             for chunk in CHUNKS:
                 if chunk > 2 * max(16, tokens * top_k):  # the launch clamps the chunk to the routes
@@ -70,7 +70,7 @@ def main() -> None:
                     rt.PAIRWISE_RANK_CHUNK, rt.ROUTING_WARPS = chunk, warps
                     out = rt.moe_align_block_size_triton(ids, block, experts)
                     equal = all(torch.equal(a, b) for a, b in zip(out, ref))
-                    us = graph_us(lambda: rt.moe_align_block_size_triton(ids, block, experts))
+                    us = graph_us(lambda ids=ids, block=block, experts=experts: rt.moe_align_block_size_triton(ids, block, experts))
                     print(f"{tokens:6d} {tokens * top_k:6d} {experts:4d} {block:4d} {chunk:6d} {warps:5d} {us:8.1f} {equal}",
                           flush=True)
     finally:

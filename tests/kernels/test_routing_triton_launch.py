@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import pytest
 from lutb_kernels.routing import max_padded_routes
-from lutb_kernels.routing_triton import PAIRWISE_RANK_CHUNK, routing_launch, triton_routing_wins
+from lutb_kernels.routing_triton import (
+    PAIRWISE_RANK_CHUNK,
+    routing_launch,
+    triton_routing_wins,
+)
 
 
 @pytest.mark.parametrize("routes,experts,wins", [
