@@ -632,7 +632,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
                               f"{result['tokens_per_s']:.0f} tok/s, batch {result['batch_tokens_p50']}, echo p50 {echo['p50_us']:.0f} us"
                               + (f", errors {result['errors']}" if result["errors"] else "")
                               + (f"; WARNING: only {result['callers_measured']} of {concurrency} callers answered in the "
-                                 f"measured window (window starts {result['window_start_spread_s']:.3f} s apart)"
+                                 f"measured window (window starts {result['window_start_spread_s']} s apart)"
                                  if result["callers_measured"] < concurrency else ""), flush=True)
     finally:
         if profiler is not None:
