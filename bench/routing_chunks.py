@@ -12,12 +12,16 @@ graph holding 20 calls.
 
 from __future__ import annotations
 
-import statistics
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import lutb_kernels.routing_triton as rt
 import torch
 from lutb_kernels.routing import moe_align_block_size
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import time_graph
 
 # (tokens, experts, top_k, routing block): deepseek-v3-like decode and prefill sizes, and one qwen3-like
 SIZES = ((1, 256, 8, 16), (8, 256, 8, 16), (32, 256, 8, 16), (128, 256, 8, 16), (512, 256, 8, 16),
@@ -27,29 +31,9 @@ WARPS = (4, 8, 16)
 
 
 def graph_us(fn: Callable[[], object], calls: int = 20, rounds: int = 9) -> float:
-    """Median microseconds per call of ``fn`` replayed ``calls`` times in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    """Median microseconds per call of ``fn``: a CUDA graph holding ``calls`` calls, replayed (``kernels.time_graph``)."""
+    us, _ = time_graph(lambda: [fn() for _ in range(calls)], replays=1, rounds=rounds)
+    return us / calls
 
 
 def main() -> None:
