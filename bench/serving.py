@@ -170,6 +170,8 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         compute_us: list[int] = []
         queue_us: list[int] = []
         handoff_us: list[int] = []
+        prepare_us: list[int] = []
+        encode_us: list[int] = []
         total_us: list[int] = []
         sizes = {"request": len(payloads[0]), "response": 0}
         errors: list[str] = []
@@ -235,6 +237,8 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                         compute_us.append(int(response.timing.compute_us))
                         queue_us.append(int(response.timing.queue_us))
                         handoff_us.append(int(response.timing.handoff_us))
+                        prepare_us.append(int(response.timing.prepare_us))
+                        encode_us.append(int(response.timing.encode_us))
                         total_us.append(int(response.timing.total_us))
                 sizes["response"] = len(raw)
             if duplex is not None:
@@ -249,7 +253,8 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         window_wall = time.time() - (time.perf_counter() - t_start)
     return {"latencies": latencies, "tokens": done_tokens, "window_s": spec["duration_s"], "batch_tokens": batch_tokens,
             "measured_per_caller": measured_per_caller, "window_wall_start": window_wall,
-            "compute_us": compute_us, "queue_us": queue_us, "handoff_us": handoff_us, "total_us": total_us, "sizes": sizes,
+            "compute_us": compute_us, "queue_us": queue_us, "handoff_us": handoff_us, "prepare_us": prepare_us,
+            "encode_us": encode_us, "total_us": total_us, "sizes": sizes,
             "errors": errors[:5]}
 
 
@@ -321,6 +326,8 @@ class LoadPool:
             "server_compute_us_p50": _pct([float(c) for c in compute], 0.5) if compute else None,
             "server_queue_us_p50": median_of("queue_us"),
             "server_handoff_us_p50": median_of("handoff_us"),
+            "server_prepare_us_p50": median_of("prepare_us"),
+            "server_encode_us_p50": median_of("encode_us"),
             "server_total_us_p50": median_of("total_us"),
             "request_bytes": parts[0]["sizes"]["request"],
             "response_bytes": max(p["sizes"]["response"] for p in parts),
@@ -702,24 +709,26 @@ def short_table(rows: list[Row]) -> str:
 
 
 TIME_SPLIT_NOTE = ("Medians in us, each column its own. server total: from the servicer receiving the request to its "
-                   "response being ready (decode, validation, queue, compute, encode); hand-off: the batch's trip to the "
-                   "compute worker and back to the event loop less compute (wake-ups, a compute process's messages); "
-                   "handler: total - queue - compute - hand-off; "
-                   "outside: the end-to-end p50 minus the server total (gRPC on both sides, the transport, the load generator).")
+                   "response being ready; prepare: decode and validation; hand-off: the batch's trip to the compute worker "
+                   "and back to the event loop less compute (wake-ups, a compute process's messages); encode: the output "
+                   "into the response; other: total - prepare - queue - compute - hand-off - encode (handing the request to "
+                   "the scheduler, the loop turns that resume it); outside: the end-to-end p50 minus the server total (gRPC "
+                   "on both sides, the transport, the load generator).")
 
 
 def time_split_table(rows: list[Row]) -> str:
     """Where a request's time goes, from the responses' ``timing`` (see ``TIME_SPLIT_NOTE``)."""
-    head = "| shape | wire | api | C | T | p50 us | server total | queue | compute | hand-off | handler | outside | in-proc us |"
-    lines = [head, "|" + "|".join("---" for _ in range(13)) + "|"]
+    head = ("| shape | wire | api | C | T | p50 us | server total | prepare | queue | compute | hand-off | encode | other "
+            "| outside | in-proc us |")
+    lines = [head, "|" + "|".join("---" for _ in range(15)) + "|"]
     for r in rows:
-        total, queue, compute, handoff = (r.server.get(k) for k in (
-            "server_total_us_p50", "server_queue_us_p50", "server_compute_us_p50", "server_handoff_us_p50"))
-        handler = total - queue - compute - handoff if None not in (total, queue, compute, handoff) else None
+        parts = [r.server.get(f"server_{k}_us_p50") for k in ("prepare", "queue", "compute", "handoff", "encode")]
+        total = r.server.get("server_total_us_p50")
+        other = total - sum(parts) if total is not None and None not in parts else None
         outside = r.server["p50_us"] - total if total is not None else None
-        lines.append(f"| {r.shape} | {r.wire} | {r.api} | {r.concurrency} | {r.tokens} | {_fmt(r.server['p50_us'])} | {_fmt(total)} "
-                     f"| {_fmt(queue)} | {_fmt(compute)} | {_fmt(handoff)} | {_fmt(handler)} | {_fmt(outside)} "
-                     f"| {_fmt(r.inproc.get('us'))} |")
+        lines.append(f"| {r.shape} | {r.wire} | {r.api} | {r.concurrency} | {r.tokens} | {_fmt(r.server['p50_us'])} | {_fmt(total)} | "
+                     + " | ".join(_fmt(v) for v in parts)
+                     + f" | {_fmt(other)} | {_fmt(outside)} | {_fmt(r.inproc.get('us'))} |")
     return "\n".join(lines)
 
 

@@ -188,15 +188,20 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         )
         if self._metrics is not None and self._metrics.expert_load is not None:
             self._metrics.expert_load.record(self._engine, prepared)
+        ready = time.monotonic()
         result = await self._scheduler.submit(prepared, deadline=deadline)
         response = pb.ForwardResponse(request_id=request.request_id, status=pb.Status(code=0))
+        encoding = time.monotonic()
         encode_tensor(result.output, out=response.output)
+        done = time.monotonic()
         timing = response.timing
         timing.queue_us = int(result.queue_s * 1e6)
         timing.compute_us = int(result.compute_s * 1e6)
         timing.handoff_us = int(result.handoff_s * 1e6)
         timing.batch_tokens = result.batch_tokens
-        timing.total_us = int((time.monotonic() - received) * 1e6)
+        timing.prepare_us = int((ready - received) * 1e6)
+        timing.encode_us = int((done - encoding) * 1e6)
+        timing.total_us = int((done - received) * 1e6)
         return response
 
     def _count(self, rpc: str, code: grpc.StatusCode) -> None:

@@ -35,7 +35,8 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
         # the server's own timing: per request total >= compute (so their medians too), below the end-to-end latency
         s = r["server"]
         assert s["server_total_us_p50"] >= s["server_compute_us_p50"] and s["server_queue_us_p50"] >= 0
-        assert s["server_handoff_us_p50"] >= 0
+        assert s["server_handoff_us_p50"] >= 0 and s["server_prepare_us_p50"] > 0 and s["server_encode_us_p50"] >= 0
+        assert s["server_total_us_p50"] >= s["server_prepare_us_p50"]
         assert 0 < s["server_total_us_p50"] < s["p50_us"]
         # every caller answered inside its process's window; the windows' start times recorded
         assert s["callers_measured"] == r["concurrency"] and s["window_start_spread_s"] >= 0
@@ -48,6 +49,7 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
     assert profile.exists() and any(tool in profile.read_text() for tool in ("cProfile", "py-spy"))  # py-spy where installed
     assert "| shape | wire | api | C | T |" in (out / "serving.md").read_text()
     assert "## Where the time goes" in (out / "serving.md").read_text()
+    assert "| prepare | queue | compute | hand-off | encode | other |" in (out / "serving.md").read_text()
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| smoke |")  # the short table comes last
 
 
