@@ -21,7 +21,8 @@ Per cell it prints:
   beyond compute and bare gRPC (the issue's C=1 target is overhead <= 150 us);
 - ``hand-off``: median ``timing.handoff_us`` (the batch's hops to the worker and back, less compute);
 - ``handler``: median ``timing.total_us - compute_us - queue_us - handoff_us`` (decode, validate,
-  encode, resuming the request's coroutine);
+  encode, resuming the request's coroutine), and of it ``prepare`` (``timing.prepare_us``: decode and
+  validation) and ``encode`` (``timing.encode_us``);
 - ``server CPU us/req``: CPU time of the server process per answered request, from
   ``/proc`` (per thread in the JSON/log: ``main`` is the event loop) -- robust on a busy machine;
 - ``ideal tok/s``: back-to-back batches of the formed size (``T_b / sleep(T_b)``) and the
@@ -160,9 +161,9 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                     if spec["kind"] == "expert":
                         timing = pb.ForwardResponse.FromString(raw).timing
                         rows.append((t1 - t0, timing.batch_tokens, timing.compute_us, timing.queue_us, timing.total_us,
-                                     timing.handoff_us))
+                                     timing.handoff_us, timing.prepare_us, timing.encode_us))
                     else:
-                        rows.append((t1 - t0, 0, 0, 0, 0, 0))
+                        rows.append((t1 - t0, 0, 0, 0, 0, 0, 0, 0))
 
         await asyncio.gather(*(caller(spec["first_index"] + j) for j in range(spec["concurrency"])))
     return {"rows": rows, "errors": errors[:5], "sizes": sizes, "answered": answered[0]}
@@ -283,6 +284,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                        "sleep_us": sleep_us(formed), "echo_p50_us": echo_p50,
                        "overhead_us": _median(overhead) - echo_p50, "handler_us": _median(handler),
                        "handoff_us": _median([float(r[5]) for r in res["rows"]]),
+                       "prepare_us": _median([float(r[6]) for r in res["rows"]]),
+                       "encode_us": _median([float(r[7]) for r in res["rows"]]),
                        "compute_us_p50": _median([float(r[2]) for r in res["rows"]]),
                        "cpu_us_per_request": cpu * 1e6 / max(1, res["answered"]),
                        "thread_cpu_us_per_request": {k: round(v * 1e6 / max(1, res["answered"])) for k, v in threads.items() if v > 0},
@@ -305,11 +308,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| C | T | p50 us | p99 us | tok/s | batch p50 | batch mean | compute us | echo p50 us | overhead us | hand-off us "
-             "| handler us | server CPU us/req | ideal tok/s | tok/s / ideal |", "|" + "---|" * 15]
+             "| handler us | prepare us | encode us | server CPU us/req | ideal tok/s | tok/s / ideal |", "|" + "---|" * 17]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['tokens']} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['tokens_per_s']:.0f} "
                      f"| {r['batch_tokens_p50']:.0f} | {r['batch_tokens_mean']:.1f} | {r['compute_us_p50']:.0f} | {r['echo_p50_us']:.0f} "
-                     f"| {r['overhead_us']:.0f} | {r['handoff_us']:.0f} | {r['handler_us']:.0f} | {r['cpu_us_per_request']:.0f} | {r['ideal_tokens_per_s']:.0f} | {r['ratio']:.0%} |")
+                     f"| {r['overhead_us']:.0f} | {r['handoff_us']:.0f} | {r['handler_us']:.0f} | {r['prepare_us']:.0f} "
+                     f"| {r['encode_us']:.0f} | {r['cpu_us_per_request']:.0f} | {r['ideal_tokens_per_s']:.0f} | {r['ratio']:.0%} |")
     return "\n".join(lines)
 
 
