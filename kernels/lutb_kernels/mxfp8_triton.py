@@ -25,6 +25,7 @@ Triton is optional: importing this module never imports triton.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from typing import Literal
 
@@ -79,7 +80,7 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError(f"{name} must have at least one dimension")
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # (not -1: K = 0 leaves the rows ambiguous)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return x2

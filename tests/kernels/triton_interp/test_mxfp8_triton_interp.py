@@ -53,6 +53,17 @@ def test_quantize_bit_exact(dtype: torch.dtype, mode: str, rows: int) -> None:
     assert torch.equal(mt.mxfp8_qdq(x, mode), mxfp8_qdq(x, mode))
 
 
+@pytest.mark.parametrize("shape", [(3, 0), (2, 0, 0), (0, 0)])
+def test_no_columns_gives_the_references_empty_result(shape: tuple[int, ...]) -> None:
+    x = torch.zeros(shape)
+    q, s = mt.mxfp8_quantize(x)
+    q_ref, s_ref = mxfp8_quantize(x)
+    assert q.shape == q_ref.shape and s.shape == s_ref.shape and q.dtype == q_ref.dtype
+    assert mt.mxfp8_qdq(x).shape == mxfp8_qdq(x).shape == shape
+    if x.dim() == 2:  # the activation kernel takes [R, 2I]: gate and up of width 0
+        assert mt.act_mxfp8_qdq(x, "silu").shape == shape
+
+
 def test_quantize_every_e4m3_value_roundtrips() -> None:
     # all 126 positive finite codes and their negatives, block amax 448 -> scale 127 (x1)
     codes = torch.arange(0, 127, dtype=torch.uint8)
