@@ -44,12 +44,12 @@ _INT32_LIMIT = 2**31
 # routes over 8 experts; the pairwise mode costs ~11 us per 1024 routes and loses at 16384.
 ONEHOT_MAX_ROUTES = 8192
 PAIRWISE_MAX_ROUTES = 4096
-# Routes per placement step in the pairwise mode ([C, C] comparisons). On the H200 (256 experts,
-# routes 64-16384) 32 was the fastest of 16-256 at 4, 8 and 16 warps: 3-5x faster than 128 (whose
-# [128, 128] block takes 254 registers), bench/results/2026-12-04-routing-chunk-h200.md.
+# Routes per placement step in the pairwise mode ([C, C] comparisons). On the H200 (128 and 256
+# experts, 64-16384 routes) 32 was the fastest of 16-256 at every warp count tried (4, 8, 16): 3-5x
+# faster than 128 (whose [128, 128] block takes 254 registers), bench/results/2026-12-04-routing-chunk-h200.md.
 PAIRWISE_RANK_CHUNK = 32
 # The kernel's warps, either mode (a module constant so that bench/routing_chunks.py can sweep it:
-# 4 was the fastest with 32-route chunks, against 8 and 16).
+# with 32-route chunks 4 was the fastest, tied by 8 at 256 routes over 256 experts).
 ROUTING_WARPS = 4
 
 
