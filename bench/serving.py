@@ -55,6 +55,8 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 FORWARD_METHOD = "/lutb.v1.ExpertService/Forward"
 FORWARD_STREAM_METHOD = "/lutb.v1.ExpertService/ForwardStream"
+# the response Timing fields (lutb.v1.Timing) whose medians a cell reports as server_<field>_p50
+SERVER_TIMING_FIELDS = ("compute_us", "queue_us", "handoff_us", "prepare_us", "encode_us", "total_us")
 APIS = ("unary", "stream")
 ECHO_METHOD = "/bench.Echo/Echo"
 TARGET_SLACK_US = 150.0
@@ -167,12 +169,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         payloads: list[bytes] = spec["payloads"]
         latencies: list[float] = []
         batch_tokens: list[int] = []
-        compute_us: list[int] = []
-        queue_us: list[int] = []
-        handoff_us: list[int] = []
-        prepare_us: list[int] = []
-        encode_us: list[int] = []
-        total_us: list[int] = []
+        server_times: dict[str, list[int]] = {field: [] for field in SERVER_TIMING_FIELDS}  # each response's timing
         sizes = {"request": len(payloads[0]), "response": 0}
         errors: list[str] = []
         done_tokens = 0
@@ -234,12 +231,8 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                         if response.status.code:
                             errors.append(response.status.message)
                         batch_tokens.append(int(response.timing.batch_tokens))
-                        compute_us.append(int(response.timing.compute_us))
-                        queue_us.append(int(response.timing.queue_us))
-                        handoff_us.append(int(response.timing.handoff_us))
-                        prepare_us.append(int(response.timing.prepare_us))
-                        encode_us.append(int(response.timing.encode_us))
-                        total_us.append(int(response.timing.total_us))
+                        for field, values in server_times.items():
+                            values.append(int(getattr(response.timing, field)))
                 sizes["response"] = len(raw)
             if duplex is not None:
                 await duplex.done_writing()
@@ -252,9 +245,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         # its own callers' first answers)
         window_wall = time.time() - (time.perf_counter() - t_start)
     return {"latencies": latencies, "tokens": done_tokens, "window_s": spec["duration_s"], "batch_tokens": batch_tokens,
-            "measured_per_caller": measured_per_caller, "window_wall_start": window_wall,
-            "compute_us": compute_us, "queue_us": queue_us, "handoff_us": handoff_us, "prepare_us": prepare_us,
-            "encode_us": encode_us, "total_us": total_us, "sizes": sizes,
+            "measured_per_caller": measured_per_caller, "window_wall_start": window_wall, **server_times, "sizes": sizes,
             "errors": errors[:5]}
 
 
@@ -309,10 +300,9 @@ class LoadPool:
                                           "connections": connections})
         latencies = [v for p in parts for v in p["latencies"]]
         batch = [v for p in parts for v in p["batch_tokens"]]
-        compute = [v for p in parts for v in p["compute_us"]]
 
         def median_of(key: str) -> float | None:  # a server-side timing, over every process's responses
-            values = [float(v) for p in parts for v in p.get(key, [])]
+            values = [float(v) for p in parts for v in p[key]]
             return _pct(values, 0.5) if values else None
 
         return {
@@ -323,21 +313,15 @@ class LoadPool:
             "requests_per_s": len(latencies) / duration_s,
             "batch_tokens_p50": _pct([float(b) for b in batch], 0.5) if batch else None,
             "batch_tokens_mean": statistics.fmean(batch) if batch else None,
-            "server_compute_us_p50": _pct([float(c) for c in compute], 0.5) if compute else None,
-            "server_queue_us_p50": median_of("queue_us"),
-            "server_handoff_us_p50": median_of("handoff_us"),
-            "server_prepare_us_p50": median_of("prepare_us"),
-            "server_encode_us_p50": median_of("encode_us"),
-            "server_total_us_p50": median_of("total_us"),
+            **{f"server_{field}_p50": median_of(field) for field in SERVER_TIMING_FIELDS},
             "request_bytes": parts[0]["sizes"]["request"],
             "response_bytes": max(p["sizes"]["response"] for p in parts),
             "errors": [e for p in parts for e in p["errors"]][:5],
             "load_procs": procs,
             # callers with at least one response in their process's window, and how far apart the windows started:
             # fewer callers than the concurrency, or windows far apart, mean the cell did not load the server as asked
-            "callers_measured": sum(1 for p in parts for n in p.get("measured_per_caller", []) if n),
-            "window_start_spread_s": (max(p["window_wall_start"] for p in parts) - min(p["window_wall_start"] for p in parts)
-                                      if all("window_wall_start" in p for p in parts) else None),
+            "callers_measured": sum(1 for p in parts for n in p["measured_per_caller"] if n),
+            "window_start_spread_s": max(p["window_wall_start"] for p in parts) - min(p["window_wall_start"] for p in parts),
         }
 
     def close(self) -> None:
@@ -639,7 +623,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
                               f"{result['tokens_per_s']:.0f} tok/s, batch {result['batch_tokens_p50']}, echo p50 {echo['p50_us']:.0f} us"
                               + (f", errors {result['errors']}" if result["errors"] else "")
                               + (f"; WARNING: only {result['callers_measured']} of {concurrency} callers answered in the "
-                                 f"measured window (window starts {result['window_start_spread_s']} s apart)"
+                                 f"measured window (window starts {result['window_start_spread_s']:.3f} s apart)"
                                  if result["callers_measured"] < concurrency else ""), flush=True)
     finally:
         if profiler is not None:

@@ -146,9 +146,9 @@ DECODE_MIN_SPLIT_ROUTES = 256
 DECODE_MIN_SPLIT_BELOW_PROGRAMS_PER_SM = 24
 # Decode (16-row routing blocks) plain grids of at least this many programs per SM run under a
 # DECODE_WIDE_GRID_MAXNREG register cap: 5 blocks of 4 warps per SM instead of the compiler's 4 (the
-# same tile loop; split-K kernels spill a few registers outside it). It pays where the grid is many waves deep and costs where one wave more or
-# less is a large share (mixtral w2 at ~6 programs per SM: 104.0 -> 126.3 us at T=32);
-# bench/results/2026-12-04-min-split-h200.md.
+# same tile loop; split-K kernels spill a few registers outside it). It pays where the grid is many
+# waves deep and costs where one wave more or less is a large share (mixtral w2 at ~6 programs per
+# SM: 104.0 -> 126.3 us at T=32); bench/results/2026-12-04-min-split-h200.md.
 DECODE_WIDE_GRID_PROGRAMS_PER_SM = 12
 DECODE_WIDE_GRID_MAXNREG = 96
 # Decode (16-row routing blocks) whose plain grid would be under STREAM_K_BELOW_WAVES waves of

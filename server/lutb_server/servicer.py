@@ -186,9 +186,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             apply_router_weight_on_input=request.apply_router_weight_on_input,
             output_mode=_OUTPUT_MODES[request.output_mode],
         )
+        ready = time.monotonic()  # decoded and validated (prepare_us ends here)
         if self._metrics is not None and self._metrics.expert_load is not None:
             self._metrics.expert_load.record(self._engine, prepared)
-        ready = time.monotonic()
         result = await self._scheduler.submit(prepared, deadline=deadline)
         response = pb.ForwardResponse(request_id=request.request_id, status=pb.Status(code=0))
         encoding = time.monotonic()
