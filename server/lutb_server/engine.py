@@ -62,6 +62,12 @@ class PreparedRequest:
         return int(self.x.shape[0])
 
     @property
+    def output_bytes(self) -> int:
+        """Bytes of the output: ``[T, H]`` (combined) or ``[T, k, H]`` (route-major) in the model dtype."""
+        routes = int(self.topk_ids.shape[1]) if self.output_mode == "route_major" else 1
+        return self.x.numel() * routes * self.x.element_size()
+
+    @property
     def pool_key(self) -> tuple[int, int, bool, str]:
         """Requests with equal keys can share one experts call: same layer, top-k, weighting and output mode."""
         return (self.layer, int(self.topk_ids.shape[1]), self.apply_router_weight_on_input, self.output_mode)
@@ -226,6 +232,8 @@ class ExpertEngine:
             raise InvalidArgument(f"topk_ids: dtype {ids.dtype} not allowed; expected int32 or int64")
         if ids.dim() != 2 or ids.shape[0] != tokens or ids.shape[1] < 1:
             raise InvalidArgument(f"topk_ids: shape {list(ids.shape)} does not match [T, k] with T = {tokens} (hidden_states) and k >= 1")
+        if ids.shape[1] > self.config.num_experts:  # a router picks k of the E experts; more only costs memory
+            raise InvalidArgument(f"topk_ids: k = {ids.shape[1]} routes per token exceed the model's {self.config.num_experts} experts")
         if w.dtype != torch.float32:
             raise InvalidArgument(f"topk_weights: dtype {w.dtype} not allowed; expected float32")
         if w.shape != ids.shape:

@@ -43,6 +43,12 @@ class QueueFull(ServiceError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class ResponseTooLarge(ServiceError):
+    """The request's output would not fit in one message of the server's ``max_message_bytes``."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 class DeadlineExpired(ServiceError):
     """The request's deadline passed before its batch started; it was not computed."""
 
@@ -70,6 +76,10 @@ _STATUS_MAP: tuple[tuple[type[BaseException], str], ...] = (
 )
 
 
+DEADLINE_SLACK_S = 0.001
+"""A handler cancelled this close to its deadline (or later) ended by the deadline, not by its caller."""
+
+
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and message a request that raised ``exc`` ends with."""
     import grpc
@@ -88,11 +98,13 @@ def status_code_value(code: grpc.StatusCode) -> int:
 
 
 __all__ = [
+    "DEADLINE_SLACK_S",
     "BackendUnavailableError",
     "DeadlineExpired",
     "InvalidArgument",
     "LayerNotFound",
     "QueueFull",
+    "ResponseTooLarge",
     "ServiceError",
     "Unavailable",
     "status_code_value",

@@ -26,8 +26,9 @@ microseconds apart.
 Isolation: every request was validated before it was queued; should a pooled call
 fail anyway, each of its requests is rerun alone so that only the culprit fails.
 Requests whose deadline passed or whose caller went away are dropped before
-computing. The queue holds at most ``max_queue_requests`` waiting requests;
-beyond that :meth:`BatchScheduler.submit` raises :class:`~lutb_server.errors.QueueFull`.
+computing (a cancelled caller's request leaves the queue at once). The queue holds at
+most ``max_queue_requests`` waiting requests; beyond that
+:meth:`BatchScheduler.submit` raises :class:`~lutb_server.errors.QueueFull`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch
 
 from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
-from lutb_server.errors import DeadlineExpired, QueueFull, Unavailable
+from lutb_server.errors import DEADLINE_SLACK_S, DeadlineExpired, QueueFull, Unavailable
 from lutb_server.metrics import ServerMetrics
 from lutb_server.worker import BatchOutput, BatchWorker, ComputeWorker, running_loop
 
@@ -195,6 +196,8 @@ class BatchScheduler:
         if deadline is not None and deadline <= time.monotonic():
             raise DeadlineExpired("deadline expired before the request was queued; not computed")
         if len(self._pending) >= self.max_queue_requests:
+            self._drop_dead()  # requests that expired while the worker was busy hold no place
+        if len(self._pending) >= self.max_queue_requests:
             raise QueueFull(
                 f"queue full: {len(self._pending)} requests waiting (max_queue_requests = {self.max_queue_requests}); retry later"
             )
@@ -203,7 +206,11 @@ class BatchScheduler:
         self._set_depth()
         if self._running is None:
             self._dispatch()
-        return await item.future  # cancelling the caller cancels the future; dispatching skips it
+        try:
+            return await item.future
+        except asyncio.CancelledError:  # the caller went away or its deadline passed (gRPC cancels it)
+            self._withdraw(item)
+            raise
 
     # -- dispatching -----------------------------------------------------------------------
     #
@@ -291,6 +298,20 @@ class BatchScheduler:
         key = head.request.pool_key
         return sum(item.request.tokens for item in self._pending if item.request.pool_key == key)
 
+    def _withdraw(self, item: _Item) -> None:
+        """Take a cancelled caller's request out of the queue at once (it holds no place in it any more)."""
+        try:
+            self._pending.remove(item)
+        except ValueError:  # in a batch already, or dropped
+            return
+        self._set_depth()
+        if item.deadline is not None and item.deadline <= time.monotonic() + DEADLINE_SLACK_S:
+            self._count_deadline_drop(item)
+
+    def _count_deadline_drop(self, item: _Item) -> None:
+        if self._metrics is not None:
+            self._metrics.deadline_dropped.labels(str(item.request.layer)).inc()
+
     def _drop_dead(self) -> None:
         """Remove requests whose caller is gone (future done) or whose deadline passed (fail them)."""
         if not self._pending:
@@ -303,8 +324,7 @@ class BatchScheduler:
             if item.deadline is not None and item.deadline <= now:
                 waited = (now - item.enqueued) * 1e3
                 item.future.set_exception(DeadlineExpired(f"deadline expired after {waited:.1f} ms in the queue; not computed"))
-                if self._metrics is not None:
-                    self._metrics.deadline_dropped.labels(str(item.request.layer)).inc()
+                self._count_deadline_drop(item)
                 continue
             keep.append(item)
         self._pending = keep
@@ -350,6 +370,7 @@ class BatchScheduler:
                     _fail(item, single_exc)
                 else:
                     self._finish(item, output, started, compute_s, handoff_s, call_tokens, 1)
+                    self._record_call(item.request.layer, compute_s, call_tokens, 1, item.request.tokens)
         finally:
             if self._running is running:
                 self._running = None
@@ -361,12 +382,17 @@ class BatchScheduler:
         handoff_s = returned - started - result.seconds
         for item, output in zip(batch, result.outputs):
             self._finish(item, output, started, result.seconds, handoff_s, result.call_tokens, len(batch))
+        self._record_call(batch[0].request.layer, result.seconds, result.call_tokens, len(batch),
+                          sum(item.request.tokens for item in batch))
+
+    def _record_call(self, layer: int, seconds: float, call_tokens: int, requests: int, tokens: int) -> None:
+        """Metrics of one experts call that answered ``requests`` requests of ``tokens`` tokens."""
         if self._metrics is not None:
-            m = self._layer_metrics(batch[0].request.layer)
-            m.compute.observe(result.seconds)
-            m.batch_tokens.observe(result.call_tokens)
-            m.batch_requests.observe(len(batch))
-            m.tokens.inc(sum(item.request.tokens for item in batch))
+            m = self._layer_metrics(layer)
+            m.compute.observe(seconds)
+            m.batch_tokens.observe(call_tokens)
+            m.batch_requests.observe(requests)
+            m.tokens.inc(tokens)
 
     def _layer_metrics(self, layer: int) -> _LayerMetrics:
         """The metrics' children labelled (backend, layer), looked up once per layer (``labels()`` costs a lock and a dict)."""

@@ -21,7 +21,7 @@ from lutb_client.codec import decode_tensor, encode_tensor, to_proto_dtype
 from lutb_kernels.checkpoint import FORMAT, FORMAT_VERSION
 from lutb_server import __version__
 from lutb_server.engine import FLOAT_DTYPES, ID_DTYPES, ExpertEngine
-from lutb_server.errors import InvalidArgument, Unavailable, status_code_value, to_status
+from lutb_server.errors import DEADLINE_SLACK_S, InvalidArgument, ResponseTooLarge, Unavailable, status_code_value, to_status
 from lutb_server.metrics import ServerMetrics
 from lutb_server.scheduler import BatchScheduler
 
@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 _OUTPUT_MODES = {pb.OUTPUT_MODE_UNSPECIFIED: "combined", pb.COMBINED: "combined", pb.ROUTE_MAJOR: "route_major"}
 STREAM_WINDOW = 256
 """Most requests of one ForwardStream in flight at once (reading pauses beyond it)."""
+RESPONSE_ENVELOPE_BYTES = 1024
+"""Room left in a response message for everything but the output tensor's bytes (ids, status, timing)."""
 
 
 def build_model_info(engine: ExpertEngine, *, max_batch_tokens: int) -> pb.ModelInfo:
@@ -60,6 +62,12 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
+def _cancelled_code(deadline: float | None) -> grpc.StatusCode:
+    """How a handler that gRPC cancelled ended: its deadline passed, or the caller went away."""
+    expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
+    return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+
+
 class ExpertServicer(pb_grpc.ExpertServiceServicer):
     """The ExpertService handlers.
 
@@ -69,6 +77,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     Args:
         metrics: counts forward requests by RPC and status.
         accepting: returns False while the server drains; stream requests then get UNAVAILABLE.
+        max_response_bytes: the largest message the server sends (its ``max_message_bytes``): a
+            request whose output would not fit is refused before it is computed.
     """
 
     def __init__(
@@ -78,8 +88,10 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         *,
         metrics: ServerMetrics | None = None,
         accepting: Callable[[], bool] = lambda: True,
+        max_response_bytes: int | None = None,
     ) -> None:
         self._metrics = metrics
+        self._max_response_bytes = max_response_bytes
         self._counters: dict[tuple[str, grpc.StatusCode], Any] = {}
         self._accepting = accepting
         self._engine: ExpertEngine | None = None
@@ -101,10 +113,11 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
         received = time.monotonic()
+        deadline = _deadline(context)
         try:
-            response = await self._forward(request, _deadline(context), received)
+            response = await self._forward(request, deadline, received)
         except asyncio.CancelledError:
-            self._count("Forward", grpc.StatusCode.CANCELLED)
+            self._count("Forward", _cancelled_code(deadline))
             raise
         except Exception as exc:
             code, message = to_status(exc)
@@ -151,7 +164,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 raise Unavailable("server is draining; send this request to another replica")
             response = await self._forward(request, deadline, received)
         except asyncio.CancelledError:
-            self._count("ForwardStream", grpc.StatusCode.CANCELLED)
+            self._count("ForwardStream", _cancelled_code(deadline))
             raise
         except Exception as exc:
             code, message = to_status(exc)
@@ -186,10 +199,17 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             apply_router_weight_on_input=request.apply_router_weight_on_input,
             output_mode=_OUTPUT_MODES[request.output_mode],
         )
+        if self._max_response_bytes is not None and prepared.output_bytes + RESPONSE_ENVELOPE_BYTES > self._max_response_bytes:
+            tokens, hidden = prepared.x.shape
+            shape = [tokens, prepared.topk_ids.shape[1], hidden] if prepared.output_mode == "route_major" else [tokens, hidden]
+            raise ResponseTooLarge(
+                f"the {prepared.output_mode} output {shape} takes {prepared.output_bytes} bytes: more than a message of "
+                f"max_message_bytes = {self._max_response_bytes} holds; send fewer tokens per request"
+            )
         ready = time.monotonic()  # decoded and validated (prepare_us ends here)
-        if self._metrics is not None and self._metrics.expert_load is not None:
-            self._metrics.expert_load.record(self._engine, prepared)
         result = await self._scheduler.submit(prepared, deadline=deadline)
+        if self._metrics is not None and self._metrics.expert_load is not None:  # answered requests only
+            self._metrics.expert_load.record(self._engine, prepared)
         response = pb.ForwardResponse(request_id=request.request_id, status=pb.Status(code=0))
         encoding = time.monotonic()
         encode_tensor(result.output, out=response.output)
@@ -212,4 +232,4 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             child.inc()
 
 
-__all__ = ["STREAM_WINDOW", "ExpertServicer", "build_model_info"]
+__all__ = ["RESPONSE_ENVELOPE_BYTES", "STREAM_WINDOW", "ExpertServicer", "build_model_info"]

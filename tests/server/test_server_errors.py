@@ -68,6 +68,10 @@ CASES = {
     "ids T mismatch": (_with("topk_ids", torch.zeros(3, 2, dtype=torch.int32)), INVALID, "topk_ids"),
     "ids above range": (_with("topk_ids", torch.full((4, 2), 8, dtype=torch.int32)), INVALID, "topk_ids"),
     "ids negative": (_with("topk_ids", torch.full((4, 2), -1, dtype=torch.int64)), INVALID, "topk_ids"),
+    "ids k over the experts": (_request(k=9), INVALID, "k = 9 routes per token exceed"),
+    "ids k over the experts, no tokens": (  # the shape alone (no data) once made the server allocate and fail INTERNAL
+        _mutate(lambda r: (r.topk_ids.shape.__setitem__(1, 2**62), r.topk_weights.shape.__setitem__(1, 2**62)), tokens=0),
+        INVALID, "topk_ids"),
     "ids short data": (_mutate(lambda r: setattr(r.topk_ids, "data", r.topk_ids.data + b"\0")), INVALID, "topk_ids"),
     "weights dtype bf16": (_with("topk_weights", torch.ones(4, 2, dtype=torch.bfloat16)), INVALID, "topk_weights"),
     "weights shape": (_with("topk_weights", torch.ones(4, 3)), INVALID, "topk_weights"),

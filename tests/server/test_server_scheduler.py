@@ -155,6 +155,37 @@ def test_queue_full() -> None:
     _run(_with_scheduler(engine, body, max_wait_us=0, max_queue_requests=2))
 
 
+def test_cancelled_callers_leave_the_queue_at_once() -> None:
+    """A caller cancelled while the worker is busy (gRPC cancels a handler whose deadline passes) gives
+    its queue place back at once: a fresh request is not refused as queue-full behind dead ones, and
+    the one whose deadline passed counts as a deadline drop."""
+    gate = threading.Event()
+    engine = FakeEngine(gate)
+    metrics = ServerMetrics()
+
+    async def body(s):
+        running = asyncio.ensure_future(s.submit(_req(1)))
+        await asyncio.sleep(0.05)
+        expired = asyncio.ensure_future(s.submit(_req(2), deadline=time.monotonic() + 0.02))
+        gone = asyncio.ensure_future(s.submit(_req(3)))
+        await asyncio.sleep(0.05)
+        assert s.queue_depth == 2
+        expired.cancel()
+        gone.cancel()
+        await asyncio.gather(expired, gone, return_exceptions=True)
+        assert s.queue_depth == 0
+        assert metrics.registry.get_sample_value("lutb_queue_depth") == 0
+        fresh = asyncio.ensure_future(s.submit(_req(4)))
+        fresh2 = asyncio.ensure_future(s.submit(_req(5)))
+        await asyncio.sleep(0.01)
+        gate.set()
+        await asyncio.gather(running, fresh, fresh2)
+
+    _run(_with_scheduler(engine, body, max_wait_us=0, max_queue_requests=2, metrics=metrics))
+    assert [tokens for _, tokens, _, _ in engine.calls] == [1, 9]
+    assert metrics.registry.get_sample_value("lutb_deadline_dropped_total", {"layer": "0"}) == 1
+
+
 def test_a_failing_pooled_call_fails_only_the_culprit() -> None:
     engine = FakeEngine()
     requests = [_req(2), _req(3, fill=POISON), _req(4)]
@@ -162,12 +193,16 @@ def test_a_failing_pooled_call_fails_only_the_culprit() -> None:
     async def body(s):
         return await asyncio.gather(*(s.submit(r) for r in requests), return_exceptions=True)
 
-    results = _run(_with_scheduler(engine, body, max_wait_us=50_000))
+    metrics = ServerMetrics()
+    results = _run(_with_scheduler(engine, body, max_wait_us=50_000, metrics=metrics, backend_name="fake"))
     assert isinstance(results[1], ValueError)
     for i in (0, 2):
         assert torch.equal(results[i].output, requests[i].x * 2)
         assert results[i].batch_requests == 1  # rerun alone after the pooled call failed
     assert engine.calls[0][1] == 9
+    labels = {"backend": "fake", "layer": "0"}  # the reruns that answered are calls like any other
+    assert metrics.registry.get_sample_value("lutb_tokens_processed_total", labels) == 6
+    assert metrics.registry.get_sample_value("lutb_compute_seconds_count", labels) == 2
 
 
 def test_close_fails_waiting_requests_with_unavailable() -> None:

@@ -131,14 +131,73 @@ def test_expired_deadline_is_not_computed(pooling_server: ServerThread) -> None:
     def tokens() -> float:
         return registry.get_sample_value("lutb_tokens_processed_total", {"backend": "reference", "layer": "1"}) or 0.0
 
+    def count(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, labels) or 0.0
+
     before = tokens()
+    before_counts = (count("lutb_forward_requests_total", rpc="Forward", code="DEADLINE_EXCEEDED"),
+                     count("lutb_deadline_dropped_total", layer="1"))
     with ExpertClient(pooling_server.address, retries=0) as client:
         with pytest.raises(ExpertServiceError) as info:
             client.forward(1, *_batch(3, 2, seed=2), timeout=0.15)  # the batch window is 0.5 s
         assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        freed_by = time.monotonic() + 0.2  # the server's cancellation lands just after the client's deadline,
+        while pooling_server.server.scheduler.queue_depth and time.monotonic() < freed_by:
+            time.sleep(0.005)
+        assert pooling_server.server.scheduler.queue_depth == 0  # and frees its place long before the window ends
         time.sleep(0.6)  # past the window: the dropped request would have run by now
     assert tokens() == before
     assert pooling_server.server.scheduler.queue_depth == 0
+    # the server counts it as a deadline, not as a cancellation by the caller
+    assert count("lutb_forward_requests_total", rpc="Forward", code="DEADLINE_EXCEEDED") == before_counts[0] + 1
+    assert count("lutb_deadline_dropped_total", layer="1") == before_counts[1] + 1
+    assert count("lutb_forward_requests_total", rpc="Forward", code="CANCELLED") == 0
+
+
+def test_expert_load_counts_answered_requests_only(tiny_checkpoint: Path) -> None:
+    """lutb_expert_tokens_total feeds balanced sharding: a request that was refused (here: its deadline
+    passed in the queue) must not count, or a client's retries would count twice."""
+    x, ids, w = _batch(6, 2, seed=4)
+    with ServerThread(checkpoint=tiny_checkpoint, expert_metrics=True, max_wait_us=300_000) as running:
+        registry = running.server.metrics.registry
+
+        def routed() -> float:
+            return sum(registry.get_sample_value("lutb_expert_tokens_total", {"layer": "0", "expert": str(e)}) or 0.0
+                       for e in range(8))
+
+        with ExpertClient(running.address, retries=0) as client:
+            with pytest.raises(ExpertServiceError) as info:
+                client.forward(0, x, ids, w, timeout=0.1)  # waits for company past its deadline
+            assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert routed() == 0
+            client.forward(0, x, ids, w)
+        assert routed() == ids.numel()
+
+
+def test_an_output_too_large_for_one_message_is_refused_before_computing(tiny_checkpoint: Path) -> None:
+    """A response over max_message_bytes would break the whole stream (and gRPC would refuse it only after the
+    compute): the server refuses such a request up front, with RESOURCE_EXHAUSTED, in-stream on a stream."""
+    limit = 4 * 1024 * 1024
+    tokens = limit // (8 * HIDDEN * 2) + 1  # route-major [T, 8, 128] bfloat16 just over the limit
+    x, ids, w = _batch(tokens, 8, seed=5)
+    with ServerThread(checkpoint=tiny_checkpoint, max_message_bytes=limit) as running:
+        registry = running.server.metrics.registry
+        with ExpertClient(running.address, retries=0) as client:
+            with client.stream() as stream:
+                big = stream.submit(0, x, ids, w, output_mode="route_major")
+                small = stream.submit(0, x[:2], ids[:2], w[:2], output_mode="route_major")
+                combined = stream.submit(0, x, ids, w)  # [T, 128]: fits
+            assert big.exception().code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_message_bytes" in big.exception().message and f"[{tokens}, 8, {HIDDEN}]" in big.exception().message
+            assert small.result().shape == (2, 8, HIDDEN)
+            assert combined.result().shape == (tokens, HIDDEN)
+            with pytest.raises(ExpertServiceError) as info:
+                client.forward(0, x, ids, w, output_mode="route_major")
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert registry.get_sample_value("lutb_forward_requests_total", {"rpc": "Forward", "code": "RESOURCE_EXHAUSTED"}) == 1
+        assert registry.get_sample_value("lutb_forward_requests_total", {"rpc": "ForwardStream", "code": "OK"}) == 2
+        # neither refused request was computed: only the small and the combined one
+        assert registry.get_sample_value("lutb_tokens_processed_total", {"backend": "reference", "layer": "0"}) == tokens + 2
 
 
 def test_health_and_unavailable_over_the_server_life(tiny_checkpoint: Path) -> None:
