@@ -155,13 +155,26 @@ def check_layer(config: CheckpointConfig, layer: int, weights: LayerWeights, *, 
 
 
 class CheckpointWriter:
-    """Writes a checkpoint one layer at a time (``with CheckpointWriter(dir, config) as w: w.write_layer(...)``)."""
+    """Writes a checkpoint one layer at a time (``with CheckpointWriter(dir, config) as w: w.write_layer(...)``).
 
-    def __init__(self, path: str | Path, config: CheckpointConfig, *, overwrite: bool = False) -> None:
+    Args:
+        overwrite: delete the safetensors files ``path`` holds already (else refuse such a directory).
+        sources: the files being converted (a Hugging Face model, the checkpoint being sharded): a
+            ``path`` that holds any of them is refused even with ``overwrite``, so that it never
+            deletes its own input.
+    """
+
+    def __init__(self, path: str | Path, config: CheckpointConfig, *, overwrite: bool = False,
+                 sources: Iterable[str | Path] = ()) -> None:
         self.path = Path(path)
         self.config = config
-        if self.path.exists() and any(self.path.glob("*.safetensors")) and not overwrite:
-            raise FileExistsError(f"{self.path} already holds safetensors files; choose an empty directory")
+        if self.path.exists():
+            here = {p.resolve() for p in self.path.glob("*.safetensors")}
+            inputs = sorted(Path(f).name for f in sources if Path(f).resolve() in here)
+            if inputs:
+                raise FileExistsError(f"{self.path} holds the files being converted ({', '.join(inputs)}); write to another directory")
+            if here and not overwrite:
+                raise FileExistsError(f"{self.path} already holds safetensors files; choose an empty directory")
         self.path.mkdir(parents=True, exist_ok=True)
         if overwrite:
             for old in self.path.glob("*.safetensors"):

@@ -239,7 +239,7 @@ def import_hf_checkpoint(
                 raise LutBFormatError(f"layer {layer} expert {e}: lacks the {', '.join(sorted(missing))} projection")
     tiles_total = sum(layer_tiles(hf.activation, len(ex), h, i) for ex in layers.values())
     bar = tqdm(total=tiles_total, unit="tile", desc="quantize", disable=not progress, dynamic_ncols=True)
-    writer = CheckpointWriter(out_dir, config, overwrite=overwrite)
+    writer = CheckpointWriter(out_dir, config, overwrite=overwrite, sources=set(where.values()))
     with ExitStack() as stack, bar:
         handles: dict[Path, Any] = {}
         for layer, experts in sorted(layers.items()):

@@ -70,12 +70,16 @@ def balanced_placement(load: Mapping[int, float], shards: int, replicas: int = 0
         n = 2 if rank < replicas else 1
         copies += [(load[e] / n, e)] * n
     copies.sort(key=lambda c: (-c[0], c[1]))
-    capacity = -(-len(copies) // shards)
+    # Equal counts: every shard ends with `base` copies, `extra` of them with one more. (A cap of
+    # ceil(copies / shards) alone let a shard that took a hot expert stay short: 1/3/3 for 7 over 3.)
+    base, extra = divmod(len(copies), shards)
     held: list[set[int]] = [set() for _ in range(shards)]
     total = [0.0] * shards
     for weight, e in copies:
-        candidates = [s for s in range(shards) if len(held[s]) < capacity and e not in held[s]]
-        if not candidates:  # only when capacity is exhausted by copies of e itself; relax capacity
+        over = sum(len(h) > base for h in held)
+        candidates = [s for s in range(shards) if e not in held[s]
+                      and (len(held[s]) < base or (len(held[s]) == base and over < extra))]
+        if not candidates:  # only when the room left is on shards holding e already; relax the counts
             candidates = [s for s in range(shards) if e not in held[s]]
         s = min(candidates, key=lambda s: (total[s], len(held[s]), s))
         held[s].add(e)
@@ -93,16 +97,26 @@ def read_load_file(path: str | Path) -> dict[int, list[float]]:
     Returns:
         ``{layer: [load of global expert e for e in range(E)]}``.
     """
-    data = json.loads(Path(path).read_text())
-    if data.get("format") != LOAD_FORMAT:
-        raise ValueError(f"{path}: not a load file (format {data.get('format')!r}, expected {LOAD_FORMAT!r})")
-    num_experts = int(data["num_experts"])
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != LOAD_FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{path}: not a load file (format {found!r}, expected {LOAD_FORMAT!r})")
+    num_experts, layers = data.get("num_experts"), data.get("layers")
+    if not isinstance(num_experts, int) or num_experts < 1 or not isinstance(layers, dict):
+        raise ValueError(f"{path}: needs a positive integer 'num_experts' and a 'layers' object")
     out = {}
-    for layer, counts in data["layers"].items():
+    for layer, counts in layers.items():
+        if not layer.isdigit():
+            raise ValueError(f"{path}: layer {layer!r} is not a layer index")
+        if not isinstance(counts, list) or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in counts):
+            raise ValueError(f"{path}: layer {layer} must hold a list of numbers")
         if len(counts) != num_experts:
             raise ValueError(f"{path}: layer {layer} has {len(counts)} counts, expected num_experts = {num_experts}")
-        if any(c < 0 for c in counts):
-            raise ValueError(f"{path}: layer {layer} has negative counts")
+        if any(not c >= 0 for c in counts):  # (NaN too)
+            raise ValueError(f"{path}: layer {layer} has negative or NaN counts")
         out[int(layer)] = [float(c) for c in counts]
     return out
 
@@ -137,6 +151,9 @@ def plan_placement(
             assert load is not None
             if layer not in load:
                 raise ValueError(f"the load file has no counts for layer {layer}")
+            if len(load[layer]) != checkpoint.config.num_experts:
+                raise ValueError(f"the load file counts {len(load[layer])} experts for layer {layer}; "
+                                 f"the checkpoint's model has {checkpoint.config.num_experts}")
             plan[layer] = balanced_placement({e: load[layer][e] for e in ids}, shards, replicas)
     return plan
 
@@ -170,7 +187,7 @@ def write_shards(
     out = Path(out_dir)
     shards = len(next(iter(plan.values())))
     dirs = [out / shard_dir_name(s) for s in range(shards)]
-    writers = [CheckpointWriter(d, checkpoint.config, overwrite=overwrite) for d in dirs]
+    writers = [CheckpointWriter(d, checkpoint.config, overwrite=overwrite, sources=checkpoint.files) for d in dirs]
     layers = sorted(plan)
     for layer in progress(layers) if progress else layers:
         weights = checkpoint.layer(layer)

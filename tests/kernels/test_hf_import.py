@@ -163,3 +163,12 @@ def test_expert_id_beyond_config_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("ids", "text"), [([], ""), ([3], "3"), ([0, 1, 2, 5, 7, 8], "0-2,5,7-8"), ([1, 3], "1,3")])
 def test_compact_ids(ids: list[int], text: str) -> None:
     assert compact_ids(ids) == text
+
+
+def test_writing_into_the_source_directory_is_refused_even_with_overwrite(tmp_path: Path) -> None:
+    """``lutb quantize SRC --out SRC --overwrite`` once deleted the model's own safetensors files before reading them."""
+    make_mixtral(tmp_path / "src")
+    before = sorted(p.name for p in (tmp_path / "src").iterdir())
+    with pytest.raises(FileExistsError, match="files being converted"):
+        import_hf_checkpoint(tmp_path / "src", tmp_path / "src", device="cpu", progress=False, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "src").iterdir()) == before

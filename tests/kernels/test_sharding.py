@@ -49,6 +49,19 @@ def test_balanced_placement_spreads_hot_experts() -> None:
     assert max(totals) <= sum(totals) / shards + max(load.values())
 
 
+@pytest.mark.parametrize("experts, shards, replicas", [(7, 3, 0), (18, 8, 0), (5, 5, 0), (33, 4, 0), (12, 3, 3), (9, 4, 2)])
+def test_balanced_placement_gives_shards_equal_counts(experts: int, shards: int, replicas: int) -> None:
+    """Equal memory per shard: expert counts differ by at most one, whatever the load (a hot expert
+    once left its shard short: {0: 100, 1..6: 1} over 3 shards gave 1/3/3)."""
+    skewed = {0: 100.0, **{e: 1.0 for e in range(1, experts)}}
+    gen = torch.Generator().manual_seed(experts * 31 + shards)
+    for load in (skewed, {e: float(v) for e, v in enumerate((torch.rand(experts, generator=gen) ** 6 * 1e3).tolist())}):
+        plan = balanced_placement(load, shards, replicas)
+        counts = [len(p) for p in plan]
+        assert max(counts) - min(counts) <= 1, (load, plan)
+        assert sum(counts) == experts + replicas
+
+
 def test_balanced_replicas_put_copies_of_the_hottest_on_two_shards() -> None:
     load = {e: float(e) for e in range(12)}  # 11, 10, 9 hottest
     plan = balanced_placement(load, 3, replicas=3)
@@ -119,3 +132,38 @@ def test_cli_shard_errors(ckpt: Checkpoint, tmp_path: Path, capsys: pytest.Captu
         args = ["shard", str(ckpt.path), "--out", str(tmp_path / "x"), *extra]
     assert main(args) == 1
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        ('{"format": "lutb-load-v1", "num_experts": 5, "layers": {"0": [1, 1, 1, 1, 1], "1": [1, 1, 1, 1, 1]}}',
+         "counts 5 experts for layer 0; the checkpoint's model has 6"),
+        ('{"format": "lutb-load-v1", "layers": {}}', "positive integer 'num_experts'"),
+        ('{"format": "lutb-load-v1", "num_experts": 6, "layers": {"0": [1, 1, "x", 1, 1, 1]}}', "list of numbers"),
+        ('{"format": "lutb-load-v1", "num_experts": 6, "layers": {"a": [1, 1, 1, 1, 1, 1]}}', "not a layer index"),
+        ('[1, 2]', "not a load file"),
+        ('{"format": "lutb-load-v1", ', "not JSON"),
+    ],
+)
+def test_cli_shard_refuses_a_bad_load_file(ckpt: Checkpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           payload: str, message: str) -> None:
+    """Each of these once ended in a traceback (IndexError, KeyError, TypeError, AttributeError)."""
+    (tmp_path / "load.json").write_text(payload)
+    args = ["shard", str(ckpt.path), "--out", str(tmp_path / "x"), "--shards", "2", "--placement", "balanced",
+            "--load", str(tmp_path / "load.json")]
+    assert main(args) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_shards_are_never_written_over_their_source(tmp_path: Path) -> None:
+    """A shard directory that is the checkpoint being sharded is refused, even with overwrite."""
+    source = tmp_path / "shard-0"
+    make_synthetic_checkpoint(source, layers=1, experts=4, hidden=128, intermediate=128, dtype="float32", seed=1)
+    ckpt = Checkpoint(source)
+    files = sorted(p.name for p in source.iterdir())
+    plan = plan_placement(ckpt, 2)
+    with pytest.raises(FileExistsError, match="files being converted"):
+        write_shards(ckpt, tmp_path, plan, overwrite=True)
+    assert sorted(p.name for p in source.iterdir()) == files
+    Checkpoint(source).validate()
