@@ -103,7 +103,7 @@ def e4m3_rne(v):
     code = tl.where(sub, q, code_n)
     val = tl.where(sub, q.to(tl.float32) * 0.001953125, val_n)
     code = tl.where(neg, code | 0x80, code)
-    val = tl.where(neg, -val, val)
+    val = tl.where(neg, val * -1.0, val)  # (not -val: Triton's unary minus is 0 - val, which loses -0.0)
     return code, val
 
 

@@ -50,7 +50,24 @@ def test_quantize_bit_exact(dtype: torch.dtype, mode: str, rows: int) -> None:
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.uint8
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    assert torch.equal(mt.mxfp8_qdq(x, mode), mxfp8_qdq(x, mode))
+    assert torch.equal(_bits(mt.mxfp8_qdq(x, mode)), _bits(mxfp8_qdq(x, mode)))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The values' bit patterns (``torch.equal`` on floats takes -0.0 for +0.0)."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def test_negative_values_that_round_to_zero_keep_their_sign() -> None:
+    """A negative value below half the block's smallest step quantizes to e4m3 -0 (0x80) and dequantizes to
+    -0.0, as the reference does (Triton's unary minus, 0 - x, once gave +0.0)."""
+    x = torch.zeros(2, 64)
+    x[:, 0] = 1.0
+    x[0, 1], x[1, 40] = -1e-6, -0.0
+    x[1, 32] = -3.0
+    out, ref = mt.mxfp8_qdq(x), mxfp8_qdq(x)
+    assert torch.equal(_bits(out), _bits(ref))
+    assert out[0, 1].item() == 0.0 and torch.signbit(out[0, 1]) and torch.signbit(out[1, 40])
 
 
 @pytest.mark.parametrize("shape", [(3, 0), (2, 0, 0), (0, 0)])
