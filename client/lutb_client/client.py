@@ -169,6 +169,17 @@ class _Backoff:
         return random.uniform(0.5, 1.0) * min(self.max_s, self.base_s * (2**attempt))
 
 
+def _check_timeout(timeout: float) -> float:
+    """A client's default deadline: every call has one (a stream may go without: ``stream(timeout=None)``)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def _closed_error() -> ExpertServiceError:
+    return ExpertServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the client is closed")
+
+
 class ExpertClient:
     """Blocking client of one expert server.
 
@@ -203,7 +214,8 @@ class ExpertClient:
         connections: int = 1,
     ) -> None:
         self.target = target
-        self.timeout = timeout
+        self.timeout = _check_timeout(timeout)
+        self._closed = False
         self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
         self._channels = _open_channels(target, connections, aio=False, credentials=credentials,
                                         max_message_bytes=max_message_bytes, channel_options=channel_options)
@@ -214,9 +226,13 @@ class ExpertClient:
     @property
     def _stub(self) -> pb_grpc.ExpertServiceStub:
         """The next connection's stub (each call and stream takes the next)."""
+        if self._closed:
+            raise _closed_error()
         return next(self._stubs)
 
     def close(self) -> None:
+        """Close the connections; calls made afterwards (or still running) fail with FAILED_PRECONDITION."""
+        self._closed = True
         for channel in self._channels:
             channel.close()
 
@@ -235,6 +251,10 @@ class ExpertClient:
                 return fn(max(remaining, 0.0))
             except grpc.RpcError as err:
                 error = ExpertServiceError.from_rpc_error(err)
+            except ValueError:  # grpc's "Cannot invoke RPC on closed channel!" (closed by another thread meanwhile)
+                if self._closed:
+                    raise _closed_error() from None
+                raise
             if error.code not in RETRYABLE or attempt >= self._backoff.retries:
                 raise error
             pause = self._backoff.delay(attempt)
@@ -470,7 +490,8 @@ class AsyncExpertClient:
         connections: int = 1,
     ) -> None:
         self.target = target
-        self.timeout = timeout
+        self.timeout = _check_timeout(timeout)
+        self._closed = False
         self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
         self._channels = _open_channels(target, connections, aio=True, credentials=credentials,
                                         max_message_bytes=max_message_bytes, channel_options=channel_options)
@@ -481,9 +502,13 @@ class AsyncExpertClient:
     @property
     def _stub(self) -> pb_grpc.ExpertServiceStub:
         """The next connection's stub (each call and stream takes the next)."""
+        if self._closed:
+            raise _closed_error()
         return next(self._stubs)
 
     async def close(self) -> None:
+        """Close the connections; calls made afterwards (or still running) fail with FAILED_PRECONDITION."""
+        self._closed = True
         for channel in self._channels:
             await channel.close()
 
@@ -502,6 +527,10 @@ class AsyncExpertClient:
                 return await fn(max(remaining, 0.0))
             except grpc.RpcError as err:
                 error = ExpertServiceError.from_rpc_error(err)
+            except grpc.aio.UsageError:  # "Channel is closed." (closed by another task meanwhile)
+                if self._closed:
+                    raise _closed_error() from None
+                raise
             if error.code not in RETRYABLE or attempt >= self._backoff.retries:
                 raise error
             pause = self._backoff.delay(attempt)

@@ -244,6 +244,36 @@ def test_default_deadline_applies() -> None:
         listener.close()
 
 
+def test_a_closed_client_raises_expert_service_error(server: ServerThread) -> None:
+    """Calls on a closed client (or racing its close) raise the client's one exception type, not grpc's ValueError."""
+    x, ids, w = _batch(2, 2, seed=6)
+    client = ExpertClient(server.address)
+    client.forward(0, x, ids, w)
+    client.close()
+    for call in (lambda: client.forward(0, x, ids, w), client.model_info, client.stream):
+        with pytest.raises(ExpertServiceError) as info:
+            call()
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "closed" in info.value.message
+
+    async def body() -> None:
+        aclient = AsyncExpertClient(server.address)
+        await aclient.forward(0, x, ids, w)
+        await aclient.close()
+        with pytest.raises(ExpertServiceError) as info:
+            await aclient.forward(0, x, ids, w)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("timeout", [None, 0, -1.0, float("inf"), float("nan"), "5"])
+def test_a_client_without_a_default_deadline_is_refused(timeout: object) -> None:
+    """Every call gets a deadline; ``timeout=None`` once failed only at the first call, with a TypeError."""
+    for cls in (ExpertClient, AsyncExpertClient):
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            cls("127.0.0.1:1", timeout=timeout)
+
+
 def test_client_package_needs_no_server_dependencies() -> None:
     code = (
         "import sys\n"
