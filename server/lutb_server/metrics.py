@@ -145,7 +145,11 @@ class ServerMetrics:
         if other_front_ends:
             registry = CollectorRegistry(auto_describe=False)
             registry.register(FrontEndsCollector(self.registry, other_front_ends))
-        self._http, self._http_thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            self._http, self._http_thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise OSError(f"cannot bind metrics to {where}: {exc.strerror or exc}") from None
         self.port = int(self._http.server_port)
         return self.port
 

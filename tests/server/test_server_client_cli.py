@@ -38,3 +38,13 @@ def test_unreachable_target(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert _run(["info", f"127.0.0.1:{free_port()}", "--timeout", "0.5"]) == 2
     assert "127.0.0.1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [["--topk", "0"], ["--tokens", "-1"], ["--concurrency", "0"], ["--count", "x"],
+                                 ["--duration", "0"], ["--timeout", "-5"]])
+def test_bench_refuses_bad_numbers_as_usage_errors(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Each once ended in a traceback (exit 1) or, for --concurrency 0, sent nothing and exited 0."""
+    with pytest.raises(SystemExit) as info:
+        _run(["bench", "127.0.0.1:1", *bad])
+    assert info.value.code == 2
+    assert bad[0] in capsys.readouterr().err

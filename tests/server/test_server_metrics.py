@@ -106,6 +106,15 @@ def test_a_second_server_on_a_taken_port_fails_to_bind(tiny_checkpoint: Path) ->
         second.stop()
 
 
+def test_a_taken_metrics_port_is_named_in_the_error(tiny_checkpoint: Path) -> None:
+    port = free_port()
+    with ServerThread(checkpoint=tiny_checkpoint, metrics_port=port):
+        second = ServerThread(checkpoint=tiny_checkpoint, metrics_port=port)
+        with pytest.raises(OSError, match=f"cannot bind metrics to 127.0.0.1:{port}"):
+            second.start()
+        second.stop()
+
+
 def test_gpu_memory_gauges_read_where_the_device_is_used() -> None:
     """On a CUDA device the gauges read a given source (a compute process's last report) at scrape time."""
     from lutb_server.metrics import ServerMetrics

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lutb_server.cli._args import positive_float, positive_int
+
 EXIT_OK = 0
 EXIT_MISMATCH = 1
 EXIT_ERROR = 2
@@ -22,12 +24,12 @@ def _add_batch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", action="append", default=None, metavar="NAME",
                         help="input suite(s), repeatable or comma-separated: normal, heavy_tailed, magnitudes, coverage, "
                              "single_token, max_tokens, weights_on_input, route_major, all (default: all)")
-    parser.add_argument("--tokens", type=_positive_int, default=1024, metavar="N",
+    parser.add_argument("--tokens", type=positive_int, default=1024, metavar="N",
                         help="largest request in tokens: standard batches use min(64, N), the max_tokens batch "
                              "min(N, max_tokens_per_request) (default: 1024)")
-    parser.add_argument("--topk", type=_positive_int, default=8, metavar="K", help="routes per token, capped at the expert count (default: 8)")
+    parser.add_argument("--topk", type=positive_int, default=8, metavar="K", help="routes per token, capped at the expert count (default: 8)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the suites (default: 0)")
-    parser.add_argument("--timeout", type=float, default=120.0, metavar="S", help="deadline of each call in seconds (default: 120)")
+    parser.add_argument("--timeout", type=positive_float, default=120.0, metavar="S", help="deadline of each call in seconds (default: 120)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,16 +64,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     record.add_argument("--out", required=True, metavar="FILE", help="record file to write (e.g. node7.lutbrec.safetensors)")
     _add_batch_options(record)
     record.set_defaults(run=run_record)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
 
 
 def _fail(command: str, message: str) -> int:

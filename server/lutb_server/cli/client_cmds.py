@@ -10,6 +10,8 @@ import argparse
 import sys
 from typing import Any
 
+from lutb_server.cli._args import positive_float, positive_int
+
 EXIT_OK = 0
 EXIT_ERROR = 2
 
@@ -18,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     info = subparsers.add_parser("info", help="print a server's ModelInfo", description="Print TARGET's ModelInfo.")
     info.add_argument("target", metavar="TARGET", help="server address host:port")
     info.add_argument("--json", action="store_true", help="print it as JSON")
-    info.add_argument("--timeout", type=float, default=10.0, help="seconds (default: 10)")
+    info.add_argument("--timeout", type=positive_float, default=10.0, help="seconds (default: 10)")
     info.set_defaults(run=run_info)
 
     bench = subparsers.add_parser(
@@ -27,15 +29,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "percentiles, requests/s, tokens/s and the server's own queue/compute split.",
     )
     bench.add_argument("target", metavar="TARGET", help="server address host:port")
-    bench.add_argument("--concurrency", type=int, default=4, help="requests in flight (default: 4)")
-    bench.add_argument("--tokens", type=int, default=32, help="tokens per request (default: 32)")
-    bench.add_argument("--topk", type=int, default=4, help="routes per token, capped at the expert count (default: 4)")
+    bench.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight (default: 4)")
+    bench.add_argument("--tokens", type=positive_int, default=32, help="tokens per request (default: 32)")
+    bench.add_argument("--topk", type=positive_int, default=4, help="routes per token, capped at the expert count (default: 4)")
     bench.add_argument("--layer", type=int, default=None, help="layer to call (default: the server's first)")
     group = bench.add_mutually_exclusive_group()
-    group.add_argument("--count", type=int, default=None, help="requests to send (default: 200)")
-    group.add_argument("--duration", type=float, default=None, help="seconds to run instead of a count")
+    group.add_argument("--count", type=positive_int, default=None, help="requests to send (default: 200)")
+    group.add_argument("--duration", type=positive_float, default=None, help="seconds to run instead of a count")
     bench.add_argument("--stream", action="store_true", help="send over ForwardStream sessions instead of unary calls")
-    bench.add_argument("--timeout", type=float, default=60.0, help="deadline of each call in seconds (default: 60)")
+    bench.add_argument("--timeout", type=positive_float, default=60.0, help="deadline of each call in seconds (default: 60)")
     bench.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     bench.set_defaults(run=run_bench)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 
+from lutb_server.cli._args import positive_float
+
 EXIT_SERVING = 0
 EXIT_NOT_SERVING = 1
 EXIT_NO_ANSWER = 2
@@ -40,22 +42,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_TIMEOUT_S,
         metavar="S",
         help=f"seconds to wait for the answer, connecting included (default: {DEFAULT_TIMEOUT_S:g})",
     )
     parser.set_defaults(run=run)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
 
 
 def check(target: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, str]:
