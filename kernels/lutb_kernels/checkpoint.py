@@ -17,13 +17,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from lutb_kernels.activations import check_activation, w13_rows
@@ -146,12 +147,25 @@ def check_layer(config: CheckpointConfig, layer: int, weights: LayerWeights, *, 
         ("w2", weights.w2, config.w2_tiles_shape(experts)),
     ):
         full = f"{prefix}layers.{layer}.{tensor_name}"
+        if tensor.dim() < 2:
+            raise LutBFormatError(f"{full}: must be a uint8 tensor of tiles {shape + (TILE_BYTES,)}, got {tensor.dtype} {tuple(tensor.shape)}")
         if tiles:
             validate_tiles(tensor, full, shape)
         else:
             validate_tiles(tensor[..., :0, :], full, None)  # dtype and last dimension only
             if tuple(tensor.shape[:-1]) != shape:
                 raise LutBFormatError(f"{full}: tile counts {tuple(tensor.shape[:-1])} disagree with the checkpoint's sizes, which give {shape}")
+
+
+@contextmanager
+def open_safetensors(file: str | Path) -> Iterator[Any]:
+    """``safe_open(file)`` for reading tensors; a missing, unreadable or corrupt file (found on opening or
+    while reading a tensor inside the ``with``) raises :class:`LutBFormatError` naming it."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except (OSError, SafetensorError) as exc:
+        raise LutBFormatError(f"{Path(file).name}: unreadable safetensors file ({exc})") from None
 
 
 class CheckpointWriter:
@@ -223,7 +237,7 @@ class Checkpoint:
         self._where: dict[str, Path] = {}
         config: CheckpointConfig | None = None
         for file in self.files:
-            with safe_open(str(file), framework="pt") as f:
+            with open_safetensors(file) as f:
                 file_config = CheckpointConfig.from_metadata(f.metadata(), file.name)
                 names = list(f.keys())
             if config is None:
@@ -247,7 +261,7 @@ class Checkpoint:
         self._hash: str | None = None
 
     def _tensor(self, name: str) -> torch.Tensor:
-        with safe_open(str(self._where[name]), framework="pt") as f:
+        with open_safetensors(self._where[name]) as f:
             return f.get_tensor(name)
 
     def layer(self, layer: int, *, check: bool = True) -> LayerWeights:
@@ -282,7 +296,7 @@ class Checkpoint:
         total = 0
         for name, file in self._where.items():
             if not name.endswith("expert_ids"):
-                with safe_open(str(file), framework="pt") as f:
+                with open_safetensors(file) as f:
                     total += _numel(f.get_slice(name).get_shape())
         return total
 
@@ -320,5 +334,6 @@ __all__ = [
     "CheckpointWriter",
     "LayerWeights",
     "check_layer",
+    "open_safetensors",
     "write_checkpoint",
 ]

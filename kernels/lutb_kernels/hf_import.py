@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError
 
-from lutb_kernels.checkpoint import DTYPES, CheckpointConfig, CheckpointWriter, LayerWeights
+from lutb_kernels.checkpoint import DTYPES, CheckpointConfig, CheckpointWriter, LayerWeights, open_safetensors
 from lutb_kernels.errors import LutBFormatError
 from lutb_kernels.quantizer import (
     DEFAULT_ITERATIONS,
@@ -90,7 +90,7 @@ def read_hf_config(src: str | Path) -> HFMoEConfig:
     path = Path(src) / "config.json"
     if not path.is_file():
         raise LutBFormatError(f"{Path(src)}: no config.json")
-    cfg = json.loads(path.read_text())
+    cfg = _read_json(path)
     hidden = _get(cfg, "hidden_size")
     inter = _get(cfg, "moe_intermediate_size") or _get(cfg, "intermediate_size")
     experts = next((_get(cfg, k) for k in _EXPERT_COUNT_KEYS if _get(cfg, k)), None)
@@ -106,18 +106,28 @@ def read_hf_config(src: str | Path) -> HFMoEConfig:
     return HFMoEConfig(hidden, inter, experts, HF_ACTIVATIONS[hidden_act], dtype, hidden_act)
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LutBFormatError(f"{path}: unreadable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise LutBFormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def _tensor_files(src: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file holding it (from the index, else by reading every header)."""
     index = src / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = _read_json(index).get("weight_map", {})
         return {name: src / file for name, file in weight_map.items()}
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise LutBFormatError(f"{src}: holds no .safetensors files")
     where: dict[str, Path] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 where[name] = file
     return where
@@ -156,8 +166,11 @@ class ImportReport:
 
 def _load(handles: dict[Path, Any], stack: ExitStack, file: Path, name: str) -> torch.Tensor:
     if file not in handles:
-        handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-    t = handles[file].get_tensor(name)
+        handles[file] = stack.enter_context(open_safetensors(file))
+    try:
+        t = handles[file].get_tensor(name)
+    except SafetensorError as exc:
+        raise LutBFormatError(f"{file.name}: {name} unreadable ({exc})") from None
     if not t.is_floating_point() or t.element_size() < 2:
         raise LutBFormatError(f"{file.name}: {name} is {t.dtype}; the importer needs dense bf16/fp16/fp32 weights")
     return t
@@ -223,7 +236,7 @@ def import_hf_checkpoint(
             f"shared experts left out in {len(shared)} layer(s) ({sum(shared.values())} tensors): "
             f"layers {compact_ids(sorted(shared))}; run them with the dense part of the model"
         )
-    total_layers = _get(json.loads((src / "config.json").read_text()), "num_hidden_layers")
+    total_layers = _get(_read_json(src / "config.json"), "num_hidden_layers")
     if isinstance(total_layers, int) and total_layers > len(layers):
         dense = sorted(set(range(total_layers)) - set(layers))
         report.notes.append(f"{len(dense)} layer(s) without routed experts skipped: {compact_ids(dense)}")

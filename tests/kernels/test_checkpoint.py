@@ -161,3 +161,24 @@ def test_content_hash_ignores_file_split_and_header_order(ckpt_dir: Path, tmp_pa
             tensors[f"layers.{layer}.{part}"] = tensor
     save_file(tensors, str(tmp_path / "all.safetensors"), metadata=meta)
     assert Checkpoint(tmp_path).content_hash() == ckpt.content_hash()
+
+
+@pytest.mark.parametrize("cut", [100, 10_000])
+def test_a_truncated_file_is_refused_naming_it(ckpt_dir: Path, cut: int) -> None:
+    """A damaged file once surfaced as safetensors' own error, naming no file (a traceback from lutb inspect)."""
+    file = ckpt_dir / "layer-00003.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) - cut])
+    with pytest.raises(LutBFormatError, match="layer-00003.safetensors: unreadable safetensors file"):
+        Checkpoint(ckpt_dir).layer(3)
+
+
+def test_a_tile_tensor_of_one_dimension_is_refused(ckpt_dir: Path) -> None:
+    """A w13 saved flat once raised IndexError from the cheap layer check instead of a format error."""
+    file = ckpt_dir / "layer-00000.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        tensors, metadata = {name: f.get_tensor(name) for name in f.keys()}, f.metadata()
+    tensors["layers.0.w13"] = tensors["layers.0.w13"].reshape(-1)
+    save_file(tensors, str(file), metadata=metadata)
+    with pytest.raises(LutBFormatError, match=r"layers.0.w13: must be a uint8 tensor of tiles"):
+        Checkpoint(ckpt_dir).layer(0)

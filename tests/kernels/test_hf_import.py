@@ -172,3 +172,25 @@ def test_writing_into_the_source_directory_is_refused_even_with_overwrite(tmp_pa
     with pytest.raises(FileExistsError, match="files being converted"):
         import_hf_checkpoint(tmp_path / "src", tmp_path / "src", device="cpu", progress=False, overwrite=True)
     assert sorted(p.name for p in (tmp_path / "src").iterdir()) == before
+
+
+@pytest.mark.parametrize("damage", ["config not json", "config a list", "index lists a missing shard", "shard truncated"])
+def test_damaged_sources_are_format_errors_naming_the_file(tmp_path: Path, damage: str) -> None:
+    """Each once surfaced as JSONDecodeError, AttributeError, FileNotFoundError or SafetensorError (a traceback
+    from `lutb quantize`, which reports format errors)."""
+    src = tmp_path / "src"
+    make_mixtral(src, shards=3)
+    shard = sorted(src.glob("*.safetensors"))[0]
+    if damage == "config not json":
+        (src / "config.json").write_text('{"hidden_size": 128,')
+    elif damage == "config a list":
+        (src / "config.json").write_text("[1, 2]")
+    elif damage == "index lists a missing shard":
+        if not (src / "model.safetensors.index.json").is_file():
+            pytest.skip("the fixture writes no index")
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:-100])
+    name = "config.json" if damage.startswith("config") else shard.name
+    with pytest.raises(LutBFormatError, match=name):
+        import_hf_checkpoint(src, tmp_path / "out", device="cpu", progress=False)
