@@ -219,18 +219,29 @@ def import_hf_checkpoint(
         mxfp8_scale_mode=scale_mode,
     )
     where = _tensor_files(src)
-    layers: dict[int, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+    # prefix ("model.", "mtp.", ...) -> layer -> expert -> part -> tensor name
+    found: dict[str, dict[int, dict[int, dict[str, str]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     shared: dict[int, int] = defaultdict(int)
     for name in where:
         m = _EXPERT.match(name)
         if m:
             expert = int(m.group("e1") or m.group("e2"))
-            layers[int(m.group("layer"))][expert][_PART[m.group("p1") or m.group("p2")]] = name
+            found[m.group("prefix")][int(m.group("layer"))][expert][_PART[m.group("p1") or m.group("p2")]] = name
         elif sm := _SHARED.match(name):
             shared[int(sm.group("layer"))] += 1
-    if not layers:
+    if not found:
         raise LutBFormatError(f"{src}: no routed expert tensors (expected ...layers.L.block_sparse_moe.experts.e.w1.weight or ...layers.L.mlp.experts.e.gate_proj.weight)")
+    # Layers are numbered per prefix: a model's extra modules (e.g. multi-token prediction under
+    # "mtp.layers.0...") reuse indices of the main stack. The prefix with the most layers is the model.
+    ranked = sorted(found, key=lambda p: (-len(found[p]), p))
+    if len(ranked) > 1 and len(found[ranked[0]]) == len(found[ranked[1]]):
+        raise LutBFormatError(f"{src}: routed experts under several prefixes with as many layers each "
+                              f"({', '.join(repr(p) for p in ranked)}); cannot tell which is the model")
+    layers = found[ranked[0]]
     report = ImportReport(Path(out_dir), config)
+    for other in ranked[1:]:
+        report.notes.append(f"routed experts under prefix {other!r} left out (layers {compact_ids(sorted(found[other]))}); "
+                            f"imported those under {ranked[0]!r}")
     if shared:
         report.notes.append(
             f"shared experts left out in {len(shared)} layer(s) ({sum(shared.values())} tensors): "

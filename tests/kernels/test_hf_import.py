@@ -194,3 +194,22 @@ def test_damaged_sources_are_format_errors_naming_the_file(tmp_path: Path, damag
     name = "config.json" if damage.startswith("config") else shard.name
     with pytest.raises(LutBFormatError, match=name):
         import_hf_checkpoint(src, tmp_path / "out", device="cpu", progress=False)
+
+
+def test_experts_under_another_prefix_are_left_out_not_mixed_in(tmp_path: Path) -> None:
+    """Layers are numbered per prefix: an extra module's "mtp.layers.0.mlp.experts.*" once replaced the
+    main stack's layer 0 experts without a word. The prefix with the most layers is imported; the others noted."""
+    src = make_qwen(tmp_path / "src")
+    extra = {f"mtp.layers.1.mlp.experts.{e}.{p}.weight": torch.full(shape, 5.0)
+             for e in range(4) for p, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))}
+    save_file(extra, str(tmp_path / "src" / "mtp.safetensors"))
+    index = tmp_path / "src" / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({name: "mtp.safetensors" for name in extra})
+        index.write_text(json.dumps(data))
+    report = import_hf_checkpoint(tmp_path / "src", tmp_path / "out", device="cpu", progress=False)
+    assert any("'mtp.'" in note and "left out" in note for note in report.notes)
+    layer = Checkpoint(tmp_path / "out").layer(1)
+    p = "model.layers.1.mlp.experts.0"
+    assert _rel(tiles_to_dense(layer.w2[0]), src[f"{p}.down_proj.weight"]) < 0.05
