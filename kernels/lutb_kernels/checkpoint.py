@@ -131,6 +131,8 @@ def check_layer(config: CheckpointConfig, layer: int, weights: LayerWeights, *, 
         tiles: also run every per-tile rule of spec section 1 (reads all tile bytes).
     """
     prefix = f"{where}: " if where else ""
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise LutBFormatError(f"{prefix}layer index must be an integer >= 0, got {layer!r}")  # (the reader's names need it)
     ids = weights.expert_ids
     name = f"{prefix}layers.{layer}.expert_ids"
     if ids.dtype != torch.int32 or ids.dim() != 1:

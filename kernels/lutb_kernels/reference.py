@@ -36,8 +36,8 @@ def check_forward_args(
         raise ValueError(f"hidden_states must be [T, H], got shape {tuple(x.shape)}")
     if x.dtype not in MODEL_DTYPES:
         raise ValueError(f"hidden_states dtype must be bfloat16, float16 or float32, got {x.dtype}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_ids must be [T, k] with T = {x.shape[0]}, got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must be [T, k] with T = {x.shape[0]} and k >= 1, got shape {tuple(topk_ids.shape)}")
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights shape {tuple(topk_weights.shape)} must equal topk_ids shape {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):

@@ -90,9 +90,9 @@ def pack_tiles(codes: torch.Tensor, scales: torch.Tensor, lut: torch.Tensor) -> 
         raise ValueError(f"scales must be uint8 {(*lead, TILE, GROUPS_PER_ROW)}, got {scales.dtype} {tuple(scales.shape)}")
     if lut.shape != (*lead, LUT_ENTRIES) or lut.dtype != torch.bfloat16:
         raise ValueError(f"lut must be bfloat16 {(*lead, LUT_ENTRIES)}, got {lut.dtype} {tuple(lut.shape)}")
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 7):  # before the cast: 256 would wrap to 0
+        raise ValueError(f"codes must lie in 0..7, got [{int(codes.min())}, {int(codes.max())}]")
     codes = codes.to(torch.uint8)
-    if codes.numel() and int(codes.max()) > 7:
-        raise ValueError("codes must lie in 0..7")
     device = codes.device
     # [..., 128, 4 groups, 32 positions] -> bit b of every code
     c = codes.reshape(*lead, TILE, GROUPS_PER_ROW, GROUP)

@@ -182,3 +182,9 @@ def test_a_tile_tensor_of_one_dimension_is_refused(ckpt_dir: Path) -> None:
     save_file(tensors, str(file), metadata=metadata)
     with pytest.raises(LutBFormatError, match=r"layers.0.w13: must be a uint8 tensor of tiles"):
         Checkpoint(ckpt_dir).layer(0)
+
+
+def test_writer_refuses_a_negative_layer_index(tmp_path: Path) -> None:
+    """``layers.-1.*`` was written, and then refused by the reader as an unexpected tensor name."""
+    with pytest.raises(LutBFormatError, match="layer index must be an integer >= 0"):
+        write_checkpoint(tmp_path / "neg", CONFIG, {-1: _layer([0], 1)})

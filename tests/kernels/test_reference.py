@@ -128,6 +128,7 @@ def test_routes_to_experts_not_held_are_exactly_zero_and_shards_add_up() -> None
         (dict(ids=torch.tensor([[0, 1]], dtype=torch.float32)), "int32 or int64"),
         (dict(weights=torch.ones(1, 3)), "topk_weights shape"),
         (dict(x=torch.ones(2, 64)), "topk_ids must be"),
+        (dict(ids=torch.zeros(1, 0, dtype=torch.int32)), "k >= 1"),  # every backend refuses k = 0 (the GEMMs did, this returned zeros)
         (dict(on_input=True), "needs top-k == 1"),
         (dict(mode="route_major", on_input=True, ids=torch.tensor([[1]]), weights=torch.ones(1, 1)), "route_major output cannot"),
         (dict(mode="sum"), "output_mode"),

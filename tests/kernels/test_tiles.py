@@ -185,6 +185,9 @@ def test_pack_refuses_bad_fields() -> None:
     codes, scales, lut = _random_fields(1)
     with pytest.raises(ValueError, match="0..7"):
         pack_tiles(codes + 8, scales, lut)
+    for wide in (codes.int() + 256, codes.int() - 256):  # once wrapped to a valid code by the uint8 cast
+        with pytest.raises(ValueError, match="0..7"):
+            pack_tiles(wide, scales, lut)
     with pytest.raises(ValueError, match="scales"):
         pack_tiles(codes, scales[..., :3], lut)
     with pytest.raises(ValueError, match="lut"):
