@@ -305,9 +305,11 @@ class Checkpoint:
     def content_hash(self) -> str:
         """``sha256:<hex>`` of what the checkpoint holds, independent of how it is split into files.
 
-        Covers the metadata (keys sorted) and then, for each tensor in name order, its
-        name, dtype, shape and raw bytes. Two checkpoints hash alike exactly when they
-        hold the same tensors and metadata. Computed once, then cached.
+        Covers the configuration as parsed from the metadata (:meth:`CheckpointConfig.to_metadata`,
+        keys sorted: metadata keys the format does not define, and spellings that parse alike, do
+        not change it) and then, for each tensor in name order, its name, dtype, shape and raw
+        bytes. Two checkpoints hash alike exactly when they hold the same tensors and the same
+        configuration. Computed once, then cached.
         """
         if self._hash is None:
             digest = hashlib.sha256()

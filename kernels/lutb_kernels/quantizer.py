@@ -312,7 +312,11 @@ def quantize_matrix(
             x, iterations=iterations, refinements=refinements, positions=positions, final_iterations=final_iterations
         )
         tiles = pack_tiles(codes, scales, lut)
-        diff = decode_tiles(tiles).sub_(x)
+        decoded = decode_tiles(tiles)
+        if not bool(torch.isfinite(decoded).all()):  # finite input beyond bfloat16's range (~3.39e38)
+            raise ValueError(f"{name}: weights too large for LUT-B (decoded weights are bfloat16, largest finite "
+                             f"{torch.finfo(torch.bfloat16).max:.4g}; rows {a * TILE % n}..{b * TILE % n or n} of a matrix)")
+        diff = decoded.sub_(x)
         signal[a:b] = x.double().square().reshape(b - a, -1).sum(dim=1)
         noise[a:b] = diff.double().square().reshape(b - a, -1).sum(dim=1)
         out[a:b] = tiles.reshape(b - a, kt, TILE_BYTES).to(out.device)

@@ -155,6 +155,15 @@ def test_non_finite_refused(bad: float) -> None:
         quantize_matrix(w, name="layers.0.w13")
 
 
+@pytest.mark.parametrize("fill", [3.4e38, -3.4e38])
+def test_finite_weights_beyond_bfloat16_refused(fill: float) -> None:
+    """Finite float32 weights past bfloat16's largest value once came out as tiles that decode to inf."""
+    w = torch.randn(128, 128)
+    w[:3] = fill
+    with pytest.raises(ValueError, match="layers.1.w2: weights too large for LUT-B"):
+        quantize_matrix(w, name="layers.1.w2", iterations=1, refinements=0)
+
+
 @pytest.mark.parametrize("shape", [(100, 128), (128, 96), (128,)])
 def test_bad_shapes_refused(shape: tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match="multiples of 128"):
