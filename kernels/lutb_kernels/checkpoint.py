@@ -171,14 +171,24 @@ def open_safetensors(file: str | Path) -> Iterator[Any]:
 
 
 class CheckpointWriter:
-    """Writes a checkpoint one layer at a time (``with CheckpointWriter(dir, config) as w: w.write_layer(...)``).
+    """Writes a checkpoint one layer at a time, all or nothing::
+
+        with CheckpointWriter(dir, config) as writer:
+            writer.write_layer(0, weights)   # ... every layer
+
+    Layers go to ``*.safetensors.partial`` files, which readers ignore; leaving the ``with``
+    block normally renames them into place (:meth:`finish`), leaving it by an exception deletes
+    them. So a conversion that fails halfway leaves no checkpoint that opens as a complete one
+    with fewer layers, and the files ``overwrite`` replaces stay until the new ones are complete.
 
     Args:
-        overwrite: delete the safetensors files ``path`` holds already (else refuse such a directory).
+        overwrite: replace the safetensors files ``path`` holds already (else refuse such a directory).
         sources: the files being converted (a Hugging Face model, the checkpoint being sharded): a
             ``path`` that holds any of them is refused even with ``overwrite``, so that it never
             deletes its own input.
     """
+
+    PARTIAL = ".partial"
 
     def __init__(self, path: str | Path, config: CheckpointConfig, *, overwrite: bool = False,
                  sources: Iterable[str | Path] = ()) -> None:
@@ -192,12 +202,12 @@ class CheckpointWriter:
             if here and not overwrite:
                 raise FileExistsError(f"{self.path} already holds safetensors files; choose an empty directory")
         self.path.mkdir(parents=True, exist_ok=True)
-        if overwrite:
-            for old in self.path.glob("*.safetensors"):
-                old.unlink()
+        for stale in self.path.glob(f"*.safetensors{self.PARTIAL}"):  # an earlier writer's, killed halfway
+            stale.unlink()
+        self._written: list[Path] = []
 
     def write_layer(self, layer: int, weights: LayerWeights) -> Path:
-        """Validate and write ``layers.<layer>.*`` to ``layer-<layer>.safetensors``; returns the file."""
+        """Validate and write ``layers.<layer>.*``; returns the file it will have after :meth:`finish`."""
         check_layer(self.config, layer, weights)
         out = self.path / f"layer-{layer:05d}.safetensors"
         tensors = {
@@ -205,21 +215,39 @@ class CheckpointWriter:
             f"layers.{layer}.w2": weights.w2.contiguous().cpu(),
             f"layers.{layer}.expert_ids": weights.expert_ids.contiguous().cpu(),
         }
-        save_file(tensors, str(out), metadata=self.config.to_metadata())
+        save_file(tensors, str(out) + self.PARTIAL, metadata=self.config.to_metadata())
+        self._written.append(out)
         return out
+
+    def finish(self) -> list[Path]:
+        """Put the written layers in place (replacing what the directory held) and return their files."""
+        for old in self.path.glob("*.safetensors"):
+            old.unlink()
+        for out in self._written:
+            Path(str(out) + self.PARTIAL).rename(out)
+        return list(self._written)
+
+    def discard(self) -> None:
+        """Delete the layers written so far; the directory keeps what it held before."""
+        for out in self._written:
+            Path(str(out) + self.PARTIAL).unlink(missing_ok=True)
+        self._written = []
 
     def __enter__(self) -> CheckpointWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        return None
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.discard()
 
 
 def write_checkpoint(path: str | Path, config: CheckpointConfig, layers: dict[int, LayerWeights], *, overwrite: bool = False) -> None:
     """Write a whole checkpoint at once (see :class:`CheckpointWriter` to stream)."""
-    writer = CheckpointWriter(path, config, overwrite=overwrite)
-    for layer in sorted(layers):
-        writer.write_layer(layer, layers[layer])
+    with CheckpointWriter(path, config, overwrite=overwrite) as writer:
+        for layer in sorted(layers):
+            writer.write_layer(layer, layers[layer])
 
 
 class Checkpoint:

@@ -264,7 +264,7 @@ def import_hf_checkpoint(
     tiles_total = sum(layer_tiles(hf.activation, len(ex), h, i) for ex in layers.values())
     bar = tqdm(total=tiles_total, unit="tile", desc="quantize", disable=not progress, dynamic_ncols=True)
     writer = CheckpointWriter(out_dir, config, overwrite=overwrite, sources=set(where.values()))
-    with ExitStack() as stack, bar:
+    with writer, ExitStack() as stack, bar:
         handles: dict[Path, Any] = {}
         for layer, experts in sorted(layers.items()):
             start = time.perf_counter()

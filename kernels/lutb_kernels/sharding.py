@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Literal
 
@@ -187,12 +188,14 @@ def write_shards(
     out = Path(out_dir)
     shards = len(next(iter(plan.values())))
     dirs = [out / shard_dir_name(s) for s in range(shards)]
-    writers = [CheckpointWriter(d, checkpoint.config, overwrite=overwrite, sources=checkpoint.files) for d in dirs]
     layers = sorted(plan)
-    for layer in progress(layers) if progress else layers:
-        weights = checkpoint.layer(layer)
-        for writer, keep in zip(writers, plan[layer]):
-            writer.write_layer(layer, select_experts(weights, keep))
+    with ExitStack() as stack:  # every shard is written completely, or none is
+        writers = [stack.enter_context(CheckpointWriter(d, checkpoint.config, overwrite=overwrite, sources=checkpoint.files))
+                   for d in dirs]
+        for layer in progress(layers) if progress else layers:
+            weights = checkpoint.layer(layer)
+            for writer, keep in zip(writers, plan[layer]):
+                writer.write_layer(layer, select_experts(weights, keep))
     manifest = {
         "source": str(checkpoint.path),
         "source_content_hash": checkpoint.content_hash(),

@@ -57,13 +57,13 @@ def make_synthetic_checkpoint(
         mxfp8_scale_mode=scale_mode,
     )
     gen = torch.Generator().manual_seed(seed)
-    writer = CheckpointWriter(out_dir, config)
-    for layer in range(layers):
-        gate = torch.randn(experts, intermediate, hidden, generator=gen) * weight_std
-        up = torch.randn(experts, intermediate, hidden, generator=gen) * weight_std if is_gated(activation) else None
-        down = torch.randn(experts, hidden, intermediate, generator=gen) * weight_std
-        q = quantize_layer(gate, up, down, seed=seed)
-        writer.write_layer(layer, q.weights)
+    with CheckpointWriter(out_dir, config) as writer:
+        for layer in range(layers):
+            gate = torch.randn(experts, intermediate, hidden, generator=gen) * weight_std
+            up = torch.randn(experts, intermediate, hidden, generator=gen) * weight_std if is_gated(activation) else None
+            down = torch.randn(experts, hidden, intermediate, generator=gen) * weight_std
+            q = quantize_layer(gate, up, down, seed=seed)
+            writer.write_layer(layer, q.weights)
     return Path(out_dir)
 
 

@@ -213,3 +213,30 @@ def test_experts_under_another_prefix_are_left_out_not_mixed_in(tmp_path: Path) 
     layer = Checkpoint(tmp_path / "out").layer(1)
     p = "model.layers.1.mlp.experts.0"
     assert _rel(tiles_to_dense(layer.w2[0]), src[f"{p}.down_proj.weight"]) < 0.05
+
+
+def test_a_failed_import_leaves_no_checkpoint_and_keeps_the_old_one(tmp_path: Path) -> None:
+    """NaN weights in layer 1 once left layer 0's file behind: a checkpoint that opened and validated as a
+    complete one-layer model. Now nothing is left, and a checkpoint being overwritten stays as it was."""
+    src = make_mixtral(tmp_path / "src")
+    good = import_hf_checkpoint(tmp_path / "src", tmp_path / "out", device="cpu", progress=False)
+    assert [r.layer for r in good.layers] == [0, 1]
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    name = "model.layers.1.block_sparse_moe.experts.2.w2.weight"
+    file = next(f for f in (tmp_path / "src").glob("*.safetensors") if name in safe_keys(f))
+    tensors = {k: v for k, v in src.items() if k in safe_keys(file)}
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(file))
+    for out, overwrite in ((tmp_path / "fresh", False), (tmp_path / "out", True)):
+        with pytest.raises(ValueError, match="NaN"):
+            import_hf_checkpoint(tmp_path / "src", out, device="cpu", progress=False, overwrite=overwrite)
+    assert not list((tmp_path / "fresh").glob("*.safetensors*"))
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+
+
+def safe_keys(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return list(f.keys())
