@@ -307,8 +307,13 @@ class Checkpoint:
             raise KeyError(f"checkpoint {self.path} has no layer {layer}; it has {self.layers}")
         weights = LayerWeights(*(self._tensor(f"layers.{layer}.{p}") for p in ("w13", "w2", "expert_ids")))
         if check:
-            check_layer(self.config, layer, weights, tiles=False, where=self._where[f"layers.{layer}.w13"].name)
+            check_layer(self.config, layer, weights, tiles=False, where=self._files_of(layer))
         return weights
+
+    def _files_of(self, layer: int) -> str:
+        """The file(s) holding ``layer``'s tensors, for error messages (one name unless a writer split them)."""
+        names = (self._where[f"layers.{layer}.{part}"].name for part in ("w13", "w2", "expert_ids"))
+        return ", ".join(dict.fromkeys(names))
 
     def expert_ids(self, layer: int) -> torch.Tensor:
         """int32 ``[E_local]`` global ids of the experts held in ``layer``."""
@@ -318,7 +323,7 @@ class Checkpoint:
         """Check every tensor and tile; raise :class:`LutBFormatError` naming file, tensor and tile."""
         for layer in progress(self.layers) if progress else self.layers:
             weights = self.layer(layer, check=False)
-            check_layer(self.config, layer, weights, tiles=True, where=self._where[f"layers.{layer}.w13"].name)
+            check_layer(self.config, layer, weights, tiles=True, where=self._files_of(layer))
 
     @property
     def weight_bytes(self) -> int:

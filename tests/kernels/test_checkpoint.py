@@ -75,6 +75,11 @@ def test_reader_accepts_tensors_split_over_files(tmp_path: Path) -> None:
     ckpt = Checkpoint(tmp_path)
     assert ckpt.layers == [7]
     ckpt.validate()
+    bad = layer.w2.clone()
+    bad[0, 0, 0, 16] = 255  # a reserved E8M0 scale byte in w2, which sits in b.safetensors
+    save_file({"layers.7.w2": bad}, str(tmp_path / "b.safetensors"), metadata=meta)
+    with pytest.raises(LutBFormatError, match=r"a.safetensors, b.safetensors: layers.7.w2"):  # named a.safetensors alone
+        Checkpoint(tmp_path).validate()
 
 
 def _rewrite(path: Path, change) -> None:
