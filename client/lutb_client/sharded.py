@@ -970,9 +970,15 @@ class ShardedExpertClient(_ShardedCore):
             attempt = self._attempt_timeout(deadline)
             if self.transport == "stream":
                 attempt_end = time.monotonic() + attempt
-                lanes = [(sub, *self._stream_send(sub, request)) for sub, request in round_]
-                for sub, started, lane, sent_on in lanes:
-                    call.absorb(sub, self._stream_result(sub, started, lane, sent_on, attempt_end, deadline), deadline)
+                lanes = deque((sub, *self._stream_send(sub, request)) for sub, request in round_)
+                try:
+                    while lanes:
+                        sub, started, lane, sent_on = lanes.popleft()
+                        call.absorb(sub, self._stream_result(sub, started, lane, sent_on, attempt_end, deadline), deadline)
+                except BaseException:  # the call failed: book the answers not read, or their shards stay "outstanding"
+                    for sub, started, _, _ in lanes:
+                        self._answered(sub.shard, started, None)
+                    raise
                 call.end_round(deadline)
                 continue
             sent = []

@@ -183,6 +183,29 @@ def test_replicas_share_the_load(cluster: Cluster) -> None:
     assert stats[cluster.targets[0]].server_total_p50_ms == 0.0  # no sub-requests, no samples
 
 
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+def test_a_failed_call_leaves_no_shard_outstanding(cluster: Cluster, transport: str) -> None:
+    """A call that fails on one shard's answer (here INVALID_ARGUMENT from every shard) must still book the
+    other shards' answers: a shard left "outstanding" was never picked among its replicas again."""
+    x, ids, w = _batch(8, 2, seed=16)
+    with ShardedExpertClient(cluster.targets, transport=transport) as client:
+        with pytest.raises(ExpertServiceError) as err:
+            client.forward(0, x, ids, w, apply_router_weight_on_input=True)  # weights on input need k = 1
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert len({s for s in range(4) if client.stats().shards[s].requests}) >= 2  # it did span shards
+        deadline = time.monotonic() + 5  # (unary: answers are booked by their futures' callbacks)
+        while any(s.outstanding for s in client.stats().shards) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [s.outstanding for s in client.stats().shards] == [0, 0, 0, 0]
+        client.reset_stats()
+        only1 = [e for e in cluster.plan[1][1] if e not in HOT]
+        x1, ids1, w1 = _batch(16, 2, seed=10, experts=only1)
+        for _ in range(8):
+            client.forward(1, x1, ids1, w1)
+        stats = client.stats().by_target()
+        assert stats[cluster.targets[1]].requests and stats[cluster.targets[3]].requests  # both replicas in use
+
+
 def test_async_client_equals_the_single_server(cluster: Cluster) -> None:
     x, ids, w = _batch(40, 4, seed=12)
     expected = _single(cluster, 0, x, ids, w)
