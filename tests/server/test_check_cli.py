@@ -102,3 +102,62 @@ def test_usage_errors(server: ServerThread, tiny_checkpoint: Path, tmp_path: Pat
     assert "unknown suite" in capsys.readouterr().err
     assert _run(["check", f"127.0.0.1:{free_port()}", "--checkpoint", str(tiny_checkpoint), "--timeout", "0.5"]) == 2
     assert "127.0.0.1" in capsys.readouterr().err
+
+
+def _rewrite_record(src: Path, dst: Path, change) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        header = dict(f.metadata())
+    meta = json.loads(header["record"])
+    change(meta)
+    header["record"] = json.dumps(meta)
+    save_file(tensors, str(dst), metadata=header)
+
+
+def test_replay_splits_batches_to_the_judges_limit(server: ServerThread, tiny_checkpoint: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A record made on a node of the default limit, replayed against a judge node that takes 8 tokens per request:
+    the judge's requests are split (they were sent whole, refused, and the target was failed). The headroom probe
+    (one token per expert: 8 here) is split the same way, where all its probes were refused and it fell to 1.0."""
+    rec = tmp_path / "big.lutbrec"
+    assert _run(["record", server.address, "--out", str(rec), "--tokens", "32", "--topk", "4", "--suite", "normal"]) == 0
+    with ServerThread(checkpoint=tiny_checkpoint, max_tokens_per_request=8) as small:
+        assert _run(["check", "--replay", str(rec), "--against", small.address]) == 0
+        assert "ok: worst rel L2" in capsys.readouterr().out
+        report = tmp_path / "r.json"
+        with ServerThread(checkpoint=tiny_checkpoint, max_tokens_per_request=4) as tiny:
+            assert _run(["check", server.address, "--against", tiny.address, "--suite", "magnitudes", "--tokens", "16",
+                         "--layers", "0", "--json", str(report)]) == 0
+        assert json.loads(report.read_text())["headroom"]["0"] > 1e6
+
+
+def test_check_refuses_what_it_cannot_run(server: ServerThread, tiny_checkpoint: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 2 with a message, where each of these was a traceback or a verdict about the target."""
+    rec = tmp_path / "node.lutbrec"
+    assert _run(["record", server.address, "--out", str(rec), *FAST, "--suite", "normal"]) == 0
+    capsys.readouterr()
+    for name, change in (("no-info.lutbrec", lambda m: m.pop("model_info")), ("no-address.lutbrec", lambda m: m.pop("address")),
+                         ("no-layers.lutbrec", lambda m: m["model_info"].pop("layers")),
+                         ("empty.lutbrec", lambda m: m.update(batches=[], layers=[]))):
+        _rewrite_record(rec, tmp_path / name, change)
+        assert _run(["check", "--replay", str(tmp_path / name), "--checkpoint", str(tiny_checkpoint)]) == 2, name
+        assert name in capsys.readouterr().err
+    for device in ("bogus", "cuda:7"):
+        assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, "--device", device]) == 2
+        assert f"device '{device}'" in capsys.readouterr().err
+    assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, "--suite", "normal",
+                 "--json", str(tmp_path / "no" / "dir" / "r.json")]) == 2
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_a_layer_named_twice_is_checked_once(server: ServerThread, tiny_checkpoint: Path, tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, "--suite", "normal",
+                 "--layers", "0", "0", "--json", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["layers_checked"] == [0]
+    assert [row["tokens"] for row in data["layers"] if row["suite"] == "normal"] == [16]  # not 32: sent once

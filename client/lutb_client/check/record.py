@@ -31,6 +31,8 @@ from lutb_client.check.suites import Batch
 
 RECORD_FORMAT = "lutb-record"
 RECORD_VERSION = 1
+# What a replay reads of the recorded node's ModelInfo (identity, sizes, layers held).
+_MODEL_INFO_KEYS = ("content_hash", "mxfp8_scale_mode", "hidden_size", "num_experts", "dtype", "layers")
 
 
 class RecordError(ValueError):
@@ -128,18 +130,24 @@ def read_recording(path: str | Path) -> Recording:
                     errors[i] = e["error"]
                 else:
                     raise RecordError(f"{path}: batch {i} has neither an output nor an error")
+            info = meta["model_info"]
+            missing = [k for k in _MODEL_INFO_KEYS if not isinstance(info, dict) or k not in info]
+            if missing:
+                raise RecordError(f"{path}: the record's model_info lacks {', '.join(missing)}")
+            recording = Recording(
+                address=str(meta["address"]), model_info=info, batches=batches, outputs=outputs, errors=errors,
+                suites=list(meta.get("suites", [])), seed=int(meta.get("seed", 0)), tokens=int(meta.get("tokens", 0)),
+                topk=int(meta.get("topk", 0)), layers=[int(x) for x in meta.get("layers", [])],
+                headroom={int(k): float(v) for k, v in meta.get("headroom", {}).items()},
+                recorded_at=meta.get("recorded_at", ""),
+            )
     except RecordError:
         raise
     except (OSError, KeyError, ValueError, TypeError, json.JSONDecodeError) as exc:
         raise RecordError(f"{path}: cannot read record: {exc}") from None
     except Exception as exc:  # safetensors raises its own SafetensorError for a file that is not one
         raise RecordError(f"{path}: cannot read record: {exc}") from None
-    return Recording(
-        address=meta["address"], model_info=meta["model_info"], batches=batches, outputs=outputs, errors=errors,
-        suites=list(meta.get("suites", [])), seed=int(meta.get("seed", 0)), tokens=int(meta.get("tokens", 0)),
-        topk=int(meta.get("topk", 0)), layers=[int(x) for x in meta.get("layers", [])],
-        headroom={int(k): float(v) for k, v in meta.get("headroom", {}).items()}, recorded_at=meta.get("recorded_at", ""),
-    )
+    return recording
 
 
 __all__ = ["RECORD_FORMAT", "RECORD_VERSION", "RecordError", "Recording", "read_recording", "write_recording"]

@@ -9,6 +9,7 @@ side it is checked against (the judge) and returns a :class:`~lutb_client.check.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -135,7 +136,12 @@ class ReferenceSide(Side):
             raise CheckError(str(exc)) from None
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except RuntimeError as exc:
+            raise CheckError(f"device {device!r}: {exc}") from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise CheckError(f"device {device!r}: no CUDA device here (use cpu or auto)")
         self.address = "reference"
         config = self.checkpoint.config
         self.info = {
@@ -222,7 +228,7 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
 
 def _select_layers(info: dict[str, Any], layers: Sequence[int] | None, who: str) -> list[int]:
     held = _layers_of(info)
-    chosen = list(layers) if layers else sorted(held)
+    chosen = list(dict.fromkeys(layers)) if layers else sorted(held)  # a layer named twice is checked once
     missing = [layer for layer in chosen if layer not in held]
     if missing:
         raise CheckError(f"{who} does not hold layer(s) {missing}; it holds {sorted(held)}")
@@ -245,11 +251,17 @@ def _shape(info: dict[str, Any], topk: int, cap: int) -> NodeShape:
     )
 
 
-def _call(side: Side, batch: Batch) -> tuple[torch.Tensor | None, dict[str, str] | None]:
+def _call(side: Side, batch: Batch, cap: int | None = None) -> tuple[torch.Tensor | None, dict[str, str] | None]:
+    """``side``'s output for ``batch`` (sent in parts of at most ``cap`` tokens), or the error it gave."""
     from lutb_client.errors import ExpertServiceError
 
     try:
-        return side.forward(batch), None
+        if cap is None or batch.tokens <= cap:
+            return side.forward(batch), None
+        parts = [side.forward(dataclasses.replace(batch, hidden_states=batch.hidden_states[i:i + cap],
+                                                  topk_ids=batch.topk_ids[i:i + cap], topk_weights=batch.topk_weights[i:i + cap]))
+                 for i in range(0, batch.tokens, cap)]
+        return torch.cat(parts), None
     except ExpertServiceError as exc:
         return None, {"code": exc.code.name, "message": exc.message}
     except Exception as exc:  # noqa: BLE001 - the reference's refusal of a batch is a finding, not a crash
@@ -290,12 +302,14 @@ def run_check(
     headroom: dict[int, float] = {}
     if isinstance(target, RecordedSide):
         rec = target.recording
-        chosen = list(layers) if layers else rec.layers or sorted({b.layer for b in rec.batches})
+        chosen = list(dict.fromkeys(layers)) if layers else rec.layers or sorted({b.layer for b in rec.batches})
         missing = [layer for layer in chosen if layer not in {b.layer for b in rec.batches}]
         if missing:
             raise CheckError(f"the record holds no batches of layer(s) {missing}")
         _select_layers(against.info, chosen, against.address)
         batches = [b for b in rec.batches if b.layer in chosen]
+        if not batches:
+            raise CheckError(f"{target.file}: the record holds no batches to replay")
         suite_names, seed, tokens, topk = rec.suites, rec.seed, rec.tokens, rec.topk
         headroom = {k: v for k, v in rec.headroom.items() if k in chosen}
         replay = {"file": target.file, "recorded_at": rec.recorded_at, "address": rec.address}
@@ -314,6 +328,7 @@ def run_check(
         batches = make_batches(suite_names, shape, chosen, cap=cap, seed=seed, headroom=room)
 
     hidden = int(target.info["hidden_size"])
+    judge_cap = _cap(2**62, against.info)
     target_held = _layers_of(target.info)
     layer_stats: dict[tuple[str, int], ErrorStats] = {}
     layer_tokens: dict[tuple[str, int], int] = {}
@@ -330,7 +345,7 @@ def run_check(
                 layer_stats.setdefault(k, ErrorStats())
                 layer_tokens[k] = layer_tokens.get(k, 0) + batch.tokens
             got, err_t = _call(target, batch)
-            ref, err_a = _call(against, batch)
+            ref, err_a = _call(against, batch, judge_cap)  # a recorded batch may exceed the judge's limit
             if got is not None and ref is not None and got.shape != ref.shape:
                 err_t = {"code": "SHAPE", "message": f"output shape {list(got.shape)} != judge's {list(ref.shape)}"}
             for side, err in (("target", err_t), ("against", err_a)):

@@ -303,8 +303,9 @@ def headroom_probe(
     """Largest power of two ``2^e`` such that every 32-block of the input at amax ``2^e`` keeps the output finite, / 4.
 
     ``forward`` runs a probe batch (one token per expert held, ``k = 1``, weight 1,
-    combined) on the judge; an exception or a non-finite output counts as "too big".
-    Binary search over ``e`` in ``[0, log2(dtype max)]``, about 7 probes for bfloat16.
+    combined) on the judge, in requests of at most ``shape.max_tokens`` tokens; an exception
+    or a non-finite output counts as "too big". Binary search over ``e`` in
+    ``[0, log2(dtype max)]``, about 7 probes for bfloat16.
     """
     held = shape.experts[layer]
     gen = part_generator(seed, "headroom", layer)
@@ -317,13 +318,18 @@ def headroom_probe(
         x = _blocks_scaled_to(base, amax).to(shape.dtype)
         if not bool(torch.isfinite(x.float()).all()):
             return False
-        batch = Batch(index=-1, suite="magnitudes", part="headroom", layer=layer, hidden_states=x, topk_ids=ids,
-                      topk_weights=weights)
-        try:
-            out = forward(batch)
-        except Exception:  # noqa: BLE001 - any failure of the judge means "too big"
-            return False
-        return bool(torch.isfinite(out.float()).all())
+        step = max(1, shape.max_tokens)  # more experts than a request may hold tokens: probe them in parts
+        for start in range(0, len(held), step):
+            part = slice(start, start + step)
+            batch = Batch(index=-1, suite="magnitudes", part="headroom", layer=layer, hidden_states=x[part],
+                          topk_ids=ids[part], topk_weights=weights[part])
+            try:
+                out = forward(batch)
+            except Exception:  # noqa: BLE001 - any failure of the judge means "too big"
+                return False
+            if not bool(torch.isfinite(out.float()).all()):
+                return False
+        return True
 
     lo, hi = 0, int(math.floor(math.log2(torch.finfo(shape.dtype).max)))
     if not finite_at(lo):

@@ -106,13 +106,18 @@ def run_check(args: argparse.Namespace) -> int:
     print(report.format_text(top=args.top))
     code = EXIT_OK if report.ok else EXIT_MISMATCH
     if args.json:
-        report.write_json(args.json)
+        try:
+            report.write_json(args.json)
+        except OSError as exc:
+            return _fail("check", f"cannot write {args.json}: {exc.strerror or exc}")
         print(f"report written to {args.json}")
     if args.plot:
         try:
             report.plot(args.plot)
         except ImportError as exc:
             return _fail("check", f"cannot draw {args.plot}: {exc} (pip install 'lutb-moe[plot]')")
+        except (OSError, ValueError) as exc:
+            return _fail("check", f"cannot draw {args.plot}: {exc}")
         print(f"plot written to {args.plot}")
     return code
 
