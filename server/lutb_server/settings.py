@@ -29,7 +29,8 @@ class ServerSettings(BaseSettings):
     """Everything ``lutb serve`` can be told. Field names are the YAML keys; flags and
     environment variables derive from them (``max_wait_us`` -> ``--max-wait-us``, ``LUTB_MAX_WAIT_US``)."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", case_sensitive=False)
+    # An empty variable (LUTB_CHECKPOINT=, the usual way to unset one in a manifest) means "not set".
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", case_sensitive=False, env_ignore_empty=True)
 
     checkpoint: Path | None = Field(
         None, description="LUT-B checkpoint directory to serve; unset serves the built-in demo checkpoint"
@@ -108,6 +109,9 @@ class ServerSettings(BaseSettings):
     def _front_ends_need_the_compute_process(self) -> ServerSettings:
         if self.front_ends > 1 and self.compute_worker != "process":
             raise ValueError(f"front_ends = {self.front_ends} needs compute_worker = process (one compute process serves them all)")
+        if self.metrics_port and self.metrics_port + self.front_ends - 1 > 65535:  # front end k listens on metrics_port + k
+            raise ValueError(f"metrics_port = {self.metrics_port} leaves no port for front ends 1..{self.front_ends - 1} "
+                             f"(metrics_port + k, at most 65535)")
         return self
 
     @field_validator("device")

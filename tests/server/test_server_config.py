@@ -60,6 +60,22 @@ def test_precedence_cli_env_file_default(tmp_path: Path, monkeypatch: pytest.Mon
     assert s.max_batch_tokens == ServerSettings.model_fields["max_batch_tokens"].default
 
 
+def test_an_empty_variable_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LUTB_CHECKPOINT= (how a manifest unsets it) once meant Path("") = the working directory, not the demo."""
+    monkeypatch.setenv("LUTB_CHECKPOINT", "")
+    monkeypatch.setenv("LUTB_PORT", "")
+    s = load_settings({})
+    assert s.checkpoint is None and s.port == 50051
+
+
+def test_front_ends_need_metrics_ports_within_range() -> None:
+    kwargs = {"compute_worker": "process", "front_ends": 2}
+    with pytest.raises(ValidationError, match="no port for front ends 1..1"):
+        load_settings({**kwargs, "metrics_port": 65535})
+    assert load_settings({**kwargs, "metrics_port": 65534}).metrics_port == 65534
+    assert load_settings({**kwargs, "metrics_port": 0}).metrics_port == 0  # metrics off
+
+
 def test_config_flag_and_bad_values(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("backend: reference\nvalidate_checkpoint: false\n")
