@@ -632,12 +632,14 @@ def _unit_partial(a_ptr, as_ptr, w_bytes_ptr, w_words_ptr, sorted_ptr, expert, o
         acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
     else:
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    # Every launch gives a program at least one tile (lut_b_moe_gemm normalises split_k so that no split
-    # is empty; stream-K units are non-empty; K >= 128). Said to the compiler, the accumulators' zero
-    # initialisation is no longer duplicated on an empty-loop path, which made ptxas serialise every
-    # wgmma of unsplit kernels (advisory C7515; offline sm_90: 32 instead of 7 warpgroup waits per tile;
-    # bench/results/2026-12-04-sass-wgmma-serialized-cpu.md).
-    tl.assume(k_lo < k_hi)
+    if BLOCK_M >= 64:
+        # Every launch gives a program at least one tile (lut_b_moe_gemm normalises split_k so that no
+        # split is empty; stream-K units are non-empty; K >= 128). Said to the compiler, the accumulators'
+        # zero initialisation is no longer duplicated on an empty-loop path, which made ptxas serialise
+        # every wgmma of unsplit kernels (advisory C7515; offline sm_90: 32 instead of 7 warpgroup waits
+        # per tile; bench/results/2026-12-04-sass-wgmma-serialized-cpu.md). Only for the prefill tiles:
+        # the decode tiles then take more registers and ran 1-2% slower on the H200.
+        tl.assume(k_lo < k_hi)
     if TILE_LOOP:
         acc = _tile_loop(acc, a_base, as_base, w_words_ptr, tile0, rows, valid, k_lo, k_hi, BLOCK_N, DECODER,
                          A_DEQUANTIZED, SWAP_AB, DOT_BF16, PREFETCH, UNROLL, KERNEL_LAYOUT)
