@@ -137,6 +137,37 @@ def test_warm_up_runs_every_eager_size_on_the_gpu(tiny_checkpoint: Path) -> None
         worker.close()
 
 
+@pytest.mark.gpu
+def test_no_eager_batch_size_compiles_after_the_warm_up(tiny_checkpoint: Path) -> None:
+    """Batches of sizes the warm-up did not run (other classes of divisibility by 16 of rows,
+    routes and routing blocks) reuse its kernels: a compile would stall them for seconds."""
+    import triton
+
+    from lutb_kernels.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(tiny_checkpoint)
+    gpu_engine = ExpertEngine(ckpt, choose_backend("packed", ckpt.config, torch.device("cuda")), validate_tiles=False)
+    worker = ComputeWorker(gpu_engine, cuda_graph_max_tokens=64, cuda_graph_top_k=2).start()
+    compiled: list[str] = []
+
+    def hook(*, fn, **_: object) -> bool:
+        compiled.append(fn.name)
+        return False
+
+    previous = triton.knobs.runtime.jit_cache_hook
+    try:
+        worker.call(worker.capture_graphs).result(timeout=300)  # the server's start-up: graphs to 64 tokens,
+        worker.call(worker.warm_up, 512).result(timeout=300)  # then eager sizes 128, 256, 512
+        triton.knobs.runtime.jit_cache_hook = hook
+        for tokens in (65, 200, 300, 333, 480, 511):
+            got = worker.submit(_requests(gpu_engine, [tokens], k=2, seed=tokens)).result(timeout=120).outputs[0]
+            assert got.shape == (tokens, gpu_engine.config.hidden_size) and torch.isfinite(got.float()).all()
+        assert compiled == []
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+        worker.close()
+
+
 def test_a_worker_that_cannot_use_its_device_fails_jobs_instead_of_hanging(engine: ExpertEngine,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(device: object) -> None:

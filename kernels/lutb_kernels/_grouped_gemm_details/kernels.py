@@ -8,7 +8,8 @@ import triton.language as tl
 from lutb_kernels._pdl_details import pdl_prologue
 
 
-@triton.jit
+# batch-size arguments unspecialised (docs/kernels.md, "One compile per config")
+@triton.jit(do_not_specialize=["num_valid"])
 def grouped_gemm_kernel(
     a_ptr,  # [M, K] model dtype
     w_ptr,  # [E, N, K] model dtype
@@ -84,7 +85,8 @@ def grouped_gemm_kernel(
         tl.atomic_add(ws_ptr + (route64 * N)[:, None] + cols[None, :], acc, mask=o_mask, sem="relaxed")
 
 
-@triton.jit
+# batch-size arguments unspecialised (docs/kernels.md, "One compile per config")
+@triton.jit(do_not_specialize=["num_valid"])
 def split_k_finalize_kernel(
     ws_ptr,  # float32 [num_valid, N]
     out_ptr,  # [num_valid, N]

@@ -714,7 +714,8 @@ def _store_partial_and_finish(ws_ptr, counters_ptr, out_ptr, topk_w_ptr, unit, s
         _store_out(out_ptr, topk_w_ptr, total, route, valid, n0, stride_om, BLOCK_N, SWAP_AB, MUL_WEIGHT)
 
 
-@triton.jit
+# batch-size arguments unspecialised (docs/kernels.md, "One compile per config")
+@triton.jit(do_not_specialize=["num_valid", "num_programs", "num_route_blocks"])
 def lut_b_moe_gemm_kernel(
     a_ptr,  # uint8 [M, K]: float8_e4m3fn bytes; or [M, K] float values (A_DEQUANTIZED)
     as_ptr,  # uint8 [M, K/32]: E8M0 (unused when A_DEQUANTIZED)
@@ -813,7 +814,8 @@ def lut_b_moe_gemm_kernel(
         _store_partial(ws_ptr, pid_k, acc, route, valid, n0, N, num_valid, BLOCK_N, SWAP_AB)
 
 
-@triton.jit
+# batch-size arguments unspecialised (docs/kernels.md, "One compile per config")
+@triton.jit(do_not_specialize=["num_valid"])
 def split_k_reduce_kernel(
     ws_ptr,  # float32 [SPLIT_K, num_valid, N]
     out_ptr,  # [num_valid, N]

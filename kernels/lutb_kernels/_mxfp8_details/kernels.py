@@ -151,7 +151,8 @@ def apply_act(a, b, ACT: tl.constexpr):
     return y
 
 
-@triton.jit
+# batch-size arguments unspecialised (docs/kernels.md, "One compile per config")
+@triton.jit(do_not_specialize=["M"])
 def mxfp8_quantize_kernel(
     x_ptr,  # [M, *] model dtype: the input (ACT == 0) or h (ACT > 0)
     q_ptr,  # uint8 [M, K] (OUT_MXFP8), or [M, K] in the output dtype (OUT_QDQ / OUT_PLAIN)

@@ -67,7 +67,8 @@ def _route_buckets(ids_ptr, map_ptr, offs, R, E, HAS_MAP: tl.constexpr):
     return bucket, held
 
 
-@triton.jit
+# batch-size arguments unspecialised (docs/kernels.md, "One compile per config")
+@triton.jit(do_not_specialize=["R", "MAX_PADDED", "NUM_BLOCKS"])
 def moe_align_block_size_kernel(
     ids_ptr,  # int32/int64 [R] global expert ids (topk_ids flattened)
     map_ptr,  # int32/int64 [E] global -> local expert, -1 = not held (HAS_MAP)
