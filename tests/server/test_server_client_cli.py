@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -22,7 +23,12 @@ def test_info(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "hidden_size             128" in out and "backend                 reference" in out and "0-7" in out
     assert _run(["info", server.address, "--json"]) == 0
-    assert '"content_hash": "sha256:' in capsys.readouterr().out
+    info = json.loads(capsys.readouterr().out)
+    assert info["content_hash"].startswith("sha256:")
+    # numbers as numbers (not the proto3 mapping's strings), and every field, the ones at their default too
+    assert info["hidden_size"] == 128 and info["num_experts"] == 8 and isinstance(info["max_batch_tokens"], int)
+    assert info["format_version"] == 1 and info["dtype"] == "BFLOAT16" and [layer["layer"] for layer in info["layers"]] == [0, 1]
+    assert info["layers"][0]["expert_ids"] == list(range(8))
 
 
 def test_bench(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ and ``lutb record`` live in :mod:`lutb_server.cli.check_cmd`.)
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -60,6 +61,18 @@ def _model_dtype(info: Any) -> Any:
     return to_torch_dtype(info.dtype)
 
 
+def _model_info_json(info: Any) -> str:
+    """``ModelInfo`` as JSON for scripts: every field, zeros and empty strings included, named as in the
+    proto, and 64-bit integers as JSON numbers (the proto3 JSON mapping writes them as strings)."""
+    from google.protobuf import json_format
+
+    data = json_format.MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for field in info.DESCRIPTOR.fields:
+        if field.type in (field.TYPE_INT64, field.TYPE_UINT64) and isinstance(data.get(field.name), str):
+            data[field.name] = int(data[field.name])
+    return json.dumps(data, indent=2)
+
+
 def run_info(args: argparse.Namespace) -> int:
     from lutb_client.client import ExpertClient
     from lutb_client.codec import dtype_name
@@ -72,9 +85,7 @@ def run_info(args: argparse.Namespace) -> int:
         print(f"lutb info: {args.target}: {exc}", file=sys.stderr)
         return EXIT_ERROR
     if args.json:
-        from google.protobuf import json_format
-
-        print(json_format.MessageToJson(info, preserving_proto_field_name=True))
+        print(_model_info_json(info))
         return EXIT_OK
     rows = [
         ("format", f"{info.format} v{info.format_version}"),
