@@ -126,6 +126,16 @@ def rows_per_program(m: int, k_blocks: int, cap: int, device: torch.device) -> i
     return block_r
 
 
+def launch_blocks(m: int, k_out: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_R, BLOCK_K)`` of a quantization launch over ``m`` rows and ``k_out`` output columns.
+
+    Both are compile-time constants of the kernel, so they are part of the experts' ``launch_key``.
+    """
+    block_k = min(256, triton_next_pow2(k_out))
+    cap = max(1, min(64, 4096 // block_k)) if not interpreting() else max(1, min(4, 256 // block_k))
+    return rows_per_program(m, triton_cdiv(k_out, block_k), cap, device), block_k
+
+
 def _launch(
     x2: torch.Tensor,
     k_out: int,
@@ -152,9 +162,7 @@ def _launch(
     own_flag = nonfinite is None
     flag = torch.zeros(1, dtype=torch.int32, device=device) if own_flag else nonfinite
     if m and k_out:
-        block_k = min(256, triton_next_pow2(k_out))
-        cap = max(1, min(64, 4096 // block_k)) if not interpreting() else max(1, min(4, 256 // block_k))
-        block_r = rows_per_program(m, triton_cdiv(k_out, block_k), cap, device)
+        block_r, block_k = launch_blocks(m, k_out, device)
         mask_arg = flag if row_mask is None else row_mask.reshape(-1).view(torch.int8)
         grid = (triton_cdiv(m, block_r), triton_cdiv(k_out, block_k))
         K.mxfp8_quantize_kernel[grid](

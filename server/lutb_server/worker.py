@@ -33,7 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -242,32 +242,34 @@ class ComputeWorker:
         return seconds
 
     def warm_up(self, max_tokens: int) -> float:
-        """Run each eager batch size once so Triton compiles every kernel configuration before serving.
+        """Run one batch per eager kernel configuration so Triton compiles them all before serving.
 
-        Batches above the CUDA-graph buckets run eagerly, and the GEMMs pick their routing
-        block (and so a kernel specialisation) from the rows per expert; a configuration first
-        met under load would stall that batch for the seconds a compile takes. This runs one
-        layer (all layers share shapes, hence kernels) at every power of two from above the
-        largest bucket up to ``max_tokens`` with uniform random routing at ``cuda_graph_top_k``
-        (8 when 0). Call it on the worker thread before serving; returns the seconds taken.
+        Batches above the CUDA-graph buckets run eagerly, and the experts pick their routing
+        block and GEMM configs (each a kernel specialisation) from the batch size; a
+        configuration first met under load would stall that batch for the seconds a compile
+        takes. This runs one layer (all layers share shapes, hence kernels) at every power of two
+        from above the largest bucket up to ``max_tokens``, and at the smallest size of every
+        other launch key the experts report (``launch_key``; powers of two miss those whose
+        config changes inside their range, e.g. split-K or MXFP8 rows per program), with uniform random routing at
+        ``cuda_graph_top_k`` (8 when 0) over all the model's experts, as clients route. Call it
+        on the worker thread before serving; returns the seconds taken.
         """
         if not self.cuda or not self._experts:
             return 0.0
         experts = next(iter(self._experts.values()))
         buckets = experts.buckets if isinstance(experts, CudaGraphExperts) else ()
         inner = experts.inner if isinstance(experts, CudaGraphExperts) else experts
-        sizes = [t for t in _powers_of_two_upto(max_tokens) if not buckets or t > buckets[-1]]
+        num_experts = inner.config.num_experts
+        k = min(self.cuda_graph_top_k or 8, num_experts)
+        sizes = warm_up_sizes(buckets[-1] if buckets else 0, max_tokens, getattr(inner, "launch_key", None), k)
         if not sizes:
             return 0.0
-        k = min(self.cuda_graph_top_k or 8, inner.num_local_experts)
-        held = inner.expert_ids.to(self.device, torch.long)
         gen = torch.Generator(device=self.device).manual_seed(0)
         start = time.perf_counter()
         with torch.cuda.stream(self._stream):
             for tokens in sizes:
                 x = torch.randn(tokens, inner.config.hidden_size, device=self.device, generator=gen).to(inner.config.torch_dtype)
-                pick = torch.rand(tokens, held.numel(), device=self.device, generator=gen).argsort(dim=1)[:, :k]
-                ids = held[pick].to(torch.int32)
+                ids = torch.rand(tokens, num_experts, device=self.device, generator=gen).argsort(dim=1)[:, :k].to(torch.int32)
                 weights = torch.full((tokens, k), 1.0 / k, device=self.device)
                 inner.forward(x, ids, weights)
         torch.cuda.synchronize(self.device)
@@ -364,6 +366,21 @@ class ComputeWorker:
         return {"host": self._host.nbytes, "device": self._dev.nbytes}
 
 
+def warm_up_sizes(above: int, limit: int, launch_key: Callable[[int, int], Hashable] | None, top_k: int) -> list[int]:
+    """Batch sizes in ``(above, limit]`` that :meth:`ComputeWorker.warm_up` runs, ascending: every power
+    of two and ``limit``, then, for each ``launch_key(tokens, top_k)`` none of those has, its smallest size."""
+    sizes = [t for t in _powers_of_two_upto(limit) if t > above]
+    if launch_key is None or not sizes:
+        return sizes
+    seen = {launch_key(t, top_k) for t in sizes}
+    for tokens in range(above + 1, limit + 1):
+        key = launch_key(tokens, top_k)
+        if key not in seen:
+            seen.add(key)
+            sizes.append(tokens)
+    return sorted(sizes)
+
+
 def _powers_of_two_upto(limit: int) -> list[int]:
     """1, 2, 4, ... up to ``limit``, and ``limit`` itself when it is not a power of two."""
     sizes, t = [], 1
@@ -391,4 +408,4 @@ def _generic_forward(engine: ForwardEngine, requests: list[PreparedRequest]) -> 
     return _split(out, requests)
 
 
-__all__ = ["BatchOutput", "BatchWorker", "ComputeWorker", "ForwardEngine", "running_loop"]
+__all__ = ["BatchOutput", "BatchWorker", "ComputeWorker", "ForwardEngine", "running_loop", "warm_up_sizes"]

@@ -113,6 +113,25 @@ def test_warm_up_sizes_are_powers_of_two_then_the_limit(limit: int, sizes: list[
     assert _powers_of_two_upto(limit) == sizes
 
 
+@pytest.mark.parametrize(("above", "limit", "keys", "sizes"), [
+    (0, 0, None, []),
+    (512, 512, None, []),
+    (64, 512, None, [128, 256, 512]),
+    (64, 600, None, [128, 256, 512, 600]),
+    # a key that changes inside a power-of-two range: its smallest size joins
+    (64, 512, lambda t, k: 700 < t * k <= 800, [128, 256, 351, 512]),
+    (64, 512, lambda t, k: (t > 300, t % 200 < 5), [128, 200, 256, 400, 512]),
+    (64, 512, lambda t, k: 0, [128, 256, 512]),
+])
+def test_warm_up_sizes_meet_every_launch_key(above: int, limit: int, keys, sizes: list[int]) -> None:  # noqa: ANN001
+    from lutb_server.worker import warm_up_sizes
+
+    got = warm_up_sizes(above, limit, keys, 2)
+    assert got == sizes
+    if keys is not None:
+        assert {keys(t, 2) for t in range(above + 1, limit + 1)} == {keys(t, 2) for t in got}
+
+
 def test_warm_up_is_a_no_op_on_the_cpu(engine: ExpertEngine) -> None:
     worker = ComputeWorker(engine).start()
     try:

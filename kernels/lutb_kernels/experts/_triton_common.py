@@ -120,6 +120,35 @@ class RoutedTritonExperts(LayerExperts):
         self.whole_layer = self.num_local_experts == config.num_experts
         """Every expert of the layer is held: every (valid) route is, so no held mask is built."""
 
+    def launch_key(self, num_tokens: int, top_k: int) -> tuple:
+        """What picks the compiled kernels of a forward over ``num_tokens`` tokens of ``top_k`` routes each.
+
+        Two batch sizes with equal keys launch the same kernel variants, since no kernel
+        specialises on a batch-size argument (docs/kernels.md, "One compile per config"):
+        ``ComputeWorker.warm_up`` runs one batch per key so that no batch compiles under load.
+        Sizes only (no device work); the configs come from the same functions the launches call:
+        the routing block, the routing kernel's chunks, the two MXFP8 launches' blocks, and the two
+        GEMMs' configs (:meth:`_gemm_launches`).
+        """
+        from lutb_kernels.mxfp8_triton import launch_blocks
+        from lutb_kernels.routing import max_padded_routes
+        from lutb_kernels.routing_triton import routing_launch
+
+        routes = num_tokens * top_k
+        route_block = self.route_block(routes)
+        routing: tuple = ()  # torch ops above triton_routing_wins' limit: nothing to compile
+        if triton_routing_wins(routes, self.config.num_experts):
+            padded = max_padded_routes(routes, route_block, self.config.num_experts)
+            launch = routing_launch(routes, self.config.num_experts, padded, -(-padded // route_block))
+            routing = tuple(getattr(launch, name) for name in launch.__slots__)
+        quantize = (launch_blocks(num_tokens, self.config.hidden_size, self.device),  # x: [T, H]
+                    launch_blocks(routes, self.config.intermediate_size, self.device))  # act(h): [T*k, I]
+        return (route_block, routing, quantize, *self._gemm_launches(routes, route_block))
+
+    def _gemm_launches(self, num_routes: int, route_block: int) -> tuple:
+        """The launch configs of the two GEMMs of a ``num_routes`` batch, as :meth:`_routed_forward` picks them."""
+        return ()
+
     def route_block(self, num_routes: int) -> int:
         """Rows per routing block for a batch of ``num_routes`` routes (``tokens * top_k``).
 

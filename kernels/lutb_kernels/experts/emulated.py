@@ -60,6 +60,13 @@ class LutBEmulationTritonExperts(RoutedTritonExperts):
     def weight_bytes(self) -> int:
         return (self.w13.numel() + self.w2.numel()) * self.w13.element_size()
 
+    def _gemm_launches(self, num_routes: int, route_block: int) -> tuple:
+        from lutb_kernels.grouped_gemm import default_config
+
+        held = self.held_routes(num_routes)
+        return tuple(default_config(held, w.shape[1], w.shape[2], w.shape[0], route_block, self.device, self.dtype.itemsize)
+                     for w in (self.w13, self.w2))
+
     def _routed_forward(self, x, topk_weights, held, routing, top_k, route_block, nonfinite, *,  # noqa: ANN001
                         weight_on_input, weight_on_output):
         from lutb_kernels.grouped_gemm import grouped_gemm

@@ -121,6 +121,20 @@ class LutBPackedExperts(RoutedTritonExperts):
         # routes to the others too (as padding), so divide by all experts, not the held ones.
         return num_routes / self.config.num_experts >= self.dense_from_rows_per_expert
 
+    def _gemm_launches(self, num_routes: int, route_block: int) -> tuple:
+        held = self.held_routes(num_routes)
+        if self.uses_dense_weights(num_routes):  # :meth:`_dense_gemm`: the grouped GEMM on dequantized tiles
+            from lutb_kernels.grouped_gemm import default_config as grouped_config
+            from lutb_kernels.mxfp8_triton import interpreting
+
+            elem = 4 if interpreting() else 2  # the activations' dtype in _routed_forward
+            return ("dense", *(grouped_config(held, w.shape[1] * TILE, w.shape[2] * TILE, w.shape[0], route_block, self.device, elem)
+                               for w in (self.w13, self.w2)))
+        from lutb_kernels.lut_b_gemm import default_config
+
+        return tuple(default_config(held, w.shape[1] * TILE, w.shape[2] * TILE, w.shape[0], route_block, self.device)
+                     for w in (self.w13, self.w2))
+
     def _gemm(self, a, a_scales, w, out, topk_weights, routing, top_k, route_block):  # noqa: ANN001
         """One GEMM on the tiles (``lut_b_moe_gemm``; the native backend overrides it)."""
         from lutb_kernels.lut_b_gemm import lut_b_moe_gemm
