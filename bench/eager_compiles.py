@@ -2,14 +2,16 @@
 """Which eager batch sizes still make Triton compile after the server's start-up warm-up (GPU).
 
 The server captures CUDA graphs up to ``--cuda-graph-max-tokens`` and then runs
-``ComputeWorker.warm_up`` (one eager batch at each power of two above the graphs, up to
-``max_batch_tokens``), so that no request pays for a kernel compile. This script builds the
-same worker on one synthetic layer, does the same start-up, then runs batches of other sizes
+``ComputeWorker.warm_up`` (eager batches above the graphs, up to ``max_batch_tokens``: every
+power of two and one size per other launch config), so that no request pays for a kernel
+compile. This script builds the same worker on one synthetic layer (``--held N``: a shard of
+N experts), does the same start-up, then runs batches of other sizes
 (16-token requests, uniform random routing) and reports, per size, the first call's time, the
 steady time, and every kernel Triton compiled during the first call (``triton.knobs.runtime.
 jit_cache_hook`` sees each in-memory cache miss) with the specialisation it compiled.
 
     PYTHONPATH=kernels:client:server python3 bench/eager_compiles.py --out $OUT/eager
+    PYTHONPATH=kernels:client:server python3 bench/eager_compiles.py --out $OUT/shard --shape mixtral-8x7b --held 2
 
 A size whose first call compiles stalls every request pooled into it for that long on a live
 server. Results: ``eager_compiles.json`` under ``--out``; the table prints last.
@@ -36,6 +38,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/lutb-eager-ckpt"))
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+    p.add_argument("--held", type=int, default=None, help="a shard holding experts 0 .. HELD-1 (default: the whole layer)")
     p.add_argument("--backend", default="packed")
     p.add_argument("--cuda-graph-max-tokens", type=int, default=512)
     p.add_argument("--max-batch-tokens", type=int, default=8192)
@@ -48,11 +51,11 @@ def main() -> int:
     from lutb_kernels.checkpoint import Checkpoint
     from lutb_server.backends import choose_backend, resolve_device
     from lutb_server.engine import ExpertEngine
-    from lutb_server.worker import ComputeWorker
+    from lutb_server.worker import ComputeWorker, warm_up_sizes
 
     args.out.mkdir(parents=True, exist_ok=True)
     shape = SHAPES[args.shape]
-    ckpt = make_checkpoint(args.work_dir, args.shape, dtype="bfloat16", scale_mode="rceil", device="cuda")
+    ckpt = make_checkpoint(args.work_dir, args.shape, dtype="bfloat16", scale_mode="rceil", device="cuda", held=args.held)
     checkpoint = Checkpoint(ckpt)
     engine = ExpertEngine(checkpoint, choose_backend(args.backend, checkpoint.config, resolve_device("cuda")),
                           validate_tiles=False, max_tokens_per_request=1 << 20)
@@ -68,8 +71,12 @@ def main() -> int:
     start = time.perf_counter()
     graphs_s = worker.capture_graphs()
     warm_s = worker.warm_up(args.max_batch_tokens)
-    startup = {"graphs_s": graphs_s, "warm_up_s": warm_s, "compiles": len(compiles), "seconds": time.perf_counter() - start}
-    print(f"[eager] start-up: graphs {graphs_s:.1f} s, warm-up {warm_s:.1f} s, {len(compiles)} kernel compiles", flush=True)
+    inner = engine.layer_experts(0)
+    warm_sizes = warm_up_sizes(args.cuda_graph_max_tokens, args.max_batch_tokens, getattr(inner, "launch_key", None), shape["top_k"])
+    startup = {"graphs_s": graphs_s, "warm_up_s": warm_s, "compiles": len(compiles), "seconds": time.perf_counter() - start,
+               "warm_up_sizes": warm_sizes, "held": args.held}
+    print(f"[eager] start-up: graphs {graphs_s:.1f} s, warm-up {warm_s:.1f} s at sizes {warm_sizes}, {len(compiles)} kernel compiles",
+          flush=True)
     startup_count = len(compiles)
 
     gen = torch.Generator().manual_seed(1)

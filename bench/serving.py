@@ -51,6 +51,7 @@ from typing import Any
 SHAPES: dict[str, dict[str, int]] = {
     "qwen3-30b-a3b": {"experts": 128, "hidden": 2048, "intermediate": 768, "top_k": 8},
     "deepseek-v3": {"experts": 256, "hidden": 7168, "intermediate": 2048, "top_k": 8},
+    "mixtral-8x7b": {"experts": 8, "hidden": 4096, "intermediate": 14336, "top_k": 2},
     "smoke": {"experts": 8, "hidden": 128, "intermediate": 128, "top_k": 2},
 }
 FORWARD_METHOD = "/lutb.v1.ExpertService/Forward"
@@ -80,20 +81,23 @@ def _pct(values: list[float], q: float) -> float:
 # ----------------------------------------------------------------------------- checkpoint
 
 
-def make_checkpoint(root: Path, shape_name: str, *, dtype: str, scale_mode: str, device: str) -> Path:
-    """One layer (layer 0) of random valid tiles, generated on ``device`` (no quantizer); cached under ``root``."""
+def make_checkpoint(root: Path, shape_name: str, *, dtype: str, scale_mode: str, device: str, held: int | None = None) -> Path:
+    """One layer (layer 0) of random valid tiles, generated on ``device`` (no quantizer); cached under ``root``.
+
+    ``held``: a shard holding experts ``0 .. held - 1`` of the shape's experts (default: all of them).
+    """
     import torch
 
     from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights, write_checkpoint
     from lutb_kernels.lut_b_gemm import random_tiles
 
     shape = SHAPES[shape_name]
-    path = root / f"{shape_name}-{dtype}-{scale_mode}"
+    e = shape["experts"] if held is None else held
+    path = root / (f"{shape_name}-{dtype}-{scale_mode}" + ("" if held is None else f"-held{held}"))
     if any(path.glob("*.safetensors")):
         return path
     config = CheckpointConfig(shape["hidden"], shape["intermediate"], shape["experts"], "silu", dtype, scale_mode)
     gen = torch.Generator(device=device).manual_seed(0)
-    e = shape["experts"]
     start = time.perf_counter()
     w13 = random_tiles(config.w13_tiles_shape(e), k=shape["hidden"], device=device, generator=gen).cpu()
     w2 = random_tiles(config.w2_tiles_shape(e), k=shape["intermediate"], device=device, generator=gen).cpu()
