@@ -10,6 +10,7 @@ to INTERNAL: every refusal of a request raises one of the classes below, a
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, ClassVar
 
 from lutb_client.codec import CodecError
@@ -80,6 +81,19 @@ DEADLINE_SLACK_S = 0.001
 """A handler cancelled this close to its deadline (or later) ended by the deadline, not by its caller."""
 
 
+def deadline_reached(deadline: float | None) -> bool:
+    """True when ``deadline`` (``time.monotonic()`` seconds; None: no deadline) has passed or is at most
+    ``DEADLINE_SLACK_S`` away: a request cancelled then ended by its deadline, not by its caller."""
+    return deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
+
+
+def cancelled_status(deadline: float | None) -> grpc.StatusCode:
+    """How a request that gRPC cancelled ended: DEADLINE_EXCEEDED when its deadline was reached, else CANCELLED."""
+    import grpc
+
+    return grpc.StatusCode.DEADLINE_EXCEEDED if deadline_reached(deadline) else grpc.StatusCode.CANCELLED
+
+
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and message a request that raised ``exc`` ends with."""
     import grpc
@@ -107,6 +121,8 @@ __all__ = [
     "ResponseTooLarge",
     "ServiceError",
     "Unavailable",
+    "cancelled_status",
+    "deadline_reached",
     "status_code_value",
     "to_status",
 ]

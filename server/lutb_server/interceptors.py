@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from lutb_server.errors import DEADLINE_SLACK_S
+from lutb_server.errors import cancelled_status
 from lutb_server.metrics import ServerMetrics
 
 _CODES_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
@@ -35,8 +35,7 @@ def status_of(context: Any, exc: BaseException | None) -> grpc.StatusCode:
     """The status a call ended with, from its context and the exception (if any) its handler raised."""
     if isinstance(exc, asyncio.CancelledError):  # gRPC cancels a handler when its deadline passes, too
         remaining = context.time_remaining() if hasattr(context, "time_remaining") else None
-        expired = remaining is not None and remaining <= DEADLINE_SLACK_S
-        return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+        return cancelled_status(None if remaining is None else time.monotonic() + remaining)
     code = context.code() if hasattr(context, "code") else None
     if isinstance(code, int):
         code = _CODES_BY_VALUE.get(code)

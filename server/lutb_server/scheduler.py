@@ -45,7 +45,7 @@ import torch
 
 from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
-from lutb_server.errors import DEADLINE_SLACK_S, DeadlineExpired, QueueFull, Unavailable
+from lutb_server.errors import DeadlineExpired, QueueFull, Unavailable, deadline_reached
 from lutb_server.metrics import ServerMetrics
 from lutb_server.worker import BatchOutput, BatchWorker, ComputeWorker, running_loop
 
@@ -305,7 +305,7 @@ class BatchScheduler:
         except ValueError:  # in a batch already, or dropped
             return
         self._set_depth()
-        if item.deadline is not None and item.deadline <= time.monotonic() + DEADLINE_SLACK_S:
+        if deadline_reached(item.deadline):
             self._count_deadline_drop(item)
 
     def _count_deadline_drop(self, item: _Item) -> None:

@@ -21,7 +21,7 @@ from lutb_client.codec import decode_tensor, encode_tensor, to_proto_dtype
 from lutb_kernels.checkpoint import FORMAT, FORMAT_VERSION
 from lutb_server import __version__
 from lutb_server.engine import FLOAT_DTYPES, ID_DTYPES, ExpertEngine
-from lutb_server.errors import DEADLINE_SLACK_S, InvalidArgument, ResponseTooLarge, Unavailable, status_code_value, to_status
+from lutb_server.errors import InvalidArgument, ResponseTooLarge, Unavailable, cancelled_status, status_code_value, to_status
 from lutb_server.metrics import ServerMetrics
 from lutb_server.scheduler import BatchScheduler
 
@@ -60,12 +60,6 @@ def build_model_info(engine: ExpertEngine, *, max_batch_tokens: int) -> pb.Model
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
-
-
-def _cancelled_code(deadline: float | None) -> grpc.StatusCode:
-    """How a handler that gRPC cancelled ended: its deadline passed, or the caller went away."""
-    expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
-    return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
 
 
 class ExpertServicer(pb_grpc.ExpertServiceServicer):
@@ -117,7 +111,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         try:
             response = await self._forward(request, deadline, received)
         except asyncio.CancelledError:
-            self._count("Forward", _cancelled_code(deadline))
+            self._count("Forward", cancelled_status(deadline))
             raise
         except Exception as exc:
             code, message = to_status(exc)
@@ -164,7 +158,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 raise Unavailable("server is draining; send this request to another replica")
             response = await self._forward(request, deadline, received)
         except asyncio.CancelledError:
-            self._count("ForwardStream", _cancelled_code(deadline))
+            self._count("ForwardStream", cancelled_status(deadline))
             raise
         except Exception as exc:
             code, message = to_status(exc)
