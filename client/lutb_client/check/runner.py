@@ -9,7 +9,6 @@ side it is checked against (the judge) and returns a :class:`~lutb_client.check.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -256,12 +255,8 @@ def _call(side: Side, batch: Batch, cap: int | None = None) -> tuple[torch.Tenso
     from lutb_client.errors import ExpertServiceError
 
     try:
-        if cap is None or batch.tokens <= cap:
-            return side.forward(batch), None
-        parts = [side.forward(dataclasses.replace(batch, hidden_states=batch.hidden_states[i:i + cap],
-                                                  topk_ids=batch.topk_ids[i:i + cap], topk_weights=batch.topk_weights[i:i + cap]))
-                 for i in range(0, batch.tokens, cap)]
-        return torch.cat(parts), None
+        parts = [batch] if cap is None else batch.split(cap)
+        return (side.forward(parts[0]) if len(parts) == 1 else torch.cat([side.forward(p) for p in parts])), None
     except ExpertServiceError as exc:
         return None, {"code": exc.code.name, "message": exc.message}
     except Exception as exc:  # noqa: BLE001 - the reference's refusal of a batch is a finding, not a crash

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -120,6 +120,14 @@ class Batch:
     @property
     def tokens(self) -> int:
         return int(self.hidden_states.shape[0])
+
+    def split(self, max_tokens: int) -> list[Batch]:
+        """This batch as requests of at most ``max_tokens`` tokens each, in token order (itself when it fits)."""
+        if self.tokens <= max_tokens:
+            return [self]
+        return [replace(self, hidden_states=self.hidden_states[i:i + max_tokens], topk_ids=self.topk_ids[i:i + max_tokens],
+                        topk_weights=self.topk_weights[i:i + max_tokens])
+                for i in range(0, self.tokens, max_tokens)]
 
 
 def resolve_suites(names: Iterable[str] | None) -> list[str]:
@@ -260,16 +268,14 @@ def make_part_batches(
         if part.weights_on_input:
             weights = 0.25 + 0.75 * torch.rand(tokens, 1, generator=gen)
     x = _inputs(part.inputs, tokens, shape, gen, headroom)
-    batches = []
-    for start in range(0, tokens, cap):
-        stop = min(tokens, start + cap)
-        batches.append(Batch(
-            index=0, suite=suite, part=part.name, layer=layer, hidden_states=x[start:stop].contiguous(),
-            topk_ids=ids[start:stop].contiguous(), topk_weights=weights[start:stop].contiguous(),
-            apply_router_weight_on_input=part.weights_on_input, output_mode=part.output_mode, standard=part.standard,
-            meta={"headroom": headroom} if part.inputs in HEADROOM_INPUTS else {},
-        ))
-    return batches
+    if not tokens:
+        return []
+    return Batch(
+        index=0, suite=suite, part=part.name, layer=layer, hidden_states=x.contiguous(),
+        topk_ids=ids.contiguous(), topk_weights=weights.contiguous(),
+        apply_router_weight_on_input=part.weights_on_input, output_mode=part.output_mode, standard=part.standard,
+        meta={"headroom": headroom} if part.inputs in HEADROOM_INPUTS else {},
+    ).split(cap)
 
 
 def make_batches(
@@ -318,11 +324,8 @@ def headroom_probe(
         x = _blocks_scaled_to(base, amax).to(shape.dtype)
         if not bool(torch.isfinite(x.float()).all()):
             return False
-        step = max(1, shape.max_tokens)  # more experts than a request may hold tokens: probe them in parts
-        for start in range(0, len(held), step):
-            part = slice(start, start + step)
-            batch = Batch(index=-1, suite="magnitudes", part="headroom", layer=layer, hidden_states=x[part],
-                          topk_ids=ids[part], topk_weights=weights[part])
+        probe = Batch(index=-1, suite="magnitudes", part="headroom", layer=layer, hidden_states=x, topk_ids=ids, topk_weights=weights)
+        for batch in probe.split(max(1, shape.max_tokens)):  # more experts than a request may hold tokens: in parts
             try:
                 out = forward(batch)
             except Exception:  # noqa: BLE001 - any failure of the judge means "too big"
