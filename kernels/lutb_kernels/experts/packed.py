@@ -39,6 +39,14 @@ from lutb_kernels.experts.base import Support, all_of
 from lutb_kernels.tiles import TILE, TILE_BYTES, to_kernel_layout
 
 
+def _dequantized_a_dtype() -> torch.dtype:
+    """The dtype of MXFP8 activations handed to the GEMMs as values (QDQ'd, exact): bf16, or float32
+    under the Triton interpreter, which mishandles bf16."""
+    from lutb_kernels.mxfp8_triton import interpreting
+
+    return torch.float32 if interpreting() else torch.bfloat16
+
+
 class LutBPackedExperts(RoutedTritonExperts):
     """LUT-B x MXFP8 experts with packed weights and the Triton ``lut_b_moe_gemm``."""
 
@@ -125,9 +133,8 @@ class LutBPackedExperts(RoutedTritonExperts):
         held = self.held_routes(num_routes)
         if self.uses_dense_weights(num_routes):  # :meth:`_dense_gemm`: the grouped GEMM on dequantized tiles
             from lutb_kernels.grouped_gemm import default_config as grouped_config
-            from lutb_kernels.mxfp8_triton import interpreting
 
-            elem = 4 if interpreting() else 2  # the activations' dtype in _routed_forward
+            elem = _dequantized_a_dtype().itemsize
             return ("dense", *(grouped_config(held, w.shape[1] * TILE, w.shape[2] * TILE, w.shape[0], route_block, self.device, elem)
                                for w in (self.w13, self.w2)))
         from lutb_kernels.lut_b_gemm import default_config
@@ -154,12 +161,12 @@ class LutBPackedExperts(RoutedTritonExperts):
 
     def _routed_forward(self, x, topk_weights, held, routing, top_k, route_block, nonfinite, *,  # noqa: ANN001
                         weight_on_input, weight_on_output):
-        from lutb_kernels.mxfp8_triton import act_mxfp8_qdq, act_mxfp8_quantize, interpreting, mxfp8_qdq, mxfp8_quantize
+        from lutb_kernels.mxfp8_triton import act_mxfp8_qdq, act_mxfp8_quantize, mxfp8_qdq, mxfp8_quantize
 
         mode = self.config.mxfp8_scale_mode
         routes = topk_weights.numel()
         row_weight = topk_weights[:, 0].contiguous() if weight_on_input else None
-        a_dtype = torch.float32 if interpreting() else torch.bfloat16  # the interpreter mishandles bf16
+        a_dtype = _dequantized_a_dtype()
         dense = self.uses_dense_weights(routes)
         order = "natural" if dense else self.a_k_order  # dequantized weights keep the natural column order
         dequantized = dense or (self.dequantized_a_from_block is not None and route_block >= self.dequantized_a_from_block)
