@@ -62,10 +62,15 @@ class PreparedRequest:
         return int(self.x.shape[0])
 
     @property
+    def output_shape(self) -> list[int]:
+        """The output's shape: ``[T, H]`` (combined) or ``[T, k, H]`` (route-major)."""
+        tokens, hidden = (int(n) for n in self.x.shape)
+        return [tokens, int(self.topk_ids.shape[1]), hidden] if self.output_mode == "route_major" else [tokens, hidden]
+
+    @property
     def output_bytes(self) -> int:
-        """Bytes of the output: ``[T, H]`` (combined) or ``[T, k, H]`` (route-major) in the model dtype."""
-        routes = int(self.topk_ids.shape[1]) if self.output_mode == "route_major" else 1
-        return self.x.numel() * routes * self.x.element_size()
+        """Bytes of the output (:attr:`output_shape` in the model dtype)."""
+        return math.prod(self.output_shape) * self.x.element_size()
 
     @property
     def pool_key(self) -> tuple[int, int, bool, str]:

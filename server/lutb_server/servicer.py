@@ -194,10 +194,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             output_mode=_OUTPUT_MODES[request.output_mode],
         )
         if self._max_response_bytes is not None and prepared.output_bytes + RESPONSE_ENVELOPE_BYTES > self._max_response_bytes:
-            tokens, hidden = prepared.x.shape
-            shape = [tokens, prepared.topk_ids.shape[1], hidden] if prepared.output_mode == "route_major" else [tokens, hidden]
             raise ResponseTooLarge(
-                f"the {prepared.output_mode} output {shape} takes {prepared.output_bytes} bytes: more than a message of "
+                f"the {prepared.output_mode} output {prepared.output_shape} takes {prepared.output_bytes} bytes: more than a message of "
                 f"max_message_bytes = {self._max_response_bytes} holds; send fewer tokens per request"
             )
         ready = time.monotonic()  # decoded and validated (prepare_us ends here)
