@@ -17,6 +17,10 @@ and awaits the returned ``concurrent.futures.Future``. On the worker thread, per
    4-byte flag), one stream synchronisation, then one host copy into the batch's result
    tensor, split into per-request views.
 
+Few torch calls per batch: under load each one may hand the GIL to the event loop and wait
+to get it back (docs/serving.md, "GIL hand-overs"), so staging views are cached per shape,
+the NaN/Inf flag is reset only after a batch that set it, and the graph path reuses its views.
+
 On a CPU device the same steps run without pinning, streams or copies to a device.
 
 CUDA graphs: with ``cuda_graph_max_tokens > 0`` on a CUDA device, every layer whose
@@ -89,27 +93,44 @@ class ForwardEngine(Protocol):
 
 
 class _Buffers:
-    """Named reusable flat byte buffers on one device (pinned when asked), viewed as any shape and dtype."""
+    """Named reusable flat byte buffers on one device (pinned when asked), viewed as any shape and dtype.
+
+    Views are cached per (name, shape, dtype): under load every torch call on the compute
+    worker thread may hand the GIL to the event loop and wait to get it back (see
+    docs/serving.md, "GIL hand-overs"), so a batch should make as few of them as it can.
+    """
+
+    MAX_VIEWS = 4096
+    """Cached views beyond which the cache starts over (one per batch size and name seen)."""
 
     def __init__(self, device: torch.device, *, pin: bool) -> None:
         self.device = device
         self.pin = pin
         self._bufs: dict[str, torch.Tensor] = {}
+        self._views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
         self.grown = 0
 
     def get(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        key = (name, tuple(int(s) for s in shape), dtype)
+        view = self._views.get(key)
+        if view is not None:
+            return view
         numel = 1
-        for s in shape:
-            numel *= int(s)
+        for s in key[1]:
+            numel *= s
         nbytes = numel * dtype.itemsize
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < nbytes:
             size = max(nbytes, 2 * buf.numel() if buf is not None else 0, 4096)
             buf = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
             self._bufs[name] = buf
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}  # views of the old buffer
             self.grown += 1
             log.debug("staging buffer %s on %s grown to %d bytes", name, self.device, size)
-        return buf[:nbytes].view(dtype).view(tuple(shape))
+        if len(self._views) >= self.MAX_VIEWS:
+            self._views.clear()
+        view = self._views[key] = buf[:nbytes].view(dtype).view(key[1])
+        return view
 
     @property
     def nbytes(self) -> int:
@@ -149,6 +170,7 @@ class ComputeWorker:
         self._stream: Any = None
         self._host = _Buffers(torch.device("cpu"), pin=self.cuda)
         self._dev = _Buffers(self.device, pin=False)
+        self._flag: tuple[torch.Tensor, torch.Tensor, Any] | None = None
         self.batches = 0
         if hasattr(engine, "layer_experts") and hasattr(engine, "layer_ids"):
             self._experts = {layer: engine.layer_experts(layer) for layer in engine.layer_ids}
@@ -342,8 +364,7 @@ class ComputeWorker:
             idsd.copy_(idsh, non_blocking=True)
             wd.copy_(wh, non_blocking=True)
             if unchecked:
-                flag = self._dev.get("flag", (1,), torch.int32)
-                flag.zero_()
+                flag, flag_h, flag_np = self._nonfinite_flag()
                 out = experts.forward_unchecked(  # type: ignore[attr-defined]
                     xd, idsd, wd, apply_router_weight_on_input=on_input, output_mode=mode, nonfinite=flag)
             else:
@@ -351,14 +372,23 @@ class ComputeWorker:
             out_h = self._host.get("out", out.shape, out.dtype)
             out_h.copy_(out, non_blocking=True)
             if unchecked:
-                flag_h = self._host.get("flag", (1,), torch.int32)
                 flag_h.copy_(flag, non_blocking=True)
             self._stream.synchronize()
-        if unchecked and tokens and int(flag_h[0]):
-            raise NonFiniteInputError("MXFP8 quantization met NaN or Inf (hidden states or activation output)")
-        result = torch.empty(out_h.shape, dtype=out_h.dtype)
-        result.copy_(out_h)  # the batch's own memory: the pinned buffer is reused by the next batch
+        if unchecked and flag_np[0]:
+            flag.zero_()  # the flag stays 0 between batches; only a batch that set it pays for the reset
+            if tokens:
+                raise NonFiniteInputError("MXFP8 quantization met NaN or Inf (hidden states or activation output)")
+        result = out_h.clone()  # the batch's own memory: the pinned buffer is reused by the next batch
         return _split(result, requests)
+
+    def _nonfinite_flag(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The device NaN/Inf flag (zero between batches), its pinned host copy, and a numpy view of that copy
+        (read without a torch call)."""
+        if self._flag is None:
+            flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+            flag_h = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self._flag = (flag, flag_h, flag_h.numpy())
+        return self._flag
 
     @property
     def staging_bytes(self) -> dict[str, int]:

@@ -187,6 +187,32 @@ def test_no_eager_batch_size_compiles_after_the_warm_up(tiny_checkpoint: Path) -
         worker.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [5, 100], ids=["graph", "eager"])
+def test_a_nonfinite_batch_fails_alone_on_the_gpu(tiny_checkpoint: Path, tokens: int) -> None:
+    """The device NaN/Inf flag is reset only after a batch that set it: that batch raises,
+    the batches before and after it (same graph or eager size) come back right."""
+    import dataclasses
+
+    from lutb_kernels.checkpoint import Checkpoint
+    from lutb_kernels.errors import NonFiniteInputError
+
+    ckpt = Checkpoint(tiny_checkpoint)
+    gpu_engine = ExpertEngine(ckpt, choose_backend("packed", ckpt.config, torch.device("cuda")), validate_tiles=False)
+    worker = ComputeWorker(gpu_engine, cuda_graph_max_tokens=64, cuda_graph_top_k=2)
+    good = _requests(gpu_engine, [tokens], k=2, seed=tokens)
+    bad_x = good[0].x.clone()
+    bad_x[tokens // 2, 3] = float("nan")  # past the engine's validation, as an overflow inside the layer would be
+    bad = [dataclasses.replace(good[0], x=bad_x)]
+    want = worker.run(good).outputs[0]  # the graph's padding may change the kernels' sums: compare within the worker
+    eager = _engine_pooled(gpu_engine, good)[0].float()
+    assert not want.is_pinned() and torch.linalg.norm(want.float() - eager) <= 1e-2 * torch.linalg.norm(eager)
+    for _ in range(2):
+        with pytest.raises(NonFiniteInputError):
+            worker.run(bad)
+        assert torch.equal(worker.run(good).outputs[0], want)
+
+
 def test_a_worker_that_cannot_use_its_device_fails_jobs_instead_of_hanging(engine: ExpertEngine,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(device: object) -> None:

@@ -109,6 +109,24 @@ class _Entry:
         self.prepared = False
         self.real_rows = 0  # rows [0, real_rows) may hold a previous batch's data; the rest hold padding
         self.replays = 0
+        self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def inputs(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of the first ``tokens`` rows of the static inputs, made once per size (each torch call
+        on a serving thread may cost a GIL hand-over)."""
+        views = self._inputs.get(tokens)
+        if views is None:
+            views = self._inputs[tokens] = (self.x[:tokens], self.ids[:tokens], self.w[:tokens])
+        return views
+
+    def output(self, tokens: int) -> torch.Tensor:
+        """The first ``tokens`` rows of the static output (graph captured), made once per size."""
+        view = self._outputs.get(tokens)
+        if view is None:
+            assert self.out is not None
+            view = self._outputs[tokens] = self.out[:tokens]
+        return view
 
     def reset_padding(self, tokens: int) -> None:
         """Make rows ``tokens..`` padding again (only those a previous, larger batch wrote)."""
@@ -290,8 +308,7 @@ class CudaGraphExperts(LayerExperts):
         key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode)
         if key is None:
             return None
-        entry = self._entry(key)
-        return entry.x[:tokens], entry.ids[:tokens], entry.w[:tokens]
+        return self._entry(key).inputs(tokens)
 
     def forward_unchecked(
         self,
@@ -317,20 +334,21 @@ class CudaGraphExperts(LayerExperts):
                 output_mode=output_mode, nonfinite=nonfinite,
             )
         entry = self._entry(key)
-        for src, dst in ((x, entry.x), (topk_ids, entry.ids), (topk_weights, entry.w)):
+        for src, dst in zip((x, topk_ids, topk_weights), entry.inputs(tokens)):
             if src.data_ptr() != dst.data_ptr():  # not already written there through static_inputs()
-                dst[:tokens].copy_(src, non_blocking=True)
+                dst.copy_(src, non_blocking=True)
         entry.reset_padding(tokens)
-        if entry.graph is not None:
-            entry.graph.replay()
-        else:
+        entry.replays += 1
+        if entry.graph is None:
             entry.flag.zero_()
             entry.out = self._run_inner(entry)
-        entry.replays += 1
+            if nonfinite is not None:
+                nonfinite.bitwise_or_(entry.flag)
+            return entry.out[:tokens]
+        entry.graph.replay()
         if nonfinite is not None:
             nonfinite.bitwise_or_(entry.flag)
-        assert entry.out is not None
-        return entry.out[:tokens]
+        return entry.output(tokens)
 
 
 __all__ = [
