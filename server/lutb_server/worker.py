@@ -18,7 +18,7 @@ and awaits the returned ``concurrent.futures.Future``. On the worker thread, per
    tensor, split into per-request views.
 
 Few torch calls per batch: under load each one may hand the GIL to the event loop and wait
-to get it back (docs/serving.md, "GIL hand-overs"), so staging views are cached per shape,
+to get it back (docs/serving.md, "The compute worker"), so staging views are cached per shape,
 the NaN/Inf flag is reset only after a batch that set it, and the graph path reuses its views.
 
 On a CPU device the same steps run without pinning, streams or copies to a device.
@@ -96,8 +96,8 @@ class _Buffers:
     """Named reusable flat byte buffers on one device (pinned when asked), viewed as any shape and dtype.
 
     Views are cached per (name, shape, dtype): under load every torch call on the compute
-    worker thread may hand the GIL to the event loop and wait to get it back (see
-    docs/serving.md, "GIL hand-overs"), so a batch should make as few of them as it can.
+    worker thread may hand the GIL to the event loop and wait to get it back (docs/serving.md,
+    "The compute worker"), so a batch should make as few of them as it can.
     """
 
     MAX_VIEWS = 4096
