@@ -93,3 +93,15 @@ def test_worker_pacing_bench_smoke(tmp_path: Path) -> None:
                      "direct+spin 1000us", "direct+spin 3000us", "thread", "thread+gap 1000us", "asyncio",
                      "asyncio+busy si=200us", "asyncio+busy si=20us", "process", "process+busy"]
     assert all(r["calls"] >= 1 and 0 < r["compute_us"] <= r["round_trip_us"] for r in rows)
+
+
+def test_graph_limit_bench_smoke(tmp_path: Path) -> None:
+    """bench/graph_limit.py on the CPU (no graphs: every run eager): one row per (limit, size), split runs as cut."""
+    out = tmp_path / "out"
+    proc = _run_bench("graph_limit.py", ["--out", str(out), "--work-dir", str(tmp_path / "ckpt"), "--shape", "smoke",
+                                         "--device", "cpu", "--backend", "reference", "--graph-limits", "16,32",
+                                         "--sizes", "16,48", "--repeats", "1"], timeout=120)
+    rows = json.loads((out / "graph_limit.json").read_text())["rows"]
+    assert [(r["limit"], r["tokens"], r["split_runs"]) for r in rows] == [(16, 16, 1), (16, 48, 3), (32, 16, 1), (32, 48, 2)]
+    assert all(r["whole_us"] > 0 and r["split_us"] > 0 and not r["graph"] for r in rows)
+    assert proc.stdout.rstrip().splitlines()[-1] == "| 32 | 48 | " + f"{rows[-1]['whole_us']:.0f} | eager | {rows[-1]['split_us']:.0f} | 2 |"

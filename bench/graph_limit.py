@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""What a pooled batch costs just above the largest CUDA graph, and what the alternatives would cost (GPU).
+
+A batch of more tokens than ``--cuda-graph-max-tokens`` runs eagerly. On the H200 a 528-token qwen3
+batch took 3.6-6.0 ms that way against ~1 ms for 480 tokens in a graph
+(bench/results/2026-12-04-worker-calls-h200.md). Two ways around that step, measured here in
+one process (no gRPC), on the server's own ``ComputeWorker`` and one synthetic layer:
+
+- ``whole``: the batch as one ``ComputeWorker.run``, with graphs up to each ``--graph-limits`` N
+  (N = 512 is the server's default; larger N captures more buckets);
+- ``split``: the same requests cut, in order, into runs of at most N tokens (what a scheduler that
+  never pools past the largest graph would do), times summed.
+
+Per (N, size): the median over ``--repeats`` of the back-to-back time, microseconds, and whether
+the whole batch replayed a graph. Each N gets its own worker (graphs captured, eager sizes warmed
+up to the largest size, as the server starts), freed before the next::
+
+    PYTHONPATH=kernels:client:server python3 bench/graph_limit.py --out $OUT/limit
+    PYTHONPATH=kernels:client:server python3 bench/graph_limit.py --out /tmp/l --shape smoke --device cpu --backend reference
+
+Results: ``graph_limit.json`` under ``--out``; the table prints last. On a CPU device there are
+no graphs: every run is eager (the smoke form only checks that the script runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serving import SHAPES, make_checkpoint  # noqa: E402  (bench/serving.py: the same synthetic layer)
+
+REQUEST_TOKENS = 16
+
+
+def split_runs(sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive groups of request indices of at most ``limit`` tokens each (a larger request alone)."""
+    groups: list[list[int]] = []
+    tokens = 0
+    for i, size in enumerate(sizes):
+        if not groups or tokens + size > limit:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(i)
+        tokens += size
+    return groups
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/lutb-graph-limit-ckpt"))
+    p.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+    p.add_argument("--backend", default="packed")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--graph-limits", default="512,1024,2048", help="comma list of cuda_graph_max_tokens values")
+    p.add_argument("--sizes", default="480,512,528,640,768,1024,1536,2048",
+                   help=f"comma list of batch sizes in tokens (requests of {REQUEST_TOKENS} tokens)")
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args()
+
+    import torch
+
+    from lutb_kernels.checkpoint import Checkpoint
+    from lutb_server.backends import choose_backend, resolve_device
+    from lutb_server.engine import ExpertEngine
+    from lutb_server.worker import ComputeWorker
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    shape = SHAPES[args.shape]
+    device = resolve_device(args.device)
+    ckpt = make_checkpoint(args.work_dir, args.shape, dtype="bfloat16", scale_mode="rceil", device=device.type)
+    checkpoint = Checkpoint(ckpt)
+    engine = ExpertEngine(checkpoint, choose_backend(args.backend, checkpoint.config, device),
+                          validate_tiles=False, max_tokens_per_request=1 << 20)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    limits = [int(s) for s in args.graph_limits.split(",") if s]
+
+    gen = torch.Generator().manual_seed(1)
+    batches = {}
+    for tokens in sizes:
+        requests = []
+        for _ in range(max(1, tokens // REQUEST_TOKENS)):
+            x = torch.randn(REQUEST_TOKENS, shape["hidden"], generator=gen).to(torch.bfloat16)
+            ids = torch.rand(REQUEST_TOKENS, shape["experts"], generator=gen).argsort(dim=1)[:, :shape["top_k"]].to(torch.int32)
+            w = torch.full((REQUEST_TOKENS, shape["top_k"]), 1.0 / shape["top_k"])
+            requests.append(engine.prepare(0, x, ids, w))
+        batches[tokens] = requests
+
+    def median_us(worker: ComputeWorker, groups: list[list]) -> float:
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            for group in groups:
+                worker.run(group)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e6
+
+    rows = []
+    for limit in limits:
+        worker = ComputeWorker(engine, cuda_graph_max_tokens=limit, cuda_graph_top_k=shape["top_k"])
+        start = time.perf_counter()
+        graphs_s = worker.capture_graphs()
+        warm_s = worker.warm_up(max(sizes))
+        print(f"[limit] N={limit}: graphs {graphs_s:.1f} s, warm-up {warm_s:.1f} s ({time.perf_counter() - start:.1f} s)", flush=True)
+        for tokens, requests in batches.items():
+            groups = [[requests[i] for i in g] for g in split_runs([r.tokens for r in requests], limit)]
+            for group in groups:  # first calls (a variant captured on first use) stay out of the timing
+                worker.run(group)
+            worker.run(requests)
+            row = {"limit": limit, "tokens": sum(r.tokens for r in requests), "graph": bool(worker.graph_layers) and
+                   sum(r.tokens for r in requests) <= limit, "whole_us": median_us(worker, [requests]),
+                   "split_us": median_us(worker, groups), "split_runs": len(groups)}
+            rows.append(row)
+            print(f"[limit] N={limit} T={row['tokens']}: whole {row['whole_us']:.0f} us ({'graph' if row['graph'] else 'eager'}), "
+                  f"split into {row['split_runs']} run(s) {row['split_us']:.0f} us", flush=True)
+        (args.out / "graph_limit.json").write_text(json.dumps({"shape": args.shape, "backend": args.backend,
+                                                                "device": str(device), "rows": rows}, indent=1))
+        del worker
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    print(f"\n{args.shape}, {args.backend} on {device}: median us of {args.repeats} back-to-back calls")
+    print("| graphs up to N | T | whole batch us | path | split at N us | runs |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['limit']} | {r['tokens']} | {r['whole_us']:.0f} | {'graph' if r['graph'] else 'eager'} | "
+              f"{r['split_us']:.0f} | {r['split_runs']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
