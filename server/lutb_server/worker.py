@@ -374,10 +374,10 @@ class ComputeWorker:
             if unchecked:
                 flag_h.copy_(flag, non_blocking=True)
             self._stream.synchronize()
-        if unchecked and flag_np[0]:
-            flag.zero_()  # the flag stays 0 between batches; only a batch that set it pays for the reset
-            if tokens:
-                raise NonFiniteInputError("MXFP8 quantization met NaN or Inf (hidden states or activation output)")
+            if unchecked and flag_np[0]:
+                flag.zero_()  # on the worker's stream, ahead of the next batch; only a batch that set the flag pays for this
+                if tokens:
+                    raise NonFiniteInputError("MXFP8 quantization met NaN or Inf (hidden states or activation output)")
         result = out_h.clone()  # the batch's own memory: the pinned buffer is reused by the next batch
         return _split(result, requests)
 
