@@ -150,6 +150,8 @@ def test_static_inputs_path_and_returned_view(shard: CaptureSafeReference) -> No
     got = wrapper.forward_unchecked(xs, idss, ws)
     assert torch.equal(got, shard.forward(x, ids, w))
     assert wrapper.static_inputs(9, 2) is None  # above the largest bucket: eager
+    again = wrapper.static_inputs(6, 2)  # made once per size: a serving thread's torch calls cost GIL hand-overs
+    assert all(a is b for a, b in zip(again, (xs, idss, ws))) and wrapper.static_inputs(5, 2)[0].shape == (5, H)
     checked = wrapper.forward(x, ids, w)  # validated, and a copy that survives the next call
     wrapper.forward_unchecked(*_batch(6, 2, 8, seed=8))
     assert torch.equal(checked, shard.forward(x, ids, w))

@@ -76,6 +76,25 @@ def test_staging_buffers_are_reused(engine: ExpertEngine) -> None:
     assert worker.graph_layers == [] and worker.capture_graphs() == 0.0
 
 
+def test_staging_views_are_made_once_per_shape() -> None:
+    """A serving thread's torch calls cost GIL hand-overs under load: a view is made once per
+    (name, shape, dtype), and a grown buffer's old views are never handed out again."""
+    from lutb_server.worker import _Buffers
+
+    bufs = _Buffers(torch.device("cpu"), pin=False)
+    x = bufs.get("x", (4, 8), torch.float16)
+    assert bufs.get("x", torch.Size([4, 8]), torch.float16) is x and bufs.get("x", (4, 8), torch.float32) is not x
+    small = bufs.get("x", (1, 8), torch.float16)
+    assert small.data_ptr() == x.data_ptr() and small.shape == (1, 8)
+    big = bufs.get("x", (1024, 8), torch.float16)  # grows the buffer
+    assert bufs.grown == 2 and big.data_ptr() != x.data_ptr()
+    assert bufs.get("x", (4, 8), torch.float16).data_ptr() == big.data_ptr()  # a view of the new buffer
+    bufs.MAX_VIEWS = 3
+    for t in range(1, 6):
+        assert bufs.get("y", (t,), torch.int32).shape == (t,)
+    assert len(bufs._views) <= 3
+
+
 def test_outputs_do_not_alias_the_staging_buffers(engine: ExpertEngine) -> None:
     worker = ComputeWorker(engine)
     first = worker.run(_requests(engine, [4, 4], seed=3)).outputs
