@@ -12,7 +12,9 @@ one process (no gRPC), on the server's own ``ComputeWorker`` and one synthetic l
   never pools past the largest graph would do), times summed.
 
 Per (N, size): the median over ``--repeats`` of the back-to-back time, microseconds, and whether
-the whole batch replayed a graph. Each N gets its own worker (graphs captured, eager sizes warmed
+the whole batch replayed a graph. Per size, once (CUDA only): the eager experts call alone on
+device tensors, as the CPU time to launch it and the GPU time between two events around it, to
+tell launch overhead from kernel time. Each N gets its own worker (graphs captured, eager sizes warmed
 up to the largest size, as the server starts), freed before the next::
 
     PYTHONPATH=kernels:client:server python3 bench/graph_limit.py --out $OUT/limit
@@ -102,6 +104,29 @@ def main() -> int:
             times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e6
 
+    eager = {}
+    if device.type == "cuda":
+        inner = engine.layer_experts(0)
+        for tokens, requests in batches.items():
+            args_dev = [torch.cat([getattr(r, name) for r in requests]).to(device) for name in ("x", "topk_ids", "topk_weights")]
+            flag = torch.zeros(1, dtype=torch.int32, device=device)
+            launch, gpu = [], []
+            for i in range(args.repeats + 1):  # the first call compiles
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(device)
+                begin.record()
+                start = time.perf_counter()
+                inner.forward_unchecked(*args_dev, nonfinite=flag)
+                launched = time.perf_counter() - start
+                end.record()
+                torch.cuda.synchronize(device)
+                if i:
+                    launch.append(launched * 1e6)
+                    gpu.append(begin.elapsed_time(end) * 1e3)
+            eager[tokens] = {"launch_us": statistics.median(launch), "gpu_us": statistics.median(gpu)}
+            print(f"[limit] eager experts call T={tokens}: launch {eager[tokens]['launch_us']:.0f} us (CPU), "
+                  f"{eager[tokens]['gpu_us']:.0f} us between events (GPU)", flush=True)
+
     rows = []
     for limit in limits:
         worker = ComputeWorker(engine, cuda_graph_max_tokens=limit, cuda_graph_top_k=shape["top_k"])
@@ -121,12 +146,17 @@ def main() -> int:
             print(f"[limit] N={limit} T={row['tokens']}: whole {row['whole_us']:.0f} us ({'graph' if row['graph'] else 'eager'}), "
                   f"split into {row['split_runs']} run(s) {row['split_us']:.0f} us", flush=True)
         (args.out / "graph_limit.json").write_text(json.dumps({"shape": args.shape, "backend": args.backend,
-                                                                "device": str(device), "rows": rows}, indent=1))
+                                                                "device": str(device), "rows": rows,
+                                                                "eager_call": eager}, indent=1))
         del worker
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    if eager:
+        print("\n| T | eager experts call: CPU us to launch | GPU us between events |\n|---|---|---|")
+        for tokens, e in eager.items():
+            print(f"| {tokens} | {e['launch_us']:.0f} | {e['gpu_us']:.0f} |")
     print(f"\n{args.shape}, {args.backend} on {device}: median us of {args.repeats} back-to-back calls")
     print("| graphs up to N | T | whole batch us | path | split at N us | runs |\n|---|---|---|---|---|---|")
     for r in rows:
