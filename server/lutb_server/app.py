@@ -118,13 +118,20 @@ def load_engine(plan: EnginePlan, settings: ServerSettings) -> ExpertEngine:
     )
 
 
+def warm_up_limit(settings: ServerSettings) -> int:
+    """Tokens of the largest batch the compute worker can be handed, up to which it warms up: a pooled
+    batch of ``max_batch_tokens``, or one larger request (up to ``max_tokens_per_request``) run alone."""
+    return max(settings.max_batch_tokens, settings.max_tokens_per_request)
+
+
 def worker_spec(plan: EnginePlan, settings: ServerSettings) -> WorkerSpec:
     """What the compute process of ``compute_worker = "process"`` loads, and how."""
     return WorkerSpec(
         checkpoint=str(plan.checkpoint.path), backend=plan.backend.name, device=str(plan.backend.device),
         max_tokens_per_request=settings.max_tokens_per_request, validate_tiles=settings.validate_checkpoint,
         cuda_graph_max_tokens=settings.cuda_graph_max_tokens, cuda_graph_top_k=settings.cuda_graph_top_k,
-        warm_up_tokens=settings.max_batch_tokens, intra_op_threads=settings.intra_op_threads,
+        warm_up_tokens=warm_up_limit(settings), max_batch_tokens=settings.max_batch_tokens,
+        intra_op_threads=settings.intra_op_threads,
         gil_switch_interval_us=settings.gil_switch_interval_us,
     )
 
@@ -304,7 +311,7 @@ class ExpertServer:
                 worker = ComputeWorker(engine, cuda_graph_max_tokens=s.cuda_graph_max_tokens, cuda_graph_top_k=s.cuda_graph_top_k)
                 worker.start()
                 await asyncio.wrap_future(worker.call(worker.capture_graphs))  # logs the time; before SERVING
-                await asyncio.wrap_future(worker.call(worker.warm_up, s.max_batch_tokens))  # compiles, before SERVING
+                await asyncio.wrap_future(worker.call(worker.warm_up, warm_up_limit(s)))  # compiles, before SERVING
                 weight_bytes, gpu_memory = engine.weight_bytes, None
             scheduler = BatchScheduler(
                 engine, max_batch_tokens=s.max_batch_tokens, max_wait_us=s.max_wait_us,
@@ -430,4 +437,4 @@ def _check_port_free(host: str, port: int) -> None:
             raise OSError(f"cannot bind gRPC to {_address(host, port)}: {exc.strerror or exc}") from None
 
 
-__all__ = ["DEMO_NAME", "SERVICE_NAME", "EnginePlan", "ExpertServer", "apply_gil_switch_interval", "arena_bytes", "apply_intra_op_threads", "ensure_demo_checkpoint", "load_engine", "plan_engine", "serve", "worker_spec"]
+__all__ = ["DEMO_NAME", "SERVICE_NAME", "EnginePlan", "ExpertServer", "apply_gil_switch_interval", "arena_bytes", "apply_intra_op_threads", "ensure_demo_checkpoint", "load_engine", "plan_engine", "serve", "warm_up_limit", "worker_spec"]

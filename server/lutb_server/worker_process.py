@@ -105,6 +105,9 @@ class WorkerSpec:
     cuda_graph_top_k: int = 8
     warm_up_tokens: int = 0
     """Eager batch sizes compiled before ready (``ComputeWorker.warm_up``); 0: none."""
+    max_batch_tokens: int = 0
+    """Most tokens of one merged call over several serving processes' batches (the server's
+    ``max_batch_tokens``); 0: no limit."""
     intra_op_threads: int = 0
     gil_switch_interval_us: int = 0
 
@@ -227,8 +230,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
     """The compute process: build, shake hands with each serving process, then run their batches.
 
     Batches that arrive together from several serving processes (front ends) and share a pool key
-    run as one ``ComputeWorker.run`` (up to ``spec.warm_up_tokens`` tokens, the server's
-    ``max_batch_tokens``): the GPU sees their union. A failing merged batch is run again
+    run as one ``ComputeWorker.run`` (up to ``spec.max_batch_tokens`` tokens): the GPU sees their union. A failing merged batch is run again
     one batch at a time, so that one front end's bad batch fails only its own. The child exits
     when every serving process has said stop or closed its socket.
     """
@@ -291,7 +293,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 _answer(c, job, exc, 0.0, 0, out_slot, memory)
                 continue
             batches.append((c, job, request, out_slot))
-        _run_merged(worker, batches, memory, spec.warm_up_tokens)
+        _run_merged(worker, batches, memory, spec.max_batch_tokens)
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
             memory, memory_read = _gpu_memory(device), time.monotonic()
 

@@ -216,3 +216,19 @@ def test_gil_switch_interval_defaults_to_200_us_on_cuda_only() -> None:
         assert abs(apply_gil_switch_interval(2000, torch.device("cpu")) - 2e-3) < 1e-9  # an explicit value wins
     finally:
         sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize(("batch", "per_request", "want"), [(8192, 4096, 8192), (512, 4096, 4096), (512, 512, 512)])
+def test_warm_up_covers_the_largest_batch_the_worker_can_get(batch: int, per_request: int, want: int) -> None:
+    """A request above max_batch_tokens runs alone: the warm-up must reach it too, or its first call compiles under
+    load. The compute process merges front ends' batches up to max_batch_tokens, not up to the warm-up's limit."""
+    from types import SimpleNamespace
+
+    from lutb_server.app import warm_up_limit, worker_spec
+
+    s = ServerSettings(max_batch_tokens=batch, max_tokens_per_request=per_request)
+    assert warm_up_limit(s) == want
+    plan = SimpleNamespace(checkpoint=SimpleNamespace(path=Path("/ckpt")),
+                           backend=SimpleNamespace(name="packed", device=torch.device("cuda:0")))
+    spec = worker_spec(plan, s)  # type: ignore[arg-type]
+    assert (spec.warm_up_tokens, spec.max_batch_tokens) == (want, batch)
