@@ -342,13 +342,13 @@ class CudaGraphExperts(LayerExperts):
         if entry.graph is None:
             entry.flag.zero_()
             entry.out = self._run_inner(entry)
-            if nonfinite is not None:
-                nonfinite.bitwise_or_(entry.flag)
-            return entry.out[:tokens]
-        entry.graph.replay()
+            out = entry.out[:tokens]
+        else:
+            entry.graph.replay()
+            out = entry.output(tokens)
         if nonfinite is not None:
             nonfinite.bitwise_or_(entry.flag)
-        return entry.output(tokens)
+        return out
 
 
 __all__ = [
