@@ -14,10 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-import lutb_kernels.grouped_gemm as grouped_gemm
-import lutb_kernels.lut_b_gemm as lut_b_gemm
-import lutb_kernels.mxfp8_triton as mxfp8_triton
-from lutb_gpu_testdata import make_layer
+from lutb_gpu_testdata import make_layer, use_h200_rules
 from lutb_kernels.checkpoint import CheckpointConfig
 from lutb_kernels.experts.packed import LutBPackedExperts
 from lutb_kernels.hf_import import compact_ids
@@ -27,20 +24,13 @@ from lutb_server.worker import _powers_of_two_upto, warm_up_sizes
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2), "deepseek-v3": (256, 7168, 2048, 8)}
 
 
-def h200_rules() -> None:
-    for module in (lut_b_gemm, grouped_gemm, mxfp8_triton):
-        module.sm_count = lambda device: 132
-        module.interpreting = lambda: False
-    grouped_gemm.shared_memory_per_block = lambda device: 232448
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--graphs", type=int, default=512, help="largest CUDA-graph bucket (eager sizes start above it)")
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--shards", default="1,2,4,8", help="comma list: the layer split in n shards (skipped when E < n)")
     args = p.parse_args()
-    h200_rules()
+    use_h200_rules()
     print("| shape | experts held | warm-up sizes | sizes whose key powers of two miss | choice s |")
     print("|---|---|---|---|---|")
     for name, (experts, hidden, inter, top_k) in SHAPES.items():

@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights
 from lutb_kernels.lut_b_gemm import random_tiles
+
+
+def use_h200_rules(set_attr: Callable[[Any, str, Any], None] = setattr) -> None:
+    """Make the launch-config rules those of an H200 (132 SMs, 227 KiB of shared memory per block, not the
+    interpreter's fixed configs), so that configs can be evaluated on the CPU. ``set_attr``: ``setattr`` (for good,
+    in a script) or a test's ``monkeypatch.setattr``."""
+    import lutb_kernels.grouped_gemm as grouped_gemm
+    import lutb_kernels.lut_b_gemm as lut_b_gemm
+    import lutb_kernels.mxfp8_triton as mxfp8_triton
+
+    for module in (lut_b_gemm, grouped_gemm, mxfp8_triton):
+        set_attr(module, "sm_count", lambda device: 132)
+        set_attr(module, "interpreting", lambda: False)
+    set_attr(grouped_gemm, "shared_memory_per_block", lambda device: 232448)
 
 
 def make_layer(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lutb_gpu_testdata import make_layer
+from lutb_gpu_testdata import make_layer, use_h200_rules
 
 import lutb_kernels.grouped_gemm as grouped_gemm
 import lutb_kernels.lut_b_gemm as lut_b_gemm
@@ -22,10 +22,7 @@ from lutb_server.worker import warm_up_sizes
 @pytest.fixture
 def h200_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     """Config rules as on an H200 (the interpreter's fixed configs would make every key equal)."""
-    for module in (lut_b_gemm, grouped_gemm, mxfp8_triton):
-        monkeypatch.setattr(module, "sm_count", lambda device: 132)
-        monkeypatch.setattr(module, "interpreting", lambda: False)
-    monkeypatch.setattr(grouped_gemm, "shared_memory_per_block", lambda device: 232448)
+    use_h200_rules(monkeypatch.setattr)
 
 
 # (experts held of 8, H, I), top-2, sizes 65..1024 (above graphs to 64): on both, powers of two alone miss configs
