@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import SHAPES, make_checkpoint  # noqa: E402  (bench/serving.py: the same synthetic layer)
+from serving import SHAPES, make_checkpoint, prepared_requests  # noqa: E402  (bench/serving.py: the same synthetic layer)
 
 DEFAULT_SIZES = "528,640,768,800,1008,1024,1040,1280,1536,2000,2048,2064,3000,4096,4112,6000,8192"
 
@@ -82,12 +82,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1)
     rows = []
     for tokens in [int(s) for s in args.sizes.split(",") if s]:
-        prepared = []
-        for _ in range(max(1, tokens // 16)):
-            x = torch.randn(16, shape["hidden"], generator=gen).to(torch.bfloat16)
-            ids = torch.rand(16, shape["experts"], generator=gen).argsort(dim=1)[:, :shape["top_k"]].to(torch.int32)
-            w = torch.full((16, shape["top_k"]), 1.0 / shape["top_k"])
-            prepared.append(engine.prepare(0, x, ids, w))
+        prepared = prepared_requests(engine, shape, tokens, gen)
         before = len(compiles)
         t0 = time.perf_counter()
         worker.run(prepared)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import SHAPES, make_checkpoint  # noqa: E402  (bench/serving.py: the same synthetic layer)
+from serving import SHAPES, make_checkpoint, prepared_requests  # noqa: E402  (bench/serving.py: the same synthetic layer)
 
 REQUEST_TOKENS = 16
 
@@ -85,15 +85,7 @@ def main() -> int:
     limits = [int(s) for s in args.graph_limits.split(",") if s]
 
     gen = torch.Generator().manual_seed(1)
-    batches = {}
-    for tokens in sizes:
-        requests = []
-        for _ in range(max(1, tokens // REQUEST_TOKENS)):
-            x = torch.randn(REQUEST_TOKENS, shape["hidden"], generator=gen).to(torch.bfloat16)
-            ids = torch.rand(REQUEST_TOKENS, shape["experts"], generator=gen).argsort(dim=1)[:, :shape["top_k"]].to(torch.int32)
-            w = torch.full((REQUEST_TOKENS, shape["top_k"]), 1.0 / shape["top_k"])
-            requests.append(engine.prepare(0, x, ids, w))
-        batches[tokens] = requests
+    batches = {tokens: prepared_requests(engine, shape, tokens, gen, request_tokens=REQUEST_TOKENS) for tokens in sizes}
 
     def median_us(worker: ComputeWorker, groups: list[list]) -> float:
         times = []
