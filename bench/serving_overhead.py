@@ -25,6 +25,9 @@ Per cell it prints:
   validation) and ``encode`` (``timing.encode_us``);
 - ``server CPU us/req``: CPU time of the server process per answered request, from
   ``/proc`` (per thread in the JSON/log: ``main`` is the event loop) -- robust on a busy machine;
+  ``loop CPU us/req`` is the event loop thread's share;
+- ``echo CPU us/req`` and ``echo loop CPU us/req``: the same for the echo server during its run
+  (gRPC's own cost per request of these sizes: what the server's figures cannot go below);
 - ``ideal tok/s``: back-to-back batches of the formed size (``T_b / sleep(T_b)``) and the
   ratio (the C=64 target is >= 80%).
 
@@ -268,9 +271,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 res = run_load(pool, "expert", f"127.0.0.1:{port}", payloads, c, args.warmup_s, args.duration_s)
                 cpu = _cpu_s(server.pid) - cpu0  # warm-up included: divided by all requests answered meanwhile
                 threads = {k: v - threads0.get(k, 0.0) for k, v in _thread_cpu_s(server.pid).items()}
+                echo_cpu0, echo_main0 = _cpu_s(echo.pid), _thread_cpu_s(echo.pid).get("main", 0.0)
                 echo_res = run_load(pool, "echo", f"127.0.0.1:{echo_port}",
                                     _serving.echo_payloads(res["request_bytes"], res["response_bytes"]), c,
                                     args.warmup_s / 2, args.duration_s)
+                echo_cpu = _cpu_s(echo.pid) - echo_cpu0
+                echo_main = _thread_cpu_s(echo.pid).get("main", 0.0) - echo_main0
                 lat = [r[0] * 1e6 for r in res["rows"]]
                 batch = [float(r[1]) for r in res["rows"]]
                 overhead = [r[0] * 1e6 - r[2] for r in res["rows"]]
@@ -289,13 +295,16 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                        "compute_us_p50": _median([float(r[2]) for r in res["rows"]]),
                        "cpu_us_per_request": cpu * 1e6 / max(1, res["answered"]),
                        "thread_cpu_us_per_request": {k: round(v * 1e6 / max(1, res["answered"])) for k, v in threads.items() if v > 0},
+                       "echo_cpu_us_per_request": echo_cpu * 1e6 / max(1, echo_res["answered"]),
+                       "echo_main_cpu_us_per_request": echo_main * 1e6 / max(1, echo_res["answered"]),
                        "ideal_tokens_per_s": ideal, "errors": res["errors"]}
                 row["ratio"] = row["tokens_per_s"] / ideal
                 rows.append(row)
                 print(f"[overhead] C={c} T={tokens}: p50 {row['p50_us']:.0f} us, {row['tokens_per_s']:.0f} tok/s "
                       f"({row['ratio']:.0%} of ideal), batch p50 {formed:.0f} mean {row['batch_tokens_mean']:.1f}, "
                       f"overhead {row['overhead_us']:.0f} us, server CPU {row['cpu_us_per_request']:.0f} us/request "
-                      f"{row['thread_cpu_us_per_request']}" + (f", errors {res['errors']}" if res["errors"] else ""),
+                      f"{row['thread_cpu_us_per_request']}; echo CPU {row['echo_cpu_us_per_request']:.0f} us/request "
+                      f"(main {row['echo_main_cpu_us_per_request']:.0f})" + (f", errors {res['errors']}" if res["errors"] else ""),
                       flush=True)
     finally:
         if profiler is not None and profiler.py_spy and server.poll() is None:
@@ -308,12 +317,15 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| C | T | p50 us | p99 us | tok/s | batch p50 | batch mean | compute us | echo p50 us | overhead us | hand-off us "
-             "| handler us | prepare us | encode us | server CPU us/req | ideal tok/s | tok/s / ideal |", "|" + "---|" * 17]
+             "| handler us | prepare us | encode us | server CPU us/req | loop CPU us/req | echo CPU us/req | echo loop CPU us/req "
+             "| ideal tok/s | tok/s / ideal |", "|" + "---|" * 20]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['tokens']} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['tokens_per_s']:.0f} "
                      f"| {r['batch_tokens_p50']:.0f} | {r['batch_tokens_mean']:.1f} | {r['compute_us_p50']:.0f} | {r['echo_p50_us']:.0f} "
                      f"| {r['overhead_us']:.0f} | {r['handoff_us']:.0f} | {r['handler_us']:.0f} | {r['prepare_us']:.0f} "
-                     f"| {r['encode_us']:.0f} | {r['cpu_us_per_request']:.0f} | {r['ideal_tokens_per_s']:.0f} | {r['ratio']:.0%} |")
+                     f"| {r['encode_us']:.0f} | {r['cpu_us_per_request']:.0f} | {r['thread_cpu_us_per_request'].get('main', 0)} "
+                     f"| {r['echo_cpu_us_per_request']:.0f} | {r['echo_main_cpu_us_per_request']:.0f} "
+                     f"| {r['ideal_tokens_per_s']:.0f} | {r['ratio']:.0%} |")
     return "\n".join(lines)
 
 

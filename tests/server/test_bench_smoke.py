@@ -105,3 +105,15 @@ def test_graph_limit_bench_smoke(tmp_path: Path) -> None:
     assert [(r["limit"], r["tokens"], r["split_runs"]) for r in rows] == [(16, 16, 1), (16, 48, 3), (32, 16, 1), (32, 48, 2)]
     assert all(r["whole_us"] > 0 and r["split_us"] > 0 and not r["graph"] for r in rows)
     assert proc.stdout.rstrip().splitlines()[-1] == "| 32 | 48 | " + f"{rows[-1]['whole_us']:.0f} | eager | {rows[-1]['split_us']:.0f} | 2 |"
+
+
+def test_serving_overhead_bench_smoke(tmp_path: Path) -> None:
+    """bench/serving_overhead.py: the fake-backend server and the echo, each with its CPU per request."""
+    out = tmp_path / "out"
+    proc = _run_bench("serving_overhead.py", ["--out", str(out), "--concurrency", "1", "--tokens", "2", "--hidden", "256",
+                                              "--duration-s", "0.5", "--warmup-s", "0.1", "--load-procs", "1"], timeout=120)
+    (row,) = json.loads((out / "overhead.json").read_text())["rows"]
+    assert row["requests"] > 0 and not row["errors"], row
+    assert row["cpu_us_per_request"] > 0 and row["thread_cpu_us_per_request"]["main"] > 0
+    assert row["echo_cpu_us_per_request"] >= row["echo_main_cpu_us_per_request"] > 0
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| 1 | 2 |")  # the table comes last
