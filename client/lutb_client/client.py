@@ -180,24 +180,12 @@ def _closed_error() -> ExpertServiceError:
     return ExpertServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the client is closed")
 
 
-class ExpertClient:
-    """Blocking client of one expert server.
+class _Connections:
+    """What both clients keep: the target, the default deadline, the retry backoff, the channels (one per
+    connection, their stubs taken in turn), the request ids and the hidden-state wire. Arguments: see
+    :class:`ExpertClient`."""
 
-    Args:
-        target: ``host:port`` of the server.
-        timeout: default deadline of a call in seconds (retries included).
-        retries: how many times a call failing with UNAVAILABLE is retried.
-        backoff_s: first retry delay; it doubles per retry, up to ``max_backoff_s`` (jittered).
-        credentials: TLS channel credentials; plaintext if None.
-        max_message_bytes: largest message sent or received.
-        channel_options: extra gRPC channel options.
-        wire: ``"native"`` sends hidden states as given; ``"mxfp8"`` quantizes them to MXFP8
-            first (half the request bytes; see the module docstring).
-        connections: TCP connections to open, each its own channel; calls and streams take
-            them in turn (a retry takes the next). A server with several front ends on one port
-            (``lutb serve --front-ends N``) spreads connections, not calls, over them: open at
-            least N to use them all from one client.
-    """
+    _AIO: bool = False
 
     def __init__(
         self,
@@ -217,7 +205,7 @@ class ExpertClient:
         self.timeout = _check_timeout(timeout)
         self._closed = False
         self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
-        self._channels = _open_channels(target, connections, aio=False, credentials=credentials,
+        self._channels = _open_channels(target, connections, aio=self._AIO, credentials=credentials,
                                         max_message_bytes=max_message_bytes, channel_options=channel_options)
         self._stubs = itertools.cycle([pb_grpc.ExpertServiceStub(c) for c in self._channels])
         self._ids = itertools.count(1)
@@ -229,6 +217,26 @@ class ExpertClient:
         if self._closed:
             raise _closed_error()
         return next(self._stubs)
+
+
+class ExpertClient(_Connections):
+    """Blocking client of one expert server.
+
+    Args:
+        target: ``host:port`` of the server.
+        timeout: default deadline of a call in seconds (retries included).
+        retries: how many times a call failing with UNAVAILABLE is retried.
+        backoff_s: first retry delay; it doubles per retry, up to ``max_backoff_s`` (jittered).
+        credentials: TLS channel credentials; plaintext if None.
+        max_message_bytes: largest message sent or received.
+        channel_options: extra gRPC channel options.
+        wire: ``"native"`` sends hidden states as given; ``"mxfp8"`` quantizes them to MXFP8
+            first (half the request bytes; see the module docstring).
+        connections: TCP connections to open, each its own channel; calls and streams take
+            them in turn (a retry takes the next). A server with several front ends on one port
+            (``lutb serve --front-ends N``) spreads connections, not calls, over them: open at
+            least N to use them all from one client.
+    """
 
     def close(self) -> None:
         """Close the connections; calls made afterwards (or still running) fail with FAILED_PRECONDITION."""
@@ -469,42 +477,13 @@ class ForwardStream:
             self.cancel()
 
 
-class AsyncExpertClient:
+class AsyncExpertClient(_Connections):
     """asyncio client of one expert server; arguments as for :class:`ExpertClient`.
 
     Create it inside a running event loop (``async with AsyncExpertClient(target) as client:``).
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        retries: int = 3,
-        backoff_s: float = 0.05,
-        max_backoff_s: float = 2.0,
-        credentials: grpc.ChannelCredentials | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        channel_options: Sequence[tuple[str, Any]] = (),
-        wire: str = "native",
-        connections: int = 1,
-    ) -> None:
-        self.target = target
-        self.timeout = _check_timeout(timeout)
-        self._closed = False
-        self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
-        self._channels = _open_channels(target, connections, aio=True, credentials=credentials,
-                                        max_message_bytes=max_message_bytes, channel_options=channel_options)
-        self._stubs = itertools.cycle([pb_grpc.ExpertServiceStub(c) for c in self._channels])
-        self._ids = itertools.count(1)
-        self._wire = _HiddenWire(wire)
-
-    @property
-    def _stub(self) -> pb_grpc.ExpertServiceStub:
-        """The next connection's stub (each call and stream takes the next)."""
-        if self._closed:
-            raise _closed_error()
-        return next(self._stubs)
+    _AIO = True
 
     async def close(self) -> None:
         """Close the connections; calls made afterwards (or still running) fail with FAILED_PRECONDITION."""
