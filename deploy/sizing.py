@@ -9,6 +9,12 @@ A LUT-B matrix is stored as 128x128 tiles of 6672 bytes each (3.2578 bits per we
 routed expert is a gated W13 [2I, H] plus a W2 [H, I]. Only routed experts are counted:
 attention, embeddings, dense layers and shared experts stay with the attention tier.
 
+CUDA graphs (``--cuda-graph-max-tokens N``) add static buffers per layer: for every token bucket
+B (powers of two up to N, and N) the graph's input rows ``x [B, H]`` (model dtype), ``topk_ids
+[B, k]`` (int32), ``topk_weights [B, k]`` (float32) and its output ``[B, H]`` (model dtype), for
+the variant the server captures at start-up (combined output, its top-k). Other variants, captured
+on first use, add their own; the graphs' shared pool of intermediate activations comes on top.
+
 Shards follow `lutb shard`: each shard holds a subset of the experts, for every MoE layer, so
 a shard of k experts needs k x layers x (bytes per expert). The number of shards is the
 smallest S for which the largest shard, ceil(E / S) experts, fits the GPU's weight budget:
@@ -38,6 +44,19 @@ GB = 10**9
 
 DEFAULT_HEADROOM = 0.15
 DEFAULT_GPUS_GB = (80, 141)  # H100/A100 80 GB, H200 141 GB
+GRAPH_MAX_TOKENS = (512, 2048)  # the server's default --cuda-graph-max-tokens, and a larger choice
+
+
+def graph_buckets(max_tokens: int) -> list[int]:
+    """The CUDA-graph token buckets up to ``max_tokens``: powers of two and ``max_tokens`` itself
+    (``lutb_kernels.experts.graphs.token_buckets``; tests/deploy checks they agree)."""
+    buckets, b = [], 1
+    while b <= max_tokens:
+        buckets.append(b)
+        b *= 2
+    if max_tokens and buckets[-1] != max_tokens:
+        buckets.append(max_tokens)
+    return buckets
 
 
 @dataclass(frozen=True)
@@ -49,13 +68,14 @@ class MoEShape:
     hidden: int
     intermediate: int
     moe_layers: int
+    top_k: int
 
     def __post_init__(self) -> None:
         for field, value in (("hidden", self.hidden), ("intermediate", self.intermediate)):
             if value <= 0 or value % TILE:
                 raise ValueError(f"{self.name}: {field}={value} must be a positive multiple of {TILE}")
-        if self.experts <= 0 or self.moe_layers <= 0:
-            raise ValueError(f"{self.name}: experts and moe_layers must be positive")
+        if self.experts <= 0 or self.moe_layers <= 0 or not 0 < self.top_k <= self.experts:
+            raise ValueError(f"{self.name}: experts and moe_layers must be positive, top_k in [1, experts]")
 
     @property
     def weights_per_expert(self) -> int:
@@ -80,11 +100,21 @@ class MoEShape:
     def model_bytes(self, fmt: str) -> int:
         return self.moe_layers * self.layer_bytes(fmt)
 
+    def graph_layer_bytes(self, max_tokens: int, dtype_bytes: int = BF16_BYTES) -> int:
+        """Static buffers of one layer's start-up CUDA graphs (see the module docstring): per bucket row,
+        x and the output in the model dtype, top-k ids (int32) and weights (float32)."""
+        row = 2 * self.hidden * dtype_bytes + self.top_k * (4 + 4)
+        return sum(graph_buckets(max_tokens)) * row
+
+    def graph_bytes(self, max_tokens: int, dtype_bytes: int = BF16_BYTES) -> int:
+        """:meth:`graph_layer_bytes` for every MoE layer (each server holds every layer of its shard)."""
+        return self.moe_layers * self.graph_layer_bytes(max_tokens, dtype_bytes)
+
 
 REFERENCE_SHAPES = (
-    MoEShape("qwen3-30b-a3b", experts=128, hidden=2048, intermediate=768, moe_layers=48),
-    MoEShape("mixtral-8x7b", experts=8, hidden=4096, intermediate=14336, moe_layers=32),
-    MoEShape("deepseek-v3", experts=256, hidden=7168, intermediate=2048, moe_layers=58),
+    MoEShape("qwen3-30b-a3b", experts=128, hidden=2048, intermediate=768, moe_layers=48, top_k=8),
+    MoEShape("mixtral-8x7b", experts=8, hidden=4096, intermediate=14336, moe_layers=32, top_k=2),
+    MoEShape("deepseek-v3", experts=256, hidden=7168, intermediate=2048, moe_layers=58, top_k=8),
 )
 SHAPES_BY_NAME = {s.name: s for s in REFERENCE_SHAPES}
 
@@ -151,12 +181,22 @@ def shard_table(gpus_gb: tuple[float, ...] = DEFAULT_GPUS_GB, headroom: float = 
     return "\n".join(rows)
 
 
+def graph_table(max_tokens: tuple[int, ...] = GRAPH_MAX_TOKENS) -> str:
+    head = " | ".join(f"per layer, N = {n} | all layers, N = {n}" for n in max_tokens)
+    rows = [f"| model | top-k | MoE layers | {head} |", "| --- | ---: | ---: |" + " ---: | ---: |" * len(max_tokens)]
+    for s in REFERENCE_SHAPES:
+        cells = " | ".join(f"{_fmt_bytes(s.graph_layer_bytes(n))} | {_fmt_bytes(s.graph_bytes(n))}" for n in max_tokens)
+        rows.append(f"| {s.name} | {s.top_k} | {s.moe_layers} | {cells} |")
+    return "\n".join(rows)
+
+
 def as_dict(gpus_gb: tuple[float, ...] = DEFAULT_GPUS_GB, headroom: float = DEFAULT_HEADROOM) -> dict:
     out: dict = {"tile_bytes": TILE_BYTES, "bits_per_weight": BITS_PER_WEIGHT, "headroom": headroom, "models": {}}
     for s in REFERENCE_SHAPES:
         entry = {
             "experts": s.experts, "hidden": s.hidden, "intermediate": s.intermediate, "moe_layers": s.moe_layers,
-            "tiles_per_expert": s.tiles_per_expert, "weights_per_expert": s.weights_per_expert,
+            "top_k": s.top_k, "tiles_per_expert": s.tiles_per_expert, "weights_per_expert": s.weights_per_expert,
+            "graph_bytes": {str(n): s.graph_bytes(n) for n in GRAPH_MAX_TOKENS},
         }
         for fmt in ("lutb", "bf16"):
             entry[fmt] = {
@@ -193,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     print(memory_table())
     print()
     print(shard_table(gpus, args.headroom))
+    print()
+    print(graph_table())
     return 0
 
 

@@ -88,7 +88,7 @@ def test_shard_plan_is_minimal_and_fits(sizing, gpu_gb, fmt) -> None:
 @pytest.mark.parametrize(("hidden", "intermediate"), [(2000, 768), (2048, 0), (2048, 100)])
 def test_rejects_shapes_off_the_tile_grid(sizing, hidden, intermediate) -> None:
     with pytest.raises(ValueError):
-        sizing.MoEShape("bad", experts=8, hidden=hidden, intermediate=intermediate, moe_layers=1)
+        sizing.MoEShape("bad", experts=8, hidden=hidden, intermediate=intermediate, moe_layers=1, top_k=2)
 
 
 def test_rejects_bad_headroom(sizing) -> None:
@@ -103,10 +103,58 @@ def test_cli_json_and_markdown_run_standalone() -> None:
     data = json.loads(out.stdout)
     assert data["models"]["deepseek-v3"]["lutb"]["shards"]["80"]["shards"] == 4
     md = subprocess.run([sys.executable, "-I", str(SCRIPT)], capture_output=True, text=True, timeout=60)
-    assert md.returncode == 0 and md.stdout.count("| deepseek-v3 |") == 3
+    assert md.returncode == 0 and md.stdout.count("| deepseek-v3 |") == 4  # memory, two shard rows, CUDA graphs
 
 
 def test_docs_tables_match_the_script(sizing) -> None:
     doc = (REPO / "docs" / "deploy.md").read_text()
     assert sizing.memory_table() in doc, "docs/deploy.md memory table is stale: paste `python deploy/sizing.py`"
     assert sizing.shard_table() in doc, "docs/deploy.md shard table is stale: paste `python deploy/sizing.py`"
+    assert sizing.graph_table() in doc, "docs/deploy.md CUDA-graph table is stale: paste `python deploy/sizing.py`"
+
+
+@pytest.mark.parametrize("top_k", [0, 9])
+def test_rejects_top_k_outside_the_experts(sizing, top_k) -> None:
+    with pytest.raises(ValueError):
+        sizing.MoEShape("bad", experts=8, hidden=128, intermediate=128, moe_layers=1, top_k=top_k)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1, 48, 512, 600, 2048])
+def test_graph_buckets_are_the_servers(sizing, max_tokens) -> None:
+    from lutb_kernels.experts.graphs import token_buckets
+
+    assert tuple(sizing.graph_buckets(max_tokens)) == token_buckets(max_tokens)
+
+
+@pytest.mark.parametrize(("top_k", "max_tokens"), [(2, 16), (3, 24)])
+def test_graph_bytes_are_what_the_graph_wrapper_allocates(sizing, top_k, max_tokens) -> None:
+    """The estimate equals the static buffers CudaGraphExperts holds after capturing every bucket
+    (on the CPU it keeps the same buffers without graphs; the output is the buffer a replay returns)."""
+    import torch
+
+    from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights
+    from lutb_kernels.experts.graphs import CudaGraphExperts
+    from lutb_kernels.experts.reference import ReferenceExperts
+    from lutb_kernels.tiles import TILE, TILE_BYTES
+
+    class ZeroExperts(ReferenceExperts):
+        capture_safe = True
+
+        def forward_unchecked(self, x, topk_ids, topk_weights, **kwargs):  # noqa: ANN001, ANN003
+            return torch.zeros(x.shape, dtype=x.dtype)
+
+    hidden, experts = 2 * TILE, 4
+    cfg = CheckpointConfig(hidden_size=hidden, intermediate_size=TILE, num_experts=experts, dtype="bfloat16")
+    tiles = lambda shape: torch.zeros((*shape, TILE_BYTES), dtype=torch.uint8)  # noqa: E731 - never decoded
+    weights = LayerWeights(tiles(cfg.w13_tiles_shape(experts)), tiles(cfg.w2_tiles_shape(experts)), torch.arange(experts, dtype=torch.int32))
+    wrapper = CudaGraphExperts(ZeroExperts(cfg, weights, "cpu"), max_tokens=max_tokens, use_graphs=False)
+    assert wrapper.capture(top_k) == len(wrapper.buckets)
+    outputs = []
+    for bucket in wrapper.buckets:
+        ids = torch.zeros((bucket, top_k), dtype=torch.int32)
+        outputs.append(wrapper.forward_unchecked(torch.zeros((bucket, hidden), dtype=torch.bfloat16), ids,
+                                                 torch.zeros((bucket, top_k)), output_mode="combined"))
+    held = sum(t.nbytes for e in wrapper._entries.values() for t in (e.x, e.ids, e.w, e.out))
+    shape = sizing.MoEShape("tiny", experts=experts, hidden=hidden, intermediate=TILE, moe_layers=3, top_k=top_k)
+    assert held == shape.graph_layer_bytes(max_tokens) and 3 * held == shape.graph_bytes(max_tokens)
+    assert all(o.shape == (b, hidden) for o, b in zip(outputs, wrapper.buckets))
