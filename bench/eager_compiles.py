@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Which eager batch sizes still make Triton compile after the server's start-up warm-up (GPU).
 
-The server captures CUDA graphs up to ``--cuda-graph-max-tokens`` and then runs
-``ComputeWorker.warm_up`` (eager batches above the graphs, up to ``max_batch_tokens``: every
-power of two and one size per other launch config), so that no request pays for a kernel
-compile. This script builds the same worker on one synthetic layer (``--held N``: a shard of
+The server captures CUDA graphs up to ``--cuda-graph-max-tokens`` N (batches up to 8 N run as
+chunks of them) and then runs ``ComputeWorker.warm_up`` (eager batches above 8 N, up to
+``max_batch_tokens``: every power of two and one size per other launch config), so that no
+request pays for a kernel compile. This script builds the same worker on one synthetic layer (``--held N``: a shard of
 N experts), does the same start-up, then runs batches of other sizes
 (16-token requests, uniform random routing) and reports, per size, the first call's time, the
 steady time, and every kernel Triton compiled during the first call (``triton.knobs.runtime.
@@ -72,7 +72,8 @@ def main() -> int:
     graphs_s = worker.capture_graphs()
     warm_s = worker.warm_up(args.max_batch_tokens)
     inner = engine.layer_experts(0)
-    warm_sizes = warm_up_sizes(args.cuda_graph_max_tokens, args.max_batch_tokens, getattr(inner, "launch_key", None), shape["top_k"])
+    eager_above = getattr(worker._experts[0], "eager_above", args.cuda_graph_max_tokens) if worker._experts else 0
+    warm_sizes = warm_up_sizes(eager_above, args.max_batch_tokens, getattr(inner, "launch_key", None), shape["top_k"])
     startup = {"graphs_s": graphs_s, "warm_up_s": warm_s, "compiles": len(compiles), "seconds": time.perf_counter() - start,
                "warm_up_sizes": warm_sizes, "held": args.held}
     print(f"[eager] start-up: graphs {graphs_s:.1f} s, warm-up {warm_s:.1f} s at sizes {warm_sizes}, {len(compiles)} kernel compiles",

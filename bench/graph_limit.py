@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
-"""What a pooled batch costs just above the largest CUDA graph, and what the alternatives would cost (GPU).
+"""What a pooled batch costs above the largest CUDA graph, and what the alternatives cost (GPU).
 
-A batch of more tokens than ``--cuda-graph-max-tokens`` runs eagerly. On the H200 a 528-token qwen3
-batch took 3.6-6.0 ms that way against ~1 ms for 480 tokens in a graph
-(bench/results/2026-12-04-worker-calls-h200.md). Two ways around that step, measured here in
-one process (no gRPC), on the server's own ``ComputeWorker`` and one synthetic layer:
+Eagerly, a 528-token qwen3 batch took 3.6-6.0 ms on the H200 against ~1 ms for 480 tokens in a
+graph (bench/results/2026-12-04-worker-calls-h200.md). Since then a batch above the largest
+bucket runs as chunks of graph replays, up to ``CudaGraphExperts.max_chunked_tokens`` (8 x the
+largest bucket), and eagerly above. Measured here in one process (no gRPC), on the server's own
+``ComputeWorker`` and one synthetic layer:
 
 - ``whole``: the batch as one ``ComputeWorker.run``, with graphs up to each ``--graph-limits`` N
-  (N = 512 is the server's default; larger N captures more buckets);
+  (N = 512 is the server's default; larger N captures more buckets), as the server runs it: one
+  graph, chunks of graphs, or eager (the row's path);
+- ``eager``: the same batch with chunking off (``max_chunked_tokens = 0``), where ``whole`` ran chunks:
+  the cost before chunking;
 - ``split``: the same requests cut, in order, into runs of at most N tokens (what a scheduler that
   never pools past the largest graph would do), times summed.
 
-Per (N, size): the median over ``--repeats`` of the back-to-back time, microseconds, and whether
-the whole batch replayed a graph. Per size, once (CUDA only): the eager experts call alone on
+Per (N, size): the median over ``--repeats`` of the back-to-back time, microseconds. Per size, once (CUDA only): the eager experts call alone on
 device tensors, as the CPU time to launch it and the GPU time between two events around it, to
 tell launch overhead from kernel time. Each N gets its own worker (graphs captured, eager sizes warmed
 up to the largest size, as the server starts), freed before the next::
@@ -71,6 +74,7 @@ def main() -> int:
 
     from lutb_kernels.checkpoint import Checkpoint
     from lutb_server.backends import choose_backend, resolve_device
+    from lutb_kernels.experts.graphs import CudaGraphExperts
     from lutb_server.engine import ExpertEngine
     from lutb_server.worker import ComputeWorker
 
@@ -126,17 +130,28 @@ def main() -> int:
         graphs_s = worker.capture_graphs()
         warm_s = worker.warm_up(max(sizes))
         print(f"[limit] N={limit}: graphs {graphs_s:.1f} s, warm-up {warm_s:.1f} s ({time.perf_counter() - start:.1f} s)", flush=True)
+        wrappers = [e for e in worker._experts.values() if isinstance(e, CudaGraphExperts)] if worker._experts else []
+        chunk_limit = wrappers[0].max_chunked_tokens if wrappers else 0
         for tokens, requests in batches.items():
             groups = [[requests[i] for i in g] for g in split_runs([r.tokens for r in requests], limit)]
             for group in groups:  # first calls (a variant captured on first use) stay out of the timing
                 worker.run(group)
             worker.run(requests)
-            row = {"limit": limit, "tokens": sum(r.tokens for r in requests), "graph": bool(worker.graph_layers) and
-                   sum(r.tokens for r in requests) <= limit, "whole_us": median_us(worker, [requests]),
+            total = sum(r.tokens for r in requests)
+            path = "eager" if not wrappers else "graph" if total <= limit else "chunks" if total <= chunk_limit else "eager"
+            row = {"limit": limit, "tokens": total, "path": path, "whole_us": median_us(worker, [requests]), "eager_us": None,
                    "split_us": median_us(worker, groups), "split_runs": len(groups)}
+            if path == "chunks":  # the same batch as before chunking: one eager call
+                for w in wrappers:
+                    w.max_chunked_tokens = 0
+                worker.run(requests)  # an eager size the warm-up (above the chunks) did not run may compile
+                row["eager_us"] = median_us(worker, [requests])
+                for w in wrappers:
+                    w.max_chunked_tokens = chunk_limit
             rows.append(row)
-            print(f"[limit] N={limit} T={row['tokens']}: whole {row['whole_us']:.0f} us ({'graph' if row['graph'] else 'eager'}), "
-                  f"split into {row['split_runs']} run(s) {row['split_us']:.0f} us", flush=True)
+            print(f"[limit] N={limit} T={total}: whole {row['whole_us']:.0f} us ({path})"
+                  + (f", eagerly {row['eager_us']:.0f} us" if row["eager_us"] is not None else "")
+                  + f", split into {row['split_runs']} run(s) {row['split_us']:.0f} us", flush=True)
         (args.out / "graph_limit.json").write_text(json.dumps({"shape": args.shape, "backend": args.backend,
                                                                 "device": str(device), "rows": rows,
                                                                 "eager_call": eager}, indent=1))
@@ -150,10 +165,10 @@ def main() -> int:
         for tokens, e in eager.items():
             print(f"| {tokens} | {e['launch_us']:.0f} | {e['gpu_us']:.0f} |")
     print(f"\n{args.shape}, {args.backend} on {device}: median us of {args.repeats} back-to-back calls")
-    print("| graphs up to N | T | whole batch us | path | split at N us | runs |\n|---|---|---|---|---|---|")
+    print("| graphs up to N | T | whole batch us | path | eager (no chunks) us | split at N us | runs |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['limit']} | {r['tokens']} | {r['whole_us']:.0f} | {'graph' if r['graph'] else 'eager'} | "
-              f"{r['split_us']:.0f} | {r['split_runs']} |")
+        eager_us = "-" if r["eager_us"] is None else f"{r['eager_us']:.0f}"
+        print(f"| {r['limit']} | {r['tokens']} | {r['whole_us']:.0f} | {r['path']} | {eager_us} | {r['split_us']:.0f} | {r['split_runs']} |")
     return 0
 
 

@@ -16,6 +16,7 @@ import time
 
 from lutb_gpu_testdata import make_layer, use_h200_rules
 from lutb_kernels.checkpoint import CheckpointConfig
+from lutb_kernels.experts.graphs import CHUNK_FACTOR
 from lutb_kernels.experts.packed import LutBPackedExperts
 from lutb_kernels.hf_import import compact_ids
 from lutb_server.worker import _powers_of_two_upto, warm_up_sizes
@@ -26,11 +27,13 @@ SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--graphs", type=int, default=512, help="largest CUDA-graph bucket (eager sizes start above it)")
+    p.add_argument("--graphs", type=int, default=512,
+                   help="largest CUDA-graph bucket (batches up to CHUNK_FACTOR times it run as chunks; eager sizes start above)")
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--shards", default="1,2,4,8", help="comma list: the layer split in n shards (skipped when E < n)")
     args = p.parse_args()
     use_h200_rules()
+    eager_above = CHUNK_FACTOR * args.graphs  # CudaGraphExperts.eager_above at the default chunk limit
     print("| shape | experts held | warm-up sizes | sizes whose key powers of two miss | choice s |")
     print("|---|---|---|---|---|")
     for name, (experts, hidden, inter, top_k) in SHAPES.items():
@@ -41,10 +44,10 @@ def main() -> int:
             held = experts // n
             key = LutBPackedExperts(cfg, make_layer(cfg, list(range(held))), "cpu").launch_key
             start = time.perf_counter()
-            sizes = warm_up_sizes(args.graphs, args.max_tokens, key, top_k)
+            sizes = warm_up_sizes(eager_above, args.max_tokens, key, top_k)
             seconds = time.perf_counter() - start
-            powers = {key(t, top_k) for t in _powers_of_two_upto(args.max_tokens) if t > args.graphs}
-            missed = [t for t in range(args.graphs + 1, args.max_tokens + 1) if key(t, top_k) not in powers]
+            powers = {key(t, top_k) for t in _powers_of_two_upto(args.max_tokens) if t > eager_above}
+            missed = [t for t in range(eager_above + 1, args.max_tokens + 1) if key(t, top_k) not in powers]
             print(f"| {name} | {held} of {experts} | {', '.join(map(str, sizes))} | {compact_ids(missed) or '-'} | {seconds:.2f} |", flush=True)
     return 0
 

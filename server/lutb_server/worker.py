@@ -27,7 +27,8 @@ CUDA graphs: with ``cuda_graph_max_tokens > 0`` on a CUDA device, every layer wh
 backend is capture-safe is wrapped in ``CudaGraphExperts``; :meth:`ComputeWorker.capture_graphs`
 captures the ``combined`` / weights-on-output / ``cuda_graph_top_k`` variant for every
 bucket at start-up (the server calls it before it reports SERVING); other variants are
-captured on first use.
+captured on first use. Batches above the largest bucket run as chunks of graph replays up to
+``CudaGraphExperts.max_chunked_tokens``, and eagerly above it.
 """
 
 from __future__ import annotations
@@ -266,11 +267,12 @@ class ComputeWorker:
     def warm_up(self, max_tokens: int) -> float:
         """Run one batch per eager kernel configuration so Triton compiles them all before serving.
 
-        Batches above the CUDA-graph buckets run eagerly, and the experts pick their routing
+        Batches above the CUDA graphs and their chunks (``CudaGraphExperts.eager_above``) run eagerly,
+        and the experts pick their routing
         block and GEMM configs (each a kernel specialisation) from the batch size; a
         configuration first met under load would stall that batch for the seconds a compile
         takes. This runs one layer (all layers share shapes, hence kernels) at every power of two
-        from above the largest bucket up to ``max_tokens``, and at the smallest size of every
+        from above ``eager_above`` up to ``max_tokens``, and at the smallest size of every
         other launch key the experts report (``launch_key``; powers of two miss those whose
         config changes inside their range, e.g. split-K or MXFP8 rows per program), with uniform random routing at
         ``cuda_graph_top_k`` (8 when 0) over all the model's experts, as clients route. Call it
@@ -279,11 +281,11 @@ class ComputeWorker:
         if not self.cuda or not self._experts:
             return 0.0
         experts = next(iter(self._experts.values()))
-        buckets = experts.buckets if isinstance(experts, CudaGraphExperts) else ()
+        eager_above = experts.eager_above if isinstance(experts, CudaGraphExperts) else 0
         inner = experts.inner if isinstance(experts, CudaGraphExperts) else experts
         num_experts = inner.config.num_experts
         k = min(self.cuda_graph_top_k or 8, num_experts)
-        sizes = warm_up_sizes(buckets[-1] if buckets else 0, max_tokens, getattr(inner, "launch_key", None), k)
+        sizes = warm_up_sizes(eager_above, max_tokens, getattr(inner, "launch_key", None), k)
         if not sizes:
             return 0.0
         gen = torch.Generator(device=self.device).manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 
 from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights
 from lutb_kernels.errors import NonFiniteInputError
-from lutb_kernels.experts.graphs import CudaGraphExperts, GraphKey, bucket_for, is_capture_safe, token_buckets
+from lutb_kernels.experts.graphs import CHUNK_FACTOR, CudaGraphExperts, GraphKey, bucket_for, is_capture_safe, token_buckets
 from lutb_kernels.experts.reference import ReferenceExperts
 from lutb_kernels.tiles import TILE, pack_tiles
 
@@ -121,7 +121,7 @@ def test_pad_expert_prefers_one_not_held(shard: CaptureSafeReference, whole: Row
 @pytest.mark.parametrize(("k", "mode", "on_input"), [(2, "combined", False), (3, "route_major", False), (1, "combined", True)])
 def test_padding_does_not_change_real_rows(request: pytest.FixtureRequest, fixture: str, k: int, mode: str, on_input: bool) -> None:
     inner = request.getfixturevalue(fixture)
-    wrapper = CudaGraphExperts(inner, max_tokens=16, use_graphs=False)
+    wrapper = CudaGraphExperts(inner, max_tokens=16, use_graphs=False, max_chunked_tokens=0)  # no chunks: 17 runs eagerly
     num_experts = inner.config.num_experts
     # Descending sizes inside one bucket too (16 then 9, 4 then 3): stale rows must become padding again.
     for step, tokens in enumerate((1, 5, 16, 9, 4, 3, 2, 0, 17, 7)):
@@ -139,6 +139,38 @@ def test_padding_does_not_change_real_rows(request: pytest.FixtureRequest, fixtu
         entry = wrapper._entries[GraphKey(bucket, k, on_input, mode)]
         assert bool((entry.x[tokens:] == 0).all()) and bool((entry.w[tokens:] == 0).all())
         assert bool((entry.ids[tokens:] == wrapper.pad_expert).all())
+
+
+@pytest.mark.parametrize("held", [[0, 1, 2, 3], [1, 3]], ids=["whole", "shard"])
+@pytest.mark.parametrize(("k", "mode", "on_input"), [(2, "combined", False), (3, "route_major", False), (1, "combined", True)])
+def test_batches_above_the_largest_bucket_run_in_chunks(held: list[int], k: int, mode: str, on_input: bool) -> None:
+    """Up to max_chunked_tokens a batch replays the largest bucket's graph chunk by chunk (the rest in a smaller
+    bucket) into one output, equal to the backend's; above it the backend runs eagerly on the whole batch."""
+    cfg, layer = _layer(4, held, seed=2)
+    inner = RowwiseReference(cfg, layer, "cpu")  # row by row: chunking cannot change a bit
+    wrapper = CudaGraphExperts(inner, max_tokens=16, use_graphs=False, max_chunked_tokens=40)
+    assert wrapper.eager_above == 40 and CudaGraphExperts(inner, max_tokens=16, use_graphs=False).eager_above == 16 * CHUNK_FACTOR
+    for step, (tokens, calls) in enumerate([(17, [16, 1]), (40, [16, 16, 8]), (33, [16, 16, 1]), (32, [16, 16]),
+                                            (5, [8]), (41, [41])]):
+        x, ids, w = _batch(tokens, k, 4, seed=7 * step + k)
+        want = inner.forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
+        inner.calls.clear()
+        nonfinite = torch.zeros(1, dtype=torch.int32)
+        got = wrapper.forward_unchecked(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode, nonfinite=nonfinite)
+        assert torch.equal(got, want), (tokens, calls)
+        assert [c[0] for c in inner.calls] == calls and all(c[1:] == (k, on_input, mode) for c in inner.calls)
+        assert int(nonfinite) == 0
+    x, ids, w = _batch(20, k, 4, seed=99)  # a NaN in the second chunk raises the caller's flag
+    x[18, 3] = float("nan")
+    nonfinite = torch.zeros(1, dtype=torch.int32)
+    wrapper.forward_unchecked(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode, nonfinite=nonfinite)
+    assert int(nonfinite) == 1
+
+
+@pytest.mark.parametrize("bad", [-1, -16])
+def test_refuses_a_negative_chunk_limit(shard: CaptureSafeReference, bad: int) -> None:
+    with pytest.raises(ValueError, match="max_chunked_tokens"):
+        CudaGraphExperts(shard, max_tokens=16, use_graphs=False, max_chunked_tokens=bad)
 
 
 def test_static_inputs_path_and_returned_view(shard: CaptureSafeReference) -> None:
@@ -224,6 +256,19 @@ def _padded(x, ids, w, bucket: int, pad: int):  # noqa: ANN001, ANN202
     return xp, idp, wp
 
 
+def _eager_twin(inner, wrapper, x, ids, w, on_input: bool, mode: str) -> torch.Tensor:  # noqa: ANN001
+    """What ``wrapper.forward_unchecked`` computes, run eagerly by ``inner``: each graph-sized chunk padded to its bucket."""
+    tokens, largest = ids.shape[0], wrapper.buckets[-1]
+    if tokens > wrapper.eager_above or tokens == 0:
+        return inner.forward_unchecked(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode).clone()
+    parts = []
+    for start in range(0, tokens, largest):
+        stop = min(start + largest, tokens)
+        args = _padded(x[start:stop], ids[start:stop], w[start:stop], bucket_for(stop - start, wrapper.buckets), wrapper.pad_expert)
+        parts.append(inner.forward_unchecked(*args, apply_router_weight_on_input=on_input, output_mode=mode)[:stop - start].clone())
+    return torch.cat(parts)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["packed", "emulated"])
 @pytest.mark.parametrize(("held", "k", "mode", "on_input"), [
@@ -244,24 +289,22 @@ def test_graph_replay_matches_eager(backend: str, held: list[int], k: int, mode:
     torch.cuda.synchronize()
     assert all(wrapper.graphs.values()) and len(wrapper.graphs) == len(wrapper.buckets)
     nondeterministic = []
-    for step, tokens in enumerate((1, 3, 8, 13, 64, 33, 2, 100)):
+    for step, tokens in enumerate((1, 3, 8, 13, 64, 33, 2, 100, 600)):  # 100: two chunks; 600 > 8 x 64: eager
         gen = torch.Generator().manual_seed(1000 + step)
         x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16).cuda()
         ids = torch.stack([torch.randperm(8, generator=gen)[:k] for _ in range(tokens)]).to(torch.int32).cuda()
         w = torch.softmax(torch.randn(tokens, k, generator=gen), dim=-1).cuda()
-        bucket = bucket_for(tokens, wrapper.buckets)
         with torch.cuda.stream(stream):
-            if bucket is not None:
-                wrapper._entries[GraphKey(bucket, k, on_input, mode)].out.fill_(float("nan"))  # poison the static output
+            for entry in wrapper._entries.values():  # poison every static output (chunks copy out of them)
+                entry.out.fill_(float("nan"))
             flag = torch.zeros(1, dtype=torch.int32, device="cuda")
             got = wrapper.forward_unchecked(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode,
                                             nonfinite=flag).clone()
         torch.cuda.synchronize()
         assert int(flag) == 0 and not got.isnan().any(), tokens
-        # The eager twin: the same padded batch (what the graph computes), sliced.
-        args = _padded(x, ids, w, bucket, wrapper.pad_expert) if bucket is not None else (x, ids, w)
-        runs = [inner.forward_unchecked(*args, apply_router_weight_on_input=on_input, output_mode=mode)[:tokens].clone()
-                for _ in range(3)]
+        # The eager twin: the same padded batch (what the graph computes), sliced; above the largest bucket the same
+        # for each chunk (100 tokens: 64 + 36 in the bucket of 64), concatenated.
+        runs = [_eager_twin(inner, wrapper, x, ids, w, on_input, mode) for _ in range(3)]
         unpadded = inner.forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
         assert _rel_l2(got, unpadded) <= 1e-2, tokens
         if all(torch.equal(runs[0], r) for r in runs[1:]):

@@ -103,8 +103,8 @@ def test_graph_limit_bench_smoke(tmp_path: Path) -> None:
                                          "--sizes", "16,48", "--repeats", "1"], timeout=120)
     rows = json.loads((out / "graph_limit.json").read_text())["rows"]
     assert [(r["limit"], r["tokens"], r["split_runs"]) for r in rows] == [(16, 16, 1), (16, 48, 3), (32, 16, 1), (32, 48, 2)]
-    assert all(r["whole_us"] > 0 and r["split_us"] > 0 and not r["graph"] for r in rows)
-    assert proc.stdout.rstrip().splitlines()[-1] == "| 32 | 48 | " + f"{rows[-1]['whole_us']:.0f} | eager | {rows[-1]['split_us']:.0f} | 2 |"
+    assert all(r["whole_us"] > 0 and r["split_us"] > 0 and r["path"] == "eager" and r["eager_us"] is None for r in rows)
+    assert proc.stdout.rstrip().splitlines()[-1] == "| 32 | 48 | " + f"{rows[-1]['whole_us']:.0f} | eager | - | {rows[-1]['split_us']:.0f} | 2 |"
 
 
 def test_serving_overhead_bench_smoke(tmp_path: Path) -> None:

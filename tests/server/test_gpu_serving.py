@@ -66,7 +66,8 @@ def test_graphs_captured_before_serving(servers: tuple[ServerThread, ServerThrea
 
 
 @pytest.mark.parametrize(("tokens", "k", "mode"), [(1, 4, "combined"), (5, 4, "combined"), (64, 4, "combined"),
-                                                   (100, 4, "combined"), (3, 2, "route_major"), (17, 1, "combined")])
+                                                   (100, 4, "combined"), (600, 4, "combined"), (3, 2, "route_major"),
+                                                   (17, 1, "combined")])  # graphs to 64; 100: chunks; 600 > 8 x 64: eager
 def test_outputs_match_reference_and_eager(servers: tuple[ServerThread, ServerThread], reference: ReferenceExperts,
                                            tokens: int, k: int, mode: str) -> None:
     graphs, eager = servers

@@ -165,9 +165,9 @@ def test_warm_up_runs_every_eager_size_on_the_gpu(tiny_checkpoint: Path) -> None
 
     ckpt = Checkpoint(tiny_checkpoint)
     gpu_engine = ExpertEngine(ckpt, choose_backend("auto", ckpt.config, torch.device("cuda")), validate_tiles=False)
-    worker = ComputeWorker(gpu_engine, cuda_graph_max_tokens=64).start()
+    worker = ComputeWorker(gpu_engine, cuda_graph_max_tokens=16).start()  # graphs to 16, their chunks to 128
     try:
-        assert worker.call(worker.warm_up, 512).result(timeout=300) > 0.0
+        assert worker.call(worker.warm_up, 512).result(timeout=300) > 0.0  # eager 256 and 512 at least
         requests = _requests(gpu_engine, [300], k=2)
         outputs = worker.submit(requests).result(timeout=60).outputs
         assert outputs[0].shape == (300, gpu_engine.config.hidden_size) and torch.isfinite(outputs[0].float()).all()
@@ -185,7 +185,7 @@ def test_no_eager_batch_size_compiles_after_the_warm_up(tiny_checkpoint: Path) -
 
     ckpt = Checkpoint(tiny_checkpoint)
     gpu_engine = ExpertEngine(ckpt, choose_backend("packed", ckpt.config, torch.device("cuda")), validate_tiles=False)
-    worker = ComputeWorker(gpu_engine, cuda_graph_max_tokens=64, cuda_graph_top_k=2).start()
+    worker = ComputeWorker(gpu_engine, cuda_graph_max_tokens=16, cuda_graph_top_k=2).start()
     compiled: list[str] = []
 
     def hook(*, fn, **_: object) -> bool:
@@ -194,10 +194,10 @@ def test_no_eager_batch_size_compiles_after_the_warm_up(tiny_checkpoint: Path) -
 
     previous = triton.knobs.runtime.jit_cache_hook
     try:
-        worker.call(worker.capture_graphs).result(timeout=300)  # the server's start-up: graphs to 64 tokens,
-        worker.call(worker.warm_up, 512).result(timeout=300)  # then eager sizes 128, 256, 512
+        worker.call(worker.capture_graphs).result(timeout=300)  # the server's start-up: graphs to 16 tokens (chunks to 128),
+        worker.call(worker.warm_up, 512).result(timeout=300)  # then eager sizes 256, 512 and other launch keys
         triton.knobs.runtime.jit_cache_hook = hook
-        for tokens in (65, 200, 300, 333, 480, 511):
+        for tokens in (65, 200, 300, 333, 480, 511):  # 65: chunks of graphs; the rest eager
             got = worker.submit(_requests(gpu_engine, [tokens], k=2, seed=tokens)).result(timeout=120).outputs[0]
             assert got.shape == (tokens, gpu_engine.config.hidden_size) and torch.isfinite(got.float()).all()
         assert compiled == []
@@ -207,10 +207,10 @@ def test_no_eager_batch_size_compiles_after_the_warm_up(tiny_checkpoint: Path) -
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [5, 100], ids=["graph", "eager"])
+@pytest.mark.parametrize("tokens", [5, 100, 600], ids=["graph", "chunks", "eager"])  # graphs to 64, chunks to 512
 def test_a_nonfinite_batch_fails_alone_on_the_gpu(tiny_checkpoint: Path, tokens: int) -> None:
     """The device NaN/Inf flag is reset only after a batch that set it: that batch raises,
-    the batches before and after it (same graph or eager size) come back right."""
+    the batches before and after it (same graph, chunks or eager size) come back right."""
     import dataclasses
 
     from lutb_kernels.checkpoint import Checkpoint

@@ -8,8 +8,17 @@ output_mode)``, static input/output buffers and one captured graph of
 ``forward_unchecked`` on them. A batch of ``T`` tokens runs the graph of the smallest
 bucket ``B >= T`` (buckets: powers of two up to ``max_tokens``, and ``max_tokens``
 itself): rows ``T..B-1`` are *padding* (hidden state 0, router weight 0, every route to
-:attr:`CudaGraphExperts.pad_expert`) and the output is sliced to ``T`` rows. Above the
-largest bucket the wrapped backend runs eagerly.
+:attr:`CudaGraphExperts.pad_expert`) and the output is sliced to ``T`` rows. A batch above
+the largest bucket runs in *chunks*, up to ``max_chunked_tokens`` tokens (by default
+:data:`CHUNK_FACTOR` times the largest bucket): consecutive replays of the largest bucket's
+graph and one smaller for the rest, their outputs copied into one tensor, all on the stream
+without a host sync. Larger batches run the wrapped backend eagerly.
+
+Why chunks: an eager call launches ~10 Triton kernels and, above 4096 routes, ~25 torch ops
+for the routing, and on the H200 those launches, not the GPU, set its time until a few thousand
+tokens: qwen3 batches of 528-1024 tokens took 2.6-6.0 ms eagerly against ~1 ms for 480 tokens in
+a graph, and eager caught up with 512-token graphs per token only at ~8192 tokens
+(bench/results/2026-12-04-eager-compiles-h200.md, 2026-12-04-worker-calls-h200.md).
 
 Padding never changes a real row: a capture-safe backend computes each token from its
 own row and routes only. The pad expert is a global id this layer does *not* hold when
@@ -48,6 +57,8 @@ DEFAULT_MAX_TOKENS = 512
 """Largest token bucket captured by default (``--cuda-graph-max-tokens``)."""
 DEFAULT_MAX_VARIANTS = 8
 """Most (top_k, weighting, output mode) variants one layer captures graphs for."""
+CHUNK_FACTOR = 8
+"""Batches of up to this many times the largest bucket run as chunks of graph replays (see the module docstring)."""
 
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
@@ -148,9 +159,12 @@ class CudaGraphExperts(LayerExperts):
         pool: a ``torch.cuda.graph_pool_handle()`` shared by the graphs (several wrappers may
             share one: graphs are replayed one at a time on one stream); a new one if None.
         max_variants: most distinct (top_k, weighting, output mode) variants captured.
+        max_chunked_tokens: largest batch run as chunks of graph replays (None: ``CHUNK_FACTOR``
+            times the largest bucket; 0, or at most the largest bucket: never); larger ones run eagerly.
 
-    ``forward_unchecked`` returns a view of a static output buffer: read (copy) it before
-    the next call on this wrapper. ``forward`` validates and returns a copy.
+    ``forward_unchecked`` returns a view of a static output buffer (a graph-sized batch) or a new
+    tensor (chunks, eager): read (copy) it before the next call on this wrapper. ``forward``
+    validates and returns a copy.
     """
 
     capture_safe: ClassVar[bool] = False  # it replays graphs; it is not itself capturable
@@ -163,6 +177,7 @@ class CudaGraphExperts(LayerExperts):
         use_graphs: bool | None = None,
         pool: Any = None,
         max_variants: int = DEFAULT_MAX_VARIANTS,
+        max_chunked_tokens: int | None = None,
     ) -> None:
         if not is_capture_safe(inner):
             raise ValueError(f"{type(inner).__name__} is not capture-safe (capture_safe is False or it has no forward_unchecked)")
@@ -179,6 +194,10 @@ class CudaGraphExperts(LayerExperts):
             raise ValueError(f"CUDA graphs need a CUDA device, the experts are on {self.device}")
         self._pool = pool if pool is not None or not self.use_graphs else torch.cuda.graph_pool_handle()
         self.max_variants = max_variants
+        if max_chunked_tokens is not None and max_chunked_tokens < 0:
+            raise ValueError(f"max_chunked_tokens must be >= 0 or None, got {max_chunked_tokens}")
+        largest = self.buckets[-1] if self.buckets else 0
+        self.max_chunked_tokens = CHUNK_FACTOR * largest if max_chunked_tokens is None else max_chunked_tokens
         self.pad_expert = self._choose_pad_expert()
         self._entries: dict[GraphKey, _Entry] = {}
         self._variants: set[tuple[int, bool, str]] = set()
@@ -200,6 +219,11 @@ class CudaGraphExperts(LayerExperts):
     @property
     def weight_bytes(self) -> int:
         return self.inner.weight_bytes
+
+    @property
+    def eager_above(self) -> int:
+        """Batches of more tokens than this run the wrapped backend eagerly (the largest bucket, or the chunk limit)."""
+        return max(self.buckets[-1] if self.buckets else 0, self.max_chunked_tokens)
 
     @property
     def graphs(self) -> dict[GraphKey, bool]:
@@ -320,20 +344,39 @@ class CudaGraphExperts(LayerExperts):
         output_mode: OutputMode = "combined",
         nonfinite: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Replay the bucket's graph on the batch (or run eagerly); the caller vouches for the arguments.
+        """Replay the bucket's graph on the batch (in chunks above the largest bucket, or run eagerly);
+        the caller vouches for the arguments.
 
         Returns ``[T, H]`` (combined) or ``[T, k, H]`` (route-major) in the model dtype: a view of
-        the static output when a graph ran, valid until the next call. ``nonfinite``: as for the
+        the static output when one graph ran, valid until the next call. ``nonfinite``: as for the
         wrapped backend (set to 1 when an MXFP8 quantization met NaN/Inf).
         """
         tokens, top_k = topk_ids.shape
         key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode)
-        if key is None:
+        if key is not None:
+            return self._replay(self._entry(key), x, topk_ids, topk_weights, nonfinite)
+        largest = self.buckets[-1] if self.buckets else 0
+        chunk_key = self.key_for(largest, top_k, apply_router_weight_on_input, output_mode) if largest else None
+        if chunk_key is None or not largest < tokens <= self.max_chunked_tokens:
             return self.inner.forward_unchecked(  # type: ignore[attr-defined]
                 x, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
                 output_mode=output_mode, nonfinite=nonfinite,
             )
-        entry = self._entry(key)
+        hidden = self.config.hidden_size
+        out = torch.empty((tokens, top_k, hidden) if output_mode == "route_major" else (tokens, hidden), dtype=x.dtype,
+                          device=x.device)
+        for start in range(0, tokens, largest):
+            stop = min(start + largest, tokens)
+            key = self.key_for(stop - start, top_k, apply_router_weight_on_input, output_mode)
+            assert key is not None  # a bucket holds every chunk, and the variant is known (chunk_key)
+            out[start:stop].copy_(self._replay(self._entry(key), x[start:stop], topk_ids[start:stop],
+                                               topk_weights[start:stop], nonfinite))
+        return out
+
+    def _replay(self, entry: _Entry, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                nonfinite: torch.Tensor | None) -> torch.Tensor:
+        """Run one graph-sized batch in ``entry``'s graph: a view of its static output (first ``T`` rows)."""
+        tokens = topk_ids.shape[0]
         for src, dst in zip((x, topk_ids, topk_weights), entry.inputs(tokens)):
             if src.data_ptr() != dst.data_ptr():  # not already written there through static_inputs()
                 dst.copy_(src, non_blocking=True)
@@ -352,6 +395,7 @@ class CudaGraphExperts(LayerExperts):
 
 
 __all__ = [
+    "CHUNK_FACTOR",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_MAX_VARIANTS",
     "CudaGraphExperts",
