@@ -69,7 +69,8 @@ class ServerSettings(BaseSettings):
         True, description="check every weight tile of the checkpoint at startup (spec section 1 rules)"
     )
     cuda_graph_max_tokens: int = Field(
-        512, ge=0, description="largest batch (tokens) run through CUDA graphs, captured per power-of-two bucket; 0 disables graphs"
+        512, ge=0, description="largest CUDA-graph bucket (tokens), captured per power of two; batches up to 8 times it "
+        "replay the graphs in chunks; 0 disables graphs"
     )
     cuda_graph_top_k: int = Field(
         8, ge=0, description="top-k whose CUDA graphs are captured at startup (others on first use); 0: all on first use"
