@@ -9,11 +9,12 @@ A LUT-B matrix is stored as 128x128 tiles of 6672 bytes each (3.2578 bits per we
 routed expert is a gated W13 [2I, H] plus a W2 [H, I]. Only routed experts are counted:
 attention, embeddings, dense layers and shared experts stay with the attention tier.
 
-CUDA graphs (``--cuda-graph-max-tokens N``) add static buffers per layer: for every token bucket
-B (powers of two up to N, and N) the graph's input rows ``x [B, H]`` (model dtype), ``topk_ids
-[B, k]`` (int32), ``topk_weights [B, k]`` (float32) and its output ``[B, H]`` (model dtype), for
-the variant the server captures at start-up (combined output, its top-k). Other variants, captured
-on first use, add their own; the graphs' shared pool of intermediate activations comes on top.
+CUDA graphs (``--cuda-graph-max-tokens N``) add static buffers: for every token bucket B (powers
+of two up to N, and N) each layer's graph keeps its output ``[B, H]`` (model dtype), for the variant
+the server captures at start-up (combined output, its top-k), and the layers share one set of input
+rows ``x [B, H]`` (model dtype), ``topk_ids [B, k]`` (int32) and ``topk_weights [B, k]`` (float32).
+Other variants, captured on first use, add their own outputs; the graphs' shared pool of
+intermediate activations comes on top.
 
 Shards follow `lutb shard`: each shard holds a subset of the experts, for every MoE layer, so
 a shard of k experts needs k x layers x (bytes per expert). The number of shards is the
@@ -101,14 +102,16 @@ class MoEShape:
         return self.moe_layers * self.layer_bytes(fmt)
 
     def graph_layer_bytes(self, max_tokens: int, dtype_bytes: int = BF16_BYTES) -> int:
-        """Static buffers of one layer's start-up CUDA graphs (see the module docstring): per bucket row,
-        x and the output in the model dtype, top-k ids (int32) and weights (float32)."""
-        row = 2 * self.hidden * dtype_bytes + self.top_k * (4 + 4)
-        return sum(graph_buckets(max_tokens)) * row
+        """One layer's start-up CUDA-graph outputs (see the module docstring): every bucket's rows in the model dtype."""
+        return sum(graph_buckets(max_tokens)) * self.hidden * dtype_bytes
+
+    def graph_input_bytes(self, max_tokens: int, dtype_bytes: int = BF16_BYTES) -> int:
+        """The input rows the layers share: x in the model dtype, top-k ids (int32) and weights (float32) per bucket row."""
+        return sum(graph_buckets(max_tokens)) * (self.hidden * dtype_bytes + self.top_k * (4 + 4))
 
     def graph_bytes(self, max_tokens: int, dtype_bytes: int = BF16_BYTES) -> int:
-        """:meth:`graph_layer_bytes` for every MoE layer (each server holds every layer of its shard)."""
-        return self.moe_layers * self.graph_layer_bytes(max_tokens, dtype_bytes)
+        """Every MoE layer's outputs (each server holds every layer of its shard) and the shared input rows."""
+        return self.moe_layers * self.graph_layer_bytes(max_tokens, dtype_bytes) + self.graph_input_bytes(max_tokens, dtype_bytes)
 
 
 REFERENCE_SHAPES = (

@@ -7,7 +7,15 @@ import torch
 
 from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights
 from lutb_kernels.errors import NonFiniteInputError
-from lutb_kernels.experts.graphs import CHUNK_FACTOR, CudaGraphExperts, GraphKey, bucket_for, is_capture_safe, token_buckets
+from lutb_kernels.experts.graphs import (
+    CHUNK_FACTOR,
+    CudaGraphExperts,
+    GraphKey,
+    StaticInputs,
+    bucket_for,
+    is_capture_safe,
+    token_buckets,
+)
 from lutb_kernels.experts.reference import ReferenceExperts
 from lutb_kernels.tiles import TILE, pack_tiles
 
@@ -165,6 +173,26 @@ def test_batches_above_the_largest_bucket_run_in_chunks(held: list[int], k: int,
     nonfinite = torch.zeros(1, dtype=torch.int32)
     wrapper.forward_unchecked(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode, nonfinite=nonfinite)
     assert int(nonfinite) == 1
+
+
+def test_layers_share_input_rows() -> None:
+    """Two layers' wrappers given one StaticInputs write their batches into the same rows; interleaved, each
+    still computes its own layer, and a smaller batch of one after a larger batch of the other sees padding."""
+    layers = [RowwiseReference(*_layer(8, [1, 2, 4, 5, 7], seed=s), "cpu") for s in (3, 4)]
+    inputs = StaticInputs()
+    wrappers = [CudaGraphExperts(inner, max_tokens=16, use_graphs=False, inputs=inputs) for inner in layers]
+    for step, (layer, tokens) in enumerate([(0, 16), (1, 9), (0, 3), (1, 16), (1, 5), (0, 12), (1, 40)]):
+        x, ids, w = _batch(tokens, 2, 8, seed=11 * step)
+        got = wrappers[layer].forward_unchecked(x, ids, w)
+        assert torch.equal(got, layers[layer].forward(x, ids, w)), (layer, tokens)
+        if tokens <= 16:
+            rows = wrappers[layer]._entries[GraphKey(bucket_for(tokens, wrappers[layer].buckets), 2, False, "combined")].rows
+            assert bool((rows.x[tokens:] == 0).all()) and bool((rows.ids[tokens:] == wrappers[layer].pad_expert).all())
+    shared = {key: e.rows for key, e in wrappers[0]._entries.items()}
+    assert all(e.rows is shared[key] for key, e in wrappers[1]._entries.items() if key in shared) and shared
+    unique = {id(e.rows): e.rows for wr in wrappers for e in wr._entries.values()}  # one set of rows per bucket
+    assert len(unique) == len({key.bucket for wr in wrappers for key in wr._entries})
+    assert inputs.nbytes == sum(r.nbytes for r in unique.values())
 
 
 @pytest.mark.parametrize("bad", [-1, -16])
@@ -333,6 +361,34 @@ def test_graph_memory_is_shared_and_bounded() -> None:
     # Two layers x 10 buckets share one pool: far less than 20 private pools of the largest batch's activations.
     largest = 512 * 8 * (2 * 256 + 512) * 2 + 512 * 8 * 512 * 4
     assert grown < 10 * largest, grown
+
+
+@pytest.mark.gpu
+def test_layers_sharing_input_rows_replay_their_own_graphs() -> None:
+    """Two packed layers, one graph pool and one StaticInputs (as a worker builds them): interleaved graph,
+    chunk and smaller batches each give their own layer's result."""
+    cls = _gpu_backend("packed")
+    layers = [cls(*_gpu_layer(256, 384, 8, list(range(6)), "bfloat16", seed=s), "cuda") for s in (5, 6)]
+    pool, inputs = torch.cuda.graph_pool_handle(), StaticInputs()
+    wrappers = [CudaGraphExperts(inner, max_tokens=64, pool=pool, inputs=inputs) for inner in layers]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for wrapper in wrappers:
+            wrapper.capture(4)
+    torch.cuda.synchronize()
+    assert wrappers[0]._entries[GraphKey(64, 4, False, "combined")].rows is wrappers[1]._entries[GraphKey(64, 4, False, "combined")].rows
+    for step, (layer, tokens) in enumerate([(0, 64), (1, 9), (0, 3), (1, 100), (0, 33), (1, 64)]):
+        gen = torch.Generator().manual_seed(2000 + step)
+        x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16).cuda()
+        ids = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(tokens)]).to(torch.int32).cuda()
+        w = torch.softmax(torch.randn(tokens, 4, generator=gen), dim=-1).cuda()
+        with torch.cuda.stream(stream):
+            got = wrappers[layer].forward_unchecked(x, ids, w).clone()
+        torch.cuda.synchronize()
+        twin = _eager_twin(layers[layer], wrappers[layer], x, ids, w, False, "combined")
+        assert torch.equal(got, twin) or _rel_l2(got, twin) <= 1e-2, (layer, tokens)  # bit-equal unless split-K atomics
+        assert _rel_l2(got, layers[layer].forward(x, ids, w)) <= 1e-2, (layer, tokens)
+        assert _rel_l2(got, layers[1 - layer].forward(x, ids, w)) > 0.1  # not the other layer's result
 
 
 @pytest.mark.gpu

@@ -4,8 +4,9 @@ A decode step sends a few tokens; launching the experts' ~10 kernels one by one 
 more CPU time than the GPU spends on them. :class:`CudaGraphExperts` wraps any
 capture-safe backend (``LayerExperts.capture_safe``; its ``forward_unchecked`` does no
 host sync) and keeps, per *variant* ``(bucket, top_k, apply_router_weight_on_input,
-output_mode)``, static input/output buffers and one captured graph of
-``forward_unchecked`` on them. A batch of ``T`` tokens runs the graph of the smallest
+output_mode)``, a static output and one captured graph of ``forward_unchecked`` on static
+input rows, one set per ``(bucket, top_k)`` that the wrappers given one :class:`StaticInputs`
+share (a worker's layers: their graphs replay one at a time). A batch of ``T`` tokens runs the graph of the smallest
 bucket ``B >= T`` (buckets: powers of two up to ``max_tokens``, and ``max_tokens``
 itself): rows ``T..B-1`` are *padding* (hidden state 0, router weight 0, every route to
 :attr:`CudaGraphExperts.pad_expert`) and the output is sliced to ``T`` rows. A batch above
@@ -104,40 +105,28 @@ class GraphKey:
         return (self.top_k, self.apply_router_weight_on_input, self.output_mode)
 
 
-class _Entry:
-    """Static buffers (and, on CUDA, the graph) of one :class:`GraphKey`."""
+class _InputRows:
+    """The static input rows of the graphs of one ``(bucket, top_k)`` shape: ``x [B, H]``, ``ids [B, k]``, ``w [B, k]``."""
 
-    def __init__(self, key: GraphKey, hidden: int, dtype: torch.dtype, device: torch.device, pad_expert: int) -> None:
-        b, k = key.bucket, key.top_k
-        self.key = key
+    def __init__(self, bucket: int, top_k: int, hidden: int, dtype: torch.dtype, device: torch.device, pad_expert: int) -> None:
         self.pad_expert = pad_expert
-        self.x = torch.zeros((b, hidden), dtype=dtype, device=device)
-        self.ids = torch.full((b, k), pad_expert, dtype=torch.int32, device=device)
-        self.w = torch.zeros((b, k), dtype=torch.float32, device=device)
-        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
-        self.out: torch.Tensor | None = None
-        self.graph: Any = None  # torch.cuda.CUDAGraph once captured
-        self.prepared = False
+        self.x = torch.zeros((bucket, hidden), dtype=dtype, device=device)
+        self.ids = torch.full((bucket, top_k), pad_expert, dtype=torch.int32, device=device)
+        self.w = torch.zeros((bucket, top_k), dtype=torch.float32, device=device)
         self.real_rows = 0  # rows [0, real_rows) may hold a previous batch's data; the rest hold padding
-        self.replays = 0
-        self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.x.nbytes + self.ids.nbytes + self.w.nbytes
 
     def inputs(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views of the first ``tokens`` rows of the static inputs, made once per size (each torch call
-        on a serving thread may cost a GIL hand-over)."""
-        views = self._inputs.get(tokens)
+        """Views of the first ``tokens`` rows, made once per size (each torch call on a serving thread may
+        cost a GIL hand-over)."""
+        views = self._views.get(tokens)
         if views is None:
-            views = self._inputs[tokens] = (self.x[:tokens], self.ids[:tokens], self.w[:tokens])
+            views = self._views[tokens] = (self.x[:tokens], self.ids[:tokens], self.w[:tokens])
         return views
-
-    def output(self, tokens: int) -> torch.Tensor:
-        """The first ``tokens`` rows of the static output (graph captured), made once per size."""
-        view = self._outputs.get(tokens)
-        if view is None:
-            assert self.out is not None
-            view = self._outputs[tokens] = self.out[:tokens]
-        return view
 
     def reset_padding(self, tokens: int) -> None:
         """Make rows ``tokens..`` padding again (only those a previous, larger batch wrote)."""
@@ -146,6 +135,72 @@ class _Entry:
             self.ids[tokens:self.real_rows].fill_(self.pad_expert)
             self.w[tokens:self.real_rows].zero_()
         self.real_rows = tokens
+
+
+class StaticInputs:
+    """Static input rows of CUDA graphs, one set per shape, shared by the :class:`CudaGraphExperts` given the
+    same instance: the layers of one worker, whose graphs replay one at a time on one stream (a batch's
+    inputs are written, replayed and done with before the next batch's are written).
+
+    Each layer's graphs then keep only their outputs: for a model of L layers this saves ``L - 1`` copies of
+    every bucket's input rows (``deploy/sizing.py`` counts what stays).
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict[tuple[int, int, int, torch.dtype, str, int], _InputRows] = {}
+
+    def rows(self, bucket: int, top_k: int, hidden: int, dtype: torch.dtype, device: torch.device, pad_expert: int) -> _InputRows:
+        """The rows of this shape (made on first use)."""
+        key = (bucket, top_k, hidden, dtype, str(device), pad_expert)
+        rows = self._rows.get(key)
+        if rows is None:
+            rows = self._rows[key] = _InputRows(bucket, top_k, hidden, dtype, device, pad_expert)
+        return rows
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every set of rows made so far."""
+        return sum(r.nbytes for r in self._rows.values())
+
+
+class _Entry:
+    """The graph of one :class:`GraphKey`: its input rows (maybe shared, :class:`StaticInputs`), NaN flag and output."""
+
+    def __init__(self, key: GraphKey, rows: _InputRows, device: torch.device) -> None:
+        self.key = key
+        self.rows = rows
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self.out: torch.Tensor | None = None
+        self.graph: Any = None  # torch.cuda.CUDAGraph once captured
+        self.prepared = False
+        self.replays = 0
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self.rows.x
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.rows.ids
+
+    @property
+    def w(self) -> torch.Tensor:
+        return self.rows.w
+
+    def inputs(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.rows.inputs(tokens)
+
+    def reset_padding(self, tokens: int) -> None:
+        self.rows.reset_padding(tokens)
+
+    def output(self, tokens: int) -> torch.Tensor:
+        """The first ``tokens`` rows of the static output (graph captured), made once per size."""
+        view = self._outputs.get(tokens)
+        if view is None:
+            assert self.out is not None
+            view = self._outputs[tokens] = self.out[:tokens]
+        return view
 
 
 class CudaGraphExperts(LayerExperts):
@@ -161,6 +216,8 @@ class CudaGraphExperts(LayerExperts):
         max_variants: most distinct (top_k, weighting, output mode) variants captured.
         max_chunked_tokens: largest batch run as chunks of graph replays (None: ``CHUNK_FACTOR``
             times the largest bucket; 0, or at most the largest bucket: never); larger ones run eagerly.
+        inputs: the graphs' input rows, shared by the wrappers given the same :class:`StaticInputs`
+            (replayed one at a time on one stream, like ``pool``); a private one if None.
 
     ``forward_unchecked`` returns a view of a static output buffer (a graph-sized batch) or a new
     tensor (chunks, eager): read (copy) it before the next call on this wrapper. ``forward``
@@ -178,6 +235,7 @@ class CudaGraphExperts(LayerExperts):
         pool: Any = None,
         max_variants: int = DEFAULT_MAX_VARIANTS,
         max_chunked_tokens: int | None = None,
+        inputs: StaticInputs | None = None,
     ) -> None:
         if not is_capture_safe(inner):
             raise ValueError(f"{type(inner).__name__} is not capture-safe (capture_safe is False or it has no forward_unchecked)")
@@ -199,6 +257,7 @@ class CudaGraphExperts(LayerExperts):
         largest = self.buckets[-1] if self.buckets else 0
         self.max_chunked_tokens = CHUNK_FACTOR * largest if max_chunked_tokens is None else max_chunked_tokens
         self.pad_expert = self._choose_pad_expert()
+        self._inputs = StaticInputs() if inputs is None else inputs
         self._entries: dict[GraphKey, _Entry] = {}
         self._variants: set[tuple[int, bool, str]] = set()
         self.capture_seconds = 0.0
@@ -264,7 +323,9 @@ class CudaGraphExperts(LayerExperts):
     def _entry(self, key: GraphKey) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
-            entry = _Entry(key, self.config.hidden_size, self.config.torch_dtype, self.device, self.pad_expert)
+            rows = self._inputs.rows(key.bucket, key.top_k, self.config.hidden_size, self.config.torch_dtype, self.device,
+                                     self.pad_expert)
+            entry = _Entry(key, rows, self.device)
             self._entries[key] = entry
             self._variants.add(key.variant)
         if not entry.prepared:
@@ -400,6 +461,7 @@ __all__ = [
     "DEFAULT_MAX_VARIANTS",
     "CudaGraphExperts",
     "GraphKey",
+    "StaticInputs",
     "bucket_for",
     "is_capture_safe",
     "token_buckets",
