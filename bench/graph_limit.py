@@ -18,7 +18,9 @@ largest bucket), and eagerly above. Measured here in one process (no gRPC), on t
 Per (N, size): the median over ``--repeats`` of the back-to-back time, microseconds. Per size, once (CUDA only): the eager experts call alone on
 device tensors, as the CPU time to launch it and the GPU time between two events around it, to
 tell launch overhead from kernel time. Each N gets its own worker (graphs captured, eager sizes warmed
-up to the largest size, as the server starts), freed before the next::
+up to the largest size, as the server starts), freed before the next; the GPU memory its capture took
+(allocated: the graphs' live buffers, which ``deploy/sizing.py`` estimates for one layer plus the shared
+input rows; reserved: with their pool) goes into the JSON::
 
     PYTHONPATH=kernels:client:server python3 bench/graph_limit.py --out $OUT/limit
     PYTHONPATH=kernels:client:server python3 bench/graph_limit.py --out /tmp/l --shape smoke --device cpu --backend reference
@@ -124,12 +126,20 @@ def main() -> int:
                   f"{eager[tokens]['gpu_us']:.0f} us between events (GPU)", flush=True)
 
     rows = []
+    memory: dict[int, dict[str, int]] = {}
     for limit in limits:
+        cuda = device.type == "cuda"
+        before = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)) if cuda else (0, 0)
         worker = ComputeWorker(engine, cuda_graph_max_tokens=limit, cuda_graph_top_k=shape["top_k"])
         start = time.perf_counter()
         graphs_s = worker.capture_graphs()
+        # allocated: the graphs' live buffers (deploy/sizing.py estimates the static ones); reserved: with their pool
+        after = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)) if cuda else (0, 0)
+        memory[limit] = {"allocated": after[0] - before[0], "reserved": after[1] - before[1]}
         warm_s = worker.warm_up(max(sizes))
-        print(f"[limit] N={limit}: graphs {graphs_s:.1f} s, warm-up {warm_s:.1f} s ({time.perf_counter() - start:.1f} s)", flush=True)
+        print(f"[limit] N={limit}: graphs {graphs_s:.1f} s ({memory[limit]['allocated'] / 2**20:.1f} MiB allocated, "
+              f"{memory[limit]['reserved'] / 2**20:.1f} MiB reserved), warm-up {warm_s:.1f} s ({time.perf_counter() - start:.1f} s)",
+              flush=True)
         wrappers = [e for e in worker._experts.values() if isinstance(e, CudaGraphExperts)] if worker._experts else []
         chunk_limit = wrappers[0].max_chunked_tokens if wrappers else 0
         for tokens, requests in batches.items():
@@ -154,7 +164,7 @@ def main() -> int:
                   + f", split into {row['split_runs']} run(s) {row['split_us']:.0f} us", flush=True)
         (args.out / "graph_limit.json").write_text(json.dumps({"shape": args.shape, "backend": args.backend,
                                                                 "device": str(device), "rows": rows,
-                                                                "eager_call": eager}, indent=1))
+                                                                "eager_call": eager, "graph_memory_bytes": memory}, indent=1))
         del worker
         gc.collect()
         if device.type == "cuda":
