@@ -2,8 +2,9 @@
 # Issue 5 (serving fast) on the device: the GPU tests, then bench/serving.py; the short table prints last.
 #
 #   bash bench/serving_device.sh            # tests + bench (both shapes; may pass 10 min: run the two stages as two calls)
-#   bash bench/serving_device.sh tests      # only the GPU tests
+#   bash bench/serving_device.sh tests      # only the GPU tests (CUDA graphs, compute worker, GPU serving)
 #   bash bench/serving_device.sh bench --shapes qwen3-30b-a3b --profile     # only the bench; extra args go to it
+#   bash bench/serving_device.sh graphs     # bench/graph_limit.py: one graph, chunks, eager, split, larger graphs
 #
 # Assumes the project is importable from the source tree and the extra wheels are in /tmp/site.
 set -uo pipefail
@@ -12,18 +13,24 @@ OUT=${OUT:-/tmp/lutb-serving}
 STAGE=${1:-all}
 shift || true
 export PYTHONPATH="kernels:client:server:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python}
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/lutb-triton-cache}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 tests_status=0
 bench_status=0
 if [[ $STAGE == all || $STAGE == tests ]]; then
-  echo "== GPU tests (CUDA graphs, GPU serving) =="
+  echo "== GPU tests (CUDA graphs, compute worker, GPU serving) =="
   timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rxXfE \
-    tests/kernels/test_cuda_graphs.py tests/server/test_gpu_serving.py > "$OUT/gpu-tests.txt" 2>&1
+    tests/kernels/test_cuda_graphs.py tests/server/test_worker.py tests/server/test_gpu_serving.py > "$OUT/gpu-tests.txt" 2>&1
   tests_status=$?
   tail -n 40 "$OUT/gpu-tests.txt"
   echo "== GPU tests exit status: $tests_status (full log: $OUT/gpu-tests.txt) =="
+fi
+if [[ $STAGE == graphs ]]; then
+  echo "== bench/graph_limit.py (qwen3; JSON: $OUT/limit/graph_limit.json) =="
+  timeout 540 "$PY" bench/graph_limit.py --out "$OUT/limit" "$@"
+  bench_status=$?
 fi
 if [[ $STAGE == all || $STAGE == bench ]]; then
   echo "== bench/serving.py (server logs: $OUT/bench/server-*.log) =="
