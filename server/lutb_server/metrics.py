@@ -11,6 +11,7 @@ lutb_queue_wait_seconds                  histogram backend, layer               
 lutb_compute_seconds                     histogram backend, layer                        one experts call (a pooled batch)
 lutb_batch_tokens                        histogram backend, layer                        tokens per experts call
 lutb_batch_requests                      histogram backend, layer                        requests pooled per experts call
+lutb_batches_total                       counter   backend, layer, path                  experts calls by how they ran: graph, chunks, eager
 lutb_tokens_processed_total              counter   backend, layer                        tokens computed
 lutb_deadline_dropped_total              counter   layer                                 requests dropped unrun: deadline passed in the queue
 lutb_queue_depth                         gauge                                           requests waiting in the scheduler
@@ -105,6 +106,10 @@ class ServerMetrics:
         )
         self.batch_requests = Histogram(
             "lutb_batch_requests", "Requests pooled per experts call", ["backend", "layer"], buckets=REQUEST_BUCKETS, registry=r
+        )
+        self.batches = Counter(
+            "lutb_batches", "Experts calls by how they ran: graph (one CUDA-graph replay), chunks (graph replays chunk by "
+            "chunk), eager (the backend called directly)", ["backend", "layer", "path"], registry=r,
         )
         self.tokens = Counter("lutb_tokens_processed", "Tokens computed", ["backend", "layer"], registry=r)
         self.deadline_dropped = Counter(

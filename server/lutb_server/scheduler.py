@@ -141,6 +141,7 @@ class BatchScheduler:
         self._timer_due = 0.0
         self._closed = False
         self._by_layer: dict[int, _LayerMetrics] = {}
+        self._batches_by_path: dict[tuple[int, str], Any] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -362,7 +363,8 @@ class BatchScheduler:
                     continue
                 try:
                     sent = time.monotonic()
-                    (output,), compute_s, call_tokens = await asyncio.wrap_future(self.worker.submit([item.request]))
+                    single = await asyncio.wrap_future(self.worker.submit([item.request]))
+                    (output,), compute_s, call_tokens = single.outputs, single.seconds, single.call_tokens
                     handoff_s = time.monotonic() - sent - compute_s
                 except asyncio.CancelledError:
                     raise
@@ -370,7 +372,7 @@ class BatchScheduler:
                     _fail(item, single_exc)
                 else:
                     self._finish(item, output, started, compute_s, handoff_s, call_tokens, 1)
-                    self._record_call(item.request.layer, compute_s, call_tokens, 1, item.request.tokens)
+                    self._record_call(item.request.layer, compute_s, call_tokens, 1, item.request.tokens, single.path)
         finally:
             if self._running is running:
                 self._running = None
@@ -383,16 +385,20 @@ class BatchScheduler:
         for item, output in zip(batch, result.outputs):
             self._finish(item, output, started, result.seconds, handoff_s, result.call_tokens, len(batch))
         self._record_call(batch[0].request.layer, result.seconds, result.call_tokens, len(batch),
-                          sum(item.request.tokens for item in batch))
+                          sum(item.request.tokens for item in batch), result.path)
 
-    def _record_call(self, layer: int, seconds: float, call_tokens: int, requests: int, tokens: int) -> None:
-        """Metrics of one experts call that answered ``requests`` requests of ``tokens`` tokens."""
+    def _record_call(self, layer: int, seconds: float, call_tokens: int, requests: int, tokens: int, path: str) -> None:
+        """Metrics of one experts call that answered ``requests`` requests of ``tokens`` tokens (``path``: how it ran)."""
         if self._metrics is not None:
             m = self._layer_metrics(layer)
             m.compute.observe(seconds)
             m.batch_tokens.observe(call_tokens)
             m.batch_requests.observe(requests)
             m.tokens.inc(tokens)
+            batches = self._batches_by_path.get((layer, path))
+            if batches is None:  # labels() takes a lock and builds a key: once per (layer, path)
+                batches = self._batches_by_path[(layer, path)] = self._metrics.batches.labels(self._backend, str(layer), path)
+            batches.inc()
 
     def _layer_metrics(self, layer: int) -> _LayerMetrics:
         """The metrics' children labelled (backend, layer), looked up once per layer (``labels()`` costs a lock and a dict)."""

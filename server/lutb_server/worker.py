@@ -65,6 +65,9 @@ class BatchOutput(NamedTuple):
     call_tokens: int
     """Tokens of the experts call that ran the batch: the batch's own, or more when the compute process merged it
     with other front ends' batches (what the GPU actually saw)."""
+    path: str = "eager"
+    """How the call ran: ``"graph"`` (one CUDA-graph replay), ``"chunks"`` (graph replays chunk by chunk) or
+    ``"eager"`` (the backend called directly; always off CUDA graphs). See ``CudaGraphExperts.path_for``."""
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:
@@ -312,14 +315,19 @@ class ComputeWorker:
         that owns the worker (tests, ``bench/serving.py``'s in-process baseline).
         """
         start = time.perf_counter()
+        tokens = sum(r.tokens for r in requests)
+        path = "eager"
         if self._experts is None:
             outputs = _generic_forward(self.engine, requests)
         elif self.cuda:
+            experts, first = self._experts[requests[0].layer], requests[0]
+            if isinstance(experts, CudaGraphExperts):
+                path = experts.path_for(tokens, int(first.topk_ids.shape[1]), first.apply_router_weight_on_input, first.output_mode)
             outputs = self._run_cuda(requests)
         else:
             outputs = self._run_cpu(requests)
         self.batches += 1
-        return BatchOutput(outputs, time.perf_counter() - start, sum(r.tokens for r in requests))
+        return BatchOutput(outputs, time.perf_counter() - start, tokens, path)
 
     def _gather(self, requests: list[PreparedRequest], buffers: _Buffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         first = requests[0]

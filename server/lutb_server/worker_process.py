@@ -31,10 +31,11 @@ Frames on one Unix stream socket, each an 8-byte little-endian length and a pick
 - parent -> child: ``(job, (layer, x, topk_ids, topk_weights, apply_router_weight_on_input,
   output_mode), output_slot)`` per batch, its requests concatenated (they share the pool key), and
   ``output_slot`` where the child writes the batch's output (None: send it inline); ``None`` to stop;
-- child -> parent: ``(job, output, seconds, call_tokens, gpu_memory)`` or ``(job, exception, 0.0, 0,
-  gpu_memory)``, ``output`` None when it is in the output slot, else a codec message (the serving
+- child -> parent: ``(job, output, seconds, call_tokens, path, gpu_memory)`` or ``(job, exception, 0.0, 0,
+  "", gpu_memory)``, ``output`` None when it is in the output slot, else a codec message (the serving
   process splits it back per request), ``call_tokens`` the tokens of the call that ran the batch
-  (more than its own when merged with other front ends' batches);
+  (more than its own when merged with other front ends' batches), ``path`` how it ran
+  (:attr:`~lutb_server.worker.BatchOutput.path`);
   ``gpu_memory`` the child's ``(allocated, reserved)`` CUDA allocator bytes as last read (the
   child reads them at most every :data:`GPU_MEMORY_PERIOD_S`, after answering, off the batch's
   critical path: a reading builds two ``torch.cuda.memory_stats`` dictionaries).
@@ -214,15 +215,15 @@ class _Connection:
         """A request tensor: a view of this connection's arena, or decoded from its inline message."""
         return self.arena.view(item) if isinstance(item, Slot) and self.arena is not None else decode_tensor(item)
 
-    def answer(self, job: int, output: torch.Tensor | BaseException, seconds: float, call_tokens: int,
+    def answer(self, job: int, output: torch.Tensor | BaseException, seconds: float, call_tokens: int, path: str,
                out_slot: Slot | None, memory: tuple[int, int]) -> None:
         if isinstance(output, BaseException):
-            message = (job, _picklable(output), 0.0, 0, memory)
+            message = (job, _picklable(output), 0.0, 0, "", memory)
         elif out_slot is not None and self.arena is not None and out_slot.fits(output):
             self.arena.view(out_slot).copy_(output)
-            message = (job, None, seconds, call_tokens, memory)
+            message = (job, None, seconds, call_tokens, path, memory)
         else:
-            message = (job, encode_tensor(output), seconds, call_tokens, memory)
+            message = (job, encode_tensor(output), seconds, call_tokens, path, memory)
         _send(self.sock, message)
 
 
@@ -290,7 +291,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
             try:  # a batch arrives concatenated: one request
                 request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode)
             except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
-                _answer(c, job, exc, 0.0, 0, out_slot, memory)
+                _answer(c, job, exc, 0.0, 0, "", out_slot, memory)
                 continue
             batches.append((c, job, request, out_slot))
         _run_merged(worker, batches, memory, spec.max_batch_tokens)
@@ -322,21 +323,21 @@ def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max
     for indexes in merge_groups([request for _, _, request, _ in batches], max_tokens):
         group = [batches[i] for i in indexes]
         try:
-            outputs, seconds, call_tokens = worker.run([request for _, _, request, _ in group])
+            outputs, seconds, call_tokens, path = worker.run([request for _, _, request, _ in group])
         except Exception as exc:  # noqa: BLE001 - alone, each batch gets its own result or error
             if len(group) > 1:
                 for batch in group:
                     _run_merged(worker, [batch], memory, max_tokens)
                 continue
-            outputs, seconds, call_tokens = [exc], 0.0, 0
+            outputs, seconds, call_tokens, path = [exc], 0.0, 0, ""
         for (c, job, _, out_slot), output in zip(group, outputs):
-            _answer(c, job, output, seconds, call_tokens, out_slot, memory)
+            _answer(c, job, output, seconds, call_tokens, path, out_slot, memory)
 
 
-def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, seconds: float, call_tokens: int,
+def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, seconds: float, call_tokens: int, path: str,
             out_slot: Slot | None, memory: tuple[int, int]) -> None:
     try:
-        c.answer(job, output, seconds, call_tokens, out_slot, memory)
+        c.answer(job, output, seconds, call_tokens, path, out_slot, memory)
     except OSError:
         pass  # that serving process is gone; its socket reads EOF next round
 
@@ -565,7 +566,7 @@ class ProcessComputeWorker:
         transport.write(_frame(message))
 
     def _on_answer(self, message: Any) -> None:
-        job, result, seconds, call_tokens, self._gpu_memory = message
+        job, result, seconds, call_tokens, path, self._gpu_memory = message
         with self._lock:
             entry = self._pending.pop(job, None)
         if entry is None:
@@ -587,7 +588,7 @@ class ProcessComputeWorker:
         else:
             self.batches += 1
             future.set_result(BatchOutput(list(torch.split(result, tokens)) if len(tokens) > 1 else [result], seconds,
-                                          call_tokens))
+                                          call_tokens, path))
 
     def _on_lost(self, exc: Exception | None) -> None:
         code = self._process.exitcode if self._process is not None else None

@@ -163,6 +163,8 @@ def test_batches_above_the_largest_bucket_run_in_chunks(held: list[int], k: int,
         x, ids, w = _batch(tokens, k, 4, seed=7 * step + k)
         want = inner.forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
         inner.calls.clear()
+        path = wrapper.path_for(tokens, k, on_input, mode)
+        assert path == ("graph" if tokens <= 16 else "chunks" if tokens <= 40 else "eager")
         nonfinite = torch.zeros(1, dtype=torch.int32)
         got = wrapper.forward_unchecked(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode, nonfinite=nonfinite)
         assert torch.equal(got, want), (tokens, calls)
@@ -193,6 +195,15 @@ def test_layers_share_input_rows() -> None:
     unique = {id(e.rows): e.rows for wr in wrappers for e in wr._entries.values()}  # one set of rows per bucket
     assert len(unique) == len({key.bucket for wr in wrappers for key in wr._entries})
     assert inputs.nbytes == sum(r.nbytes for r in unique.values())
+
+
+def test_path_for_empty_batches_and_variants_beyond_the_limit(shard: CaptureSafeReference) -> None:
+    wrapper = CudaGraphExperts(shard, max_tokens=4, use_graphs=False, max_variants=1)
+    assert wrapper.path_for(0, 2, False, "combined") == "eager"
+    assert wrapper.path_for(4, 2, False, "combined") == "graph" and wrapper.path_for(9, 2, False, "combined") == "chunks"
+    wrapper.capture(2)  # the one variant allowed
+    assert wrapper.path_for(3, 3, False, "combined") == wrapper.path_for(9, 3, False, "combined") == "eager"
+    assert CudaGraphExperts(shard, max_tokens=0, use_graphs=False).path_for(1, 2, False, "combined") == "eager"
 
 
 @pytest.mark.parametrize("bad", [-1, -16])

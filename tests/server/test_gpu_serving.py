@@ -80,6 +80,10 @@ def test_outputs_match_reference_and_eager(servers: tuple[ServerThread, ServerTh
     experts = graphs.server.scheduler.worker._experts[0]
     if tokens <= 64:
         assert experts.graphs[experts.key_for(tokens, k, False, mode)]  # rarer variants are captured on first use
+    path = experts.path_for(tokens, k, False, mode)  # graph up to 64, chunks up to 512, eager above
+    assert path == ("graph" if tokens <= 64 else "chunks" if tokens <= 512 else "eager")
+    labels = {"backend": experts.name, "layer": "0", "path": path}
+    assert graphs.server.metrics.registry.get_sample_value("lutb_batches_total", labels) >= 1
 
 
 def test_pinned_staging_and_pooling(servers: tuple[ServerThread, ServerThread], reference: ReferenceExperts) -> None:

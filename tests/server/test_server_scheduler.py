@@ -203,6 +203,7 @@ def test_a_failing_pooled_call_fails_only_the_culprit() -> None:
     labels = {"backend": "fake", "layer": "0"}  # the reruns that answered are calls like any other
     assert metrics.registry.get_sample_value("lutb_tokens_processed_total", labels) == 6
     assert metrics.registry.get_sample_value("lutb_compute_seconds_count", labels) == 2
+    assert metrics.registry.get_sample_value("lutb_batches_total", {**labels, "path": "eager"}) == 2
 
 
 def test_close_fails_waiting_requests_with_unavailable() -> None:

@@ -51,9 +51,10 @@ def _engine_pooled(engine: ExpertEngine, requests: list[PreparedRequest]) -> lis
 def test_results_unchanged(engine: ExpertEngine, sizes: list[int], k: int, mode: str, on_input: bool) -> None:
     worker = ComputeWorker(engine)
     requests = _requests(engine, sizes, k=k, mode=mode, on_input=on_input, seed=sum(sizes) + k)
-    outputs, seconds, call_tokens = worker.run(requests)
+    outputs, seconds, call_tokens, path = worker.run(requests)
     expected = _engine_pooled(engine, requests)
     assert seconds > 0 and len(outputs) == len(requests) and call_tokens == sum(sizes)
+    assert path == "eager"  # no CUDA graphs on the CPU
     for got, want, r in zip(outputs, expected, requests):
         assert got.dtype == engine.model_dtype and got.device.type == "cpu"
         assert got.shape == ((r.tokens, k, engine.config.hidden_size) if mode == "route_major" else (r.tokens, engine.config.hidden_size))

@@ -89,9 +89,10 @@ def test_outputs_equal_the_thread_worker(process_worker: ProcessComputeWorker, t
     for layer, sizes, mode in cases:
         requests = _requests(catalog, layer, sizes, seed=layer * 10 + len(sizes), output_mode=mode)
         _poison_arena(process_worker)
-        got, seconds, call_tokens = process_worker.submit(requests).result(60)
+        got, seconds, call_tokens, path = process_worker.submit(requests).result(60)
         want = ComputeWorker(full).run(requests).outputs
         assert seconds > 0 and len(got) == len(sizes) and call_tokens == sum(sizes)
+        assert path == "eager"  # the child's BatchOutput.path crosses the socket (no CUDA graphs on the CPU)
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
     inline = process_worker.inline_batches - inline_before
@@ -256,7 +257,7 @@ def test_one_compute_process_serves_several_front_ends(tiny_checkpoint: Path) ->
             got_a, got_b = owner.submit(a), other.submit(b)
             assert torch.equal(busy.result(60)[0][0], ComputeWorker(full).run(_requests(catalog, 0, (300,), seed=round_))[0][0])
             for got, batch in ((got_a, a), (got_b, b)):
-                outputs, _, call_tokens = got.result(60)
+                outputs, call_tokens = got.result(60).outputs, got.result().call_tokens
                 assert call_tokens in (sum(r.tokens for r in batch), 12)  # alone, or merged with the other front end's
                 for g, w in zip(outputs, ComputeWorker(full).run(batch).outputs):
                     assert torch.equal(g, w)

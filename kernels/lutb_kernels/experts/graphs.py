@@ -320,6 +320,17 @@ class CudaGraphExperts(LayerExperts):
             return None
         return GraphKey(bucket, *variant)
 
+    def path_for(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str) -> str:
+        """How :meth:`forward_unchecked` runs such a batch: ``"graph"`` (one replay), ``"chunks"`` (replays of
+        the largest bucket's graph and one smaller) or ``"eager"`` (the wrapped backend: 0 tokens, above
+        ``eager_above``, or a variant beyond ``max_variants``). Sizes only; captures nothing."""
+        if self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode) is not None:
+            return "graph"
+        largest = self.buckets[-1] if self.buckets else 0
+        if largest < tokens <= self.max_chunked_tokens and self.key_for(largest, top_k, apply_router_weight_on_input, output_mode):
+            return "chunks"
+        return "eager"
+
     def _entry(self, key: GraphKey) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
@@ -413,16 +424,17 @@ class CudaGraphExperts(LayerExperts):
         wrapped backend (set to 1 when an MXFP8 quantization met NaN/Inf).
         """
         tokens, top_k = topk_ids.shape
-        key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode)
-        if key is not None:
+        path = self.path_for(tokens, top_k, apply_router_weight_on_input, output_mode)
+        if path == "graph":
+            key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode)
+            assert key is not None
             return self._replay(self._entry(key), x, topk_ids, topk_weights, nonfinite)
-        largest = self.buckets[-1] if self.buckets else 0
-        chunk_key = self.key_for(largest, top_k, apply_router_weight_on_input, output_mode) if largest else None
-        if chunk_key is None or not largest < tokens <= self.max_chunked_tokens:
+        if path == "eager":
             return self.inner.forward_unchecked(  # type: ignore[attr-defined]
                 x, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
                 output_mode=output_mode, nonfinite=nonfinite,
             )
+        largest = self.buckets[-1]
         hidden = self.config.hidden_size
         out = torch.empty((tokens, top_k, hidden) if output_mode == "route_major" else (tokens, hidden), dtype=x.dtype,
                           device=x.device)
