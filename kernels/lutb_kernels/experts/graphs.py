@@ -16,10 +16,10 @@ graph and one smaller for the rest, their outputs copied into one tensor, all on
 without a host sync. Larger batches run the wrapped backend eagerly.
 
 Why chunks: an eager call launches ~10 Triton kernels and, above 4096 routes, ~25 torch ops
-for the routing, and on the H200 those launches, not the GPU, set its time until a few thousand
-tokens: qwen3 batches of 528-1024 tokens took 2.6-6.0 ms eagerly against ~1 ms for 480 tokens in
-a graph, and eager caught up with 512-token graphs per token only at ~8192 tokens
-(bench/results/2026-12-04-eager-compiles-h200.md, 2026-12-04-worker-calls-h200.md).
+for the routing. On the H200 qwen3 batches of 528-1024 tokens took 2.6-6.0 ms eagerly against
+~1 ms for 480 tokens in a graph, the eager time barely growing from 640 to 1024 tokens as a
+launch-bound call's does, and eager caught up with 512-token graphs per token only at ~8192
+tokens (bench/results/2026-12-04-eager-compiles-h200.md, 2026-12-04-worker-calls-h200.md).
 
 Padding never changes a real row: a capture-safe backend computes each token from its
 own row and routes only. The pad expert is a global id this layer does *not* hold when
