@@ -397,7 +397,8 @@ class CudaGraphExperts(LayerExperts):
         self, tokens: int, top_k: int, *, apply_router_weight_on_input: bool = False, output_mode: str = "combined"
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Where to write a batch's inputs to skip a copy: ``(x [T, H], topk_ids int32 [T, k], topk_weights float32 [T, k])``
-        views of the static buffers of the graph that batch runs in, or None when it runs eagerly.
+        views of the static buffers of the graph that batch runs in, or None when it does not run in one graph
+        (chunks, eager).
 
         Pass the views to :meth:`forward_unchecked` after filling them. Captures the graph if needed.
         """
