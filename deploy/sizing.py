@@ -9,12 +9,12 @@ A LUT-B matrix is stored as 128x128 tiles of 6672 bytes each (3.2578 bits per we
 routed expert is a gated W13 [2I, H] plus a W2 [H, I]. Only routed experts are counted:
 attention, embeddings, dense layers and shared experts stay with the attention tier.
 
-CUDA graphs (``--cuda-graph-max-tokens N``) add static buffers: for every token bucket B (powers
-of two up to N, and N) each layer's graph keeps its output ``[B, H]`` (model dtype), for the variant
-the server captures at start-up (combined output, its top-k), and the layers share one set of input
-rows ``x [B, H]`` (model dtype), ``topk_ids [B, k]`` (int32) and ``topk_weights [B, k]`` (float32).
-Other variants, captured on first use, add their own outputs; the graphs' shared pool of
-intermediate activations comes on top.
+CUDA graphs (``--cuda-graph-max-tokens N``) add static buffers, which the layers of a server share
+(their graphs replay one at a time): for every token bucket B (powers of two up to N, and N), the
+input rows ``x [B, H]`` (model dtype), ``topk_ids [B, k]`` (int32) and ``topk_weights [B, k]``
+(float32), and the combined output ``[B, H]`` (model dtype), for the variant the server captures
+at start-up (combined output, its top-k). A route-major variant, captured on first use, keeps its
+own outputs per layer; the graphs' shared pool of intermediate activations comes on top.
 
 Shards follow `lutb shard`: each shard holds a subset of the experts, for every MoE layer, so
 a shard of k experts needs k x layers x (bytes per expert). The number of shards is the
@@ -101,17 +101,10 @@ class MoEShape:
     def model_bytes(self, fmt: str) -> int:
         return self.moe_layers * self.layer_bytes(fmt)
 
-    def graph_layer_bytes(self, max_tokens: int, dtype_bytes: int = BF16_BYTES) -> int:
-        """One layer's start-up CUDA-graph outputs (see the module docstring): every bucket's rows in the model dtype."""
-        return sum(graph_buckets(max_tokens)) * self.hidden * dtype_bytes
-
-    def graph_input_bytes(self, max_tokens: int, dtype_bytes: int = BF16_BYTES) -> int:
-        """The input rows the layers share: x in the model dtype, top-k ids (int32) and weights (float32) per bucket row."""
-        return sum(graph_buckets(max_tokens)) * (self.hidden * dtype_bytes + self.top_k * (4 + 4))
-
     def graph_bytes(self, max_tokens: int, dtype_bytes: int = BF16_BYTES) -> int:
-        """Every MoE layer's outputs (each server holds every layer of its shard) and the shared input rows."""
-        return self.moe_layers * self.graph_layer_bytes(max_tokens, dtype_bytes) + self.graph_input_bytes(max_tokens, dtype_bytes)
+        """The start-up CUDA graphs' static buffers, shared by every layer (see the module docstring): per bucket
+        row, x and the combined output in the model dtype, top-k ids (int32) and weights (float32)."""
+        return sum(graph_buckets(max_tokens)) * (2 * self.hidden * dtype_bytes + self.top_k * (4 + 4))
 
 
 REFERENCE_SHAPES = (
@@ -185,11 +178,11 @@ def shard_table(gpus_gb: tuple[float, ...] = DEFAULT_GPUS_GB, headroom: float = 
 
 
 def graph_table(max_tokens: tuple[int, ...] = GRAPH_MAX_TOKENS) -> str:
-    head = " | ".join(f"per layer, N = {n} | all layers, N = {n}" for n in max_tokens)
-    rows = [f"| model | top-k | MoE layers | {head} |", "| --- | ---: | ---: |" + " ---: | ---: |" * len(max_tokens)]
+    head = " | ".join(f"N = {n}" for n in max_tokens)
+    rows = [f"| model | H | top-k | {head} |", "| --- | ---: | ---: |" + " ---: |" * len(max_tokens)]
     for s in REFERENCE_SHAPES:
-        cells = " | ".join(f"{_fmt_bytes(s.graph_layer_bytes(n))} | {_fmt_bytes(s.graph_bytes(n))}" for n in max_tokens)
-        rows.append(f"| {s.name} | {s.top_k} | {s.moe_layers} | {cells} |")
+        cells = " | ".join(_fmt_bytes(s.graph_bytes(n)) for n in max_tokens)
+        rows.append(f"| {s.name} | {s.hidden} | {s.top_k} | {cells} |")
     return "\n".join(rows)
 
 

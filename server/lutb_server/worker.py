@@ -46,7 +46,7 @@ import torch
 
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts
-from lutb_kernels.experts.graphs import DEFAULT_MAX_TOKENS, CudaGraphExperts, StaticInputs, is_capture_safe
+from lutb_kernels.experts.graphs import DEFAULT_MAX_TOKENS, CudaGraphExperts, StaticBuffers, is_capture_safe
 from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
 
@@ -181,12 +181,12 @@ class ComputeWorker:
             if self.cuda:
                 self._stream = torch.cuda.Stream(self.device)
                 if cuda_graph_max_tokens > 0:
-                    # One pool and one set of input rows: the graphs replay one at a time on one stream.
-                    pool, inputs = torch.cuda.graph_pool_handle(), StaticInputs()
+                    # One pool, one set of input rows and outputs: the graphs replay one at a time on one stream.
+                    pool, buffers = torch.cuda.graph_pool_handle(), StaticBuffers()
                     for layer, experts in self._experts.items():
                         if is_capture_safe(experts):
                             self._experts[layer] = CudaGraphExperts(experts, max_tokens=cuda_graph_max_tokens, pool=pool,
-                                                                    inputs=inputs)
+                                                                    buffers=buffers)
                         else:
                             log.info("layer %d: backend %s is not capture-safe; no CUDA graphs", layer, experts.name)
 

@@ -128,28 +128,28 @@ def test_graph_buckets_are_the_servers(sizing, max_tokens) -> None:
 
 @pytest.mark.parametrize(("top_k", "max_tokens"), [(2, 16), (3, 24)])
 def test_graph_bytes_are_what_the_graph_wrappers_allocate(sizing, top_k, max_tokens) -> None:
-    """The estimate equals the static buffers of three layers' CudaGraphExperts sharing one StaticInputs, as a
-    worker builds them, after capturing every bucket (on the CPU they keep the same buffers without graphs; an
-    output is the buffer a replay returns)."""
+    """The estimate equals the static buffers three layers' CudaGraphExperts sharing one StaticBuffers (as a worker
+    builds them) hold after capturing every bucket: on the CPU they keep the same buffers without graphs, and a
+    layer's combined output is the shared buffer its replay returns."""
     import torch
 
     from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights
-    from lutb_kernels.experts.graphs import CudaGraphExperts, StaticInputs
+    from lutb_kernels.experts.graphs import CudaGraphExperts, StaticBuffers
     from lutb_kernels.experts.reference import ReferenceExperts
     from lutb_kernels.tiles import TILE, TILE_BYTES
 
     class ZeroExperts(ReferenceExperts):
         capture_safe = True
 
-        def forward_unchecked(self, x, topk_ids, topk_weights, **kwargs):  # noqa: ANN001, ANN003
-            return torch.zeros(x.shape, dtype=x.dtype)
+        def forward_unchecked(self, x, topk_ids, topk_weights, *, out=None, **kwargs):  # noqa: ANN001, ANN003
+            return out.zero_() if out is not None else torch.zeros(x.shape, dtype=x.dtype)
 
     hidden, experts, layers = 2 * TILE, 4, 3
     cfg = CheckpointConfig(hidden_size=hidden, intermediate_size=TILE, num_experts=experts, dtype="bfloat16")
     tiles = lambda shape: torch.zeros((*shape, TILE_BYTES), dtype=torch.uint8)  # noqa: E731 - never decoded
     weights = LayerWeights(tiles(cfg.w13_tiles_shape(experts)), tiles(cfg.w2_tiles_shape(experts)), torch.arange(experts, dtype=torch.int32))
-    inputs = StaticInputs()
-    wrappers = [CudaGraphExperts(ZeroExperts(cfg, weights, "cpu"), max_tokens=max_tokens, use_graphs=False, inputs=inputs)
+    buffers = StaticBuffers()
+    wrappers = [CudaGraphExperts(ZeroExperts(cfg, weights, "cpu"), max_tokens=max_tokens, use_graphs=False, buffers=buffers)
                 for _ in range(layers)]
     for wrapper in wrappers:
         assert wrapper.capture(top_k) == len(wrapper.buckets)
@@ -157,8 +157,6 @@ def test_graph_bytes_are_what_the_graph_wrappers_allocate(sizing, top_k, max_tok
             out = wrapper.forward_unchecked(torch.zeros((bucket, hidden), dtype=torch.bfloat16), torch.zeros((bucket, top_k), dtype=torch.int32),
                                             torch.zeros((bucket, top_k)))
             assert out.shape == (bucket, hidden)
-    outputs = [sum(e.out.nbytes for e in wrapper._entries.values()) for wrapper in wrappers]
+    held = {id(t): t for wrapper in wrappers for e in wrapper._entries.values() for t in (e.x, e.ids, e.w, e.out)}  # each once
     shape = sizing.MoEShape("tiny", experts=experts, hidden=hidden, intermediate=TILE, moe_layers=layers, top_k=top_k)
-    assert outputs == [shape.graph_layer_bytes(max_tokens)] * layers
-    assert inputs.nbytes == shape.graph_input_bytes(max_tokens)
-    assert sum(outputs) + inputs.nbytes == shape.graph_bytes(max_tokens)
+    assert sum(t.nbytes for t in held.values()) == buffers.nbytes == shape.graph_bytes(max_tokens)

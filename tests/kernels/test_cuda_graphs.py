@@ -11,7 +11,7 @@ from lutb_kernels.experts.graphs import (
     CHUNK_FACTOR,
     CudaGraphExperts,
     GraphKey,
-    StaticInputs,
+    StaticBuffers,
     bucket_for,
     is_capture_safe,
     token_buckets,
@@ -39,13 +39,14 @@ class CaptureSafeReference(ReferenceExperts):
         self.calls: list[tuple[int, int, bool, str]] = []
 
     def forward_unchecked(self, x, topk_ids, topk_weights, *, apply_router_weight_on_input=False,  # noqa: ANN001
-                          output_mode="combined", nonfinite=None):
+                          output_mode="combined", nonfinite=None, out=None):
         self.calls.append((x.shape[0], topk_ids.shape[1], apply_router_weight_on_input, output_mode))
         if nonfinite is not None and not bool(torch.isfinite(x).all()):
             nonfinite.fill_(1)
             x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-        return self.forward(x, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
-                            output_mode=output_mode)
+        y = self.forward(x, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
+                         output_mode=output_mode)
+        return out.copy_(y) if out is not None and output_mode == "combined" else y
 
 
 class RowwiseReference(CaptureSafeReference):
@@ -177,12 +178,13 @@ def test_batches_above_the_largest_bucket_run_in_chunks(held: list[int], k: int,
     assert int(nonfinite) == 1
 
 
-def test_layers_share_input_rows() -> None:
-    """Two layers' wrappers given one StaticInputs write their batches into the same rows; interleaved, each
-    still computes its own layer, and a smaller batch of one after a larger batch of the other sees padding."""
+def test_layers_share_input_rows_and_outputs() -> None:
+    """Two layers' wrappers given one StaticBuffers write their batches into the same rows and their combined
+    outputs into the same buffers; interleaved, each still computes its own layer, and a smaller batch of one
+    after a larger batch of the other sees padding."""
     layers = [RowwiseReference(*_layer(8, [1, 2, 4, 5, 7], seed=s), "cpu") for s in (3, 4)]
-    inputs = StaticInputs()
-    wrappers = [CudaGraphExperts(inner, max_tokens=16, use_graphs=False, inputs=inputs) for inner in layers]
+    buffers = StaticBuffers()
+    wrappers = [CudaGraphExperts(inner, max_tokens=16, use_graphs=False, buffers=buffers) for inner in layers]
     for step, (layer, tokens) in enumerate([(0, 16), (1, 9), (0, 3), (1, 16), (1, 5), (0, 12), (1, 40)]):
         x, ids, w = _batch(tokens, 2, 8, seed=11 * step)
         got = wrappers[layer].forward_unchecked(x, ids, w)
@@ -192,9 +194,15 @@ def test_layers_share_input_rows() -> None:
             assert bool((rows.x[tokens:] == 0).all()) and bool((rows.ids[tokens:] == wrappers[layer].pad_expert).all())
     shared = {key: e.rows for key, e in wrappers[0]._entries.items()}
     assert all(e.rows is shared[key] for key, e in wrappers[1]._entries.items() if key in shared) and shared
+    assert all(e.out_buffer is wrappers[0]._entries[key].out_buffer for key, e in wrappers[1]._entries.items() if key in shared)
+    x, ids, w = _batch(4, 2, 8, seed=5)
+    first = wrappers[0].forward_unchecked(x, ids, w)  # a view of the shared output: valid until the next replay of any layer
+    assert torch.equal(first, layers[0].forward(x, ids, w))
+    wrappers[1].forward_unchecked(x, ids, w)
+    assert torch.equal(first, layers[1].forward(x, ids, w))
     unique = {id(e.rows): e.rows for wr in wrappers for e in wr._entries.values()}  # one set of rows per bucket
     assert len(unique) == len({key.bucket for wr in wrappers for key in wr._entries})
-    assert inputs.nbytes == sum(r.nbytes for r in unique.values())
+    assert buffers.nbytes == sum(r.nbytes for r in unique.values()) + sum(o.nbytes for o in {id(e.out_buffer): e.out_buffer for wr in wrappers for e in wr._entries.values()}.values())
 
 
 def test_path_for_empty_batches_and_variants_beyond_the_limit(shard: CaptureSafeReference) -> None:
@@ -375,19 +383,20 @@ def test_graph_memory_is_shared_and_bounded() -> None:
 
 
 @pytest.mark.gpu
-def test_layers_sharing_input_rows_replay_their_own_graphs() -> None:
-    """Two packed layers, one graph pool and one StaticInputs (as a worker builds them): interleaved graph,
+def test_layers_sharing_buffers_replay_their_own_graphs() -> None:
+    """Two packed layers, one graph pool and one StaticBuffers (as a worker builds them): interleaved graph,
     chunk and smaller batches each give their own layer's result."""
     cls = _gpu_backend("packed")
     layers = [cls(*_gpu_layer(256, 384, 8, list(range(6)), "bfloat16", seed=s), "cuda") for s in (5, 6)]
-    pool, inputs = torch.cuda.graph_pool_handle(), StaticInputs()
-    wrappers = [CudaGraphExperts(inner, max_tokens=64, pool=pool, inputs=inputs) for inner in layers]
+    pool, buffers = torch.cuda.graph_pool_handle(), StaticBuffers()
+    wrappers = [CudaGraphExperts(inner, max_tokens=64, pool=pool, buffers=buffers) for inner in layers]
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for wrapper in wrappers:
             wrapper.capture(4)
     torch.cuda.synchronize()
-    assert wrappers[0]._entries[GraphKey(64, 4, False, "combined")].rows is wrappers[1]._entries[GraphKey(64, 4, False, "combined")].rows
+    e0, e1 = (wrapper._entries[GraphKey(64, 4, False, "combined")] for wrapper in wrappers)
+    assert e0.rows is e1.rows and e0.out_buffer is e1.out_buffer and e0.out.data_ptr() == e1.out.data_ptr()
     for step, (layer, tokens) in enumerate([(0, 64), (1, 9), (0, 3), (1, 100), (0, 33), (1, 64)]):
         gen = torch.Generator().manual_seed(2000 + step)
         x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16).cuda()

@@ -228,18 +228,22 @@ class RoutedTritonExperts(LayerExperts):
         apply_router_weight_on_input: bool = False,
         output_mode: OutputMode = "combined",
         nonfinite: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` without validation and without host syncs (CUDA-graph capturable).
 
         The caller vouches for the arguments (as :meth:`forward` checks them) and, when it
         passes an int32 ``[1]`` ``nonfinite`` flag, reads it afterwards: 1 means an MXFP8
-        quantization met NaN/Inf and the output must not be used.
+        quantization met NaN/Inf and the output must not be used. ``out``: optional ``[T, H]``
+        in the model dtype that receives a ``combined`` output (ignored for ``route_major``).
         """
         from lutb_kernels.grouped_gemm import moe_combine
 
         tokens, top_k = topk_ids.shape
         hidden = self.config.hidden_size
         if tokens == 0:
+            if out is not None and output_mode == "combined":
+                return out
             shape = (0, top_k, hidden) if output_mode == "route_major" else (0, hidden)
             return torch.empty(shape, dtype=x.dtype, device=self.device)
         if nonfinite is None:
@@ -259,4 +263,4 @@ class RoutedTritonExperts(LayerExperts):
         if output_mode == "route_major":
             y = y.view(tokens, top_k, hidden)
             return y if held is None else y.masked_fill(~held.unsqueeze(-1), 0)
-        return moe_combine(y, held, top_k)
+        return moe_combine(y, held, top_k, out=out)

@@ -49,12 +49,13 @@ class LayerExperts(ABC):
     name: ClassVar[str]
     capture_safe: ClassVar[bool] = False
     """True when the subclass also has ``forward_unchecked(x, topk_ids, topk_weights, *,
-    apply_router_weight_on_input, output_mode, nonfinite)`` that a CUDA graph can capture:
+    apply_router_weight_on_input, output_mode, nonfinite, out=None)`` that a CUDA graph can capture:
     no host sync and no host-side branch on tensor values, launch configuration a function
     of the shapes only, allocations only through torch's caching allocator, NaN/Inf only
-    flagged (``nonfinite |= 1``, never cleared, never raised), and each token's output a
+    flagged (``nonfinite |= 1``, never cleared, never raised), each token's output a
     function of its own row alone for a given batch size (padding rows cannot change real
-    rows). :class:`lutb_kernels.experts.graphs.CudaGraphExperts` captures only such backends."""
+    rows), and a ``combined`` output written into ``out`` (``[T, H]``, model dtype) and returned
+    when ``out`` is given. :class:`lutb_kernels.experts.graphs.CudaGraphExperts` captures only such backends."""
 
     def __init__(self, config: CheckpointConfig, weights: LayerWeights, device: torch.device | str) -> None:
         self.config = config

@@ -4,9 +4,10 @@ A decode step sends a few tokens; launching the experts' ~10 kernels one by one 
 more CPU time than the GPU spends on them. :class:`CudaGraphExperts` wraps any
 capture-safe backend (``LayerExperts.capture_safe``; its ``forward_unchecked`` does no
 host sync) and keeps, per *variant* ``(bucket, top_k, apply_router_weight_on_input,
-output_mode)``, a static output and one captured graph of ``forward_unchecked`` on static
-input rows, one set per ``(bucket, top_k)`` that the wrappers given one :class:`StaticInputs`
-share (a worker's layers: their graphs replay one at a time). A batch of ``T`` tokens runs the graph of the smallest
+output_mode)``, one captured graph of ``forward_unchecked`` on static input rows, one set per
+``(bucket, top_k)``, into a static output, one per bucket for ``combined`` output (route-major
+outputs are the graph's own). The wrappers given one :class:`StaticBuffers` share those rows and
+outputs: a worker's layers, whose graphs replay one at a time. A batch of ``T`` tokens runs the graph of the smallest
 bucket ``B >= T`` (buckets: powers of two up to ``max_tokens``, and ``max_tokens``
 itself): rows ``T..B-1`` are *padding* (hidden state 0, router weight 0, every route to
 :attr:`CudaGraphExperts.pad_expert`) and the output is sliced to ``T`` rows. A batch above
@@ -137,17 +138,19 @@ class _InputRows:
         self.real_rows = tokens
 
 
-class StaticInputs:
-    """Static input rows of CUDA graphs, one set per shape, shared by the :class:`CudaGraphExperts` given the
-    same instance: the layers of one worker, whose graphs replay one at a time on one stream (a batch's
-    inputs are written, replayed and done with before the next batch's are written).
+class StaticBuffers:
+    """Static input rows and ``combined`` outputs of CUDA graphs, one set per shape, shared by the
+    :class:`CudaGraphExperts` given the same instance: the layers of one worker, whose graphs replay one at a
+    time on one stream (a batch's inputs are written, replayed, and its output copied out, before the next
+    batch's inputs are written).
 
-    Each layer's graphs then keep only their outputs: for a model of L layers this saves ``L - 1`` copies of
-    every bucket's input rows (``deploy/sizing.py`` counts what stays).
+    For a model of L layers this saves ``L - 1`` copies of every bucket's rows and outputs; what stays is
+    one set (``deploy/sizing.py`` counts it). Route-major outputs (``[B, k, H]``) are not shared.
     """
 
     def __init__(self) -> None:
         self._rows: dict[tuple[int, int, int, torch.dtype, str, int], _InputRows] = {}
+        self._outputs: dict[tuple[int, int, torch.dtype, str], torch.Tensor] = {}
 
     def rows(self, bucket: int, top_k: int, hidden: int, dtype: torch.dtype, device: torch.device, pad_expert: int) -> _InputRows:
         """The rows of this shape (made on first use)."""
@@ -157,18 +160,28 @@ class StaticInputs:
             rows = self._rows[key] = _InputRows(bucket, top_k, hidden, dtype, device, pad_expert)
         return rows
 
+    def output(self, bucket: int, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The ``[bucket, hidden]`` combined output the graphs of this bucket write (made on first use)."""
+        key = (bucket, hidden, dtype, str(device))
+        out = self._outputs.get(key)
+        if out is None:
+            out = self._outputs[key] = torch.zeros((bucket, hidden), dtype=dtype, device=device)
+        return out
+
     @property
     def nbytes(self) -> int:
-        """Bytes of every set of rows made so far."""
-        return sum(r.nbytes for r in self._rows.values())
+        """Bytes of every set of rows and every output made so far."""
+        return sum(r.nbytes for r in self._rows.values()) + sum(o.nbytes for o in self._outputs.values())
 
 
 class _Entry:
-    """The graph of one :class:`GraphKey`: its input rows (maybe shared, :class:`StaticInputs`), NaN flag and output."""
+    """The graph of one :class:`GraphKey`: its input rows and (combined) output (maybe shared, :class:`StaticBuffers`),
+    NaN flag, and the output it returns (``out_buffer``, or its own for route-major)."""
 
-    def __init__(self, key: GraphKey, rows: _InputRows, device: torch.device) -> None:
+    def __init__(self, key: GraphKey, rows: _InputRows, out_buffer: torch.Tensor | None, device: torch.device) -> None:
         self.key = key
         self.rows = rows
+        self.out_buffer = out_buffer
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)
         self.out: torch.Tensor | None = None
         self.graph: Any = None  # torch.cuda.CUDAGraph once captured
@@ -216,12 +229,12 @@ class CudaGraphExperts(LayerExperts):
         max_variants: most distinct (top_k, weighting, output mode) variants captured.
         max_chunked_tokens: largest batch run as chunks of graph replays (None: ``CHUNK_FACTOR``
             times the largest bucket; 0, or at most the largest bucket: never); larger ones run eagerly.
-        inputs: the graphs' input rows, shared by the wrappers given the same :class:`StaticInputs`
-            (replayed one at a time on one stream, like ``pool``); a private one if None.
+        buffers: the graphs' input rows and combined outputs, shared by the wrappers given the same
+            :class:`StaticBuffers` (replayed one at a time on one stream, like ``pool``); private ones if None.
 
     ``forward_unchecked`` returns a view of a static output buffer (a graph-sized batch) or a new
-    tensor (chunks, eager): read (copy) it before the next call on this wrapper. ``forward``
-    validates and returns a copy.
+    tensor (chunks, eager): read (copy) it before the next call on this wrapper or on any wrapper
+    sharing its ``buffers``. ``forward`` validates and returns a copy.
     """
 
     capture_safe: ClassVar[bool] = False  # it replays graphs; it is not itself capturable
@@ -235,7 +248,7 @@ class CudaGraphExperts(LayerExperts):
         pool: Any = None,
         max_variants: int = DEFAULT_MAX_VARIANTS,
         max_chunked_tokens: int | None = None,
-        inputs: StaticInputs | None = None,
+        buffers: StaticBuffers | None = None,
     ) -> None:
         if not is_capture_safe(inner):
             raise ValueError(f"{type(inner).__name__} is not capture-safe (capture_safe is False or it has no forward_unchecked)")
@@ -257,7 +270,7 @@ class CudaGraphExperts(LayerExperts):
         largest = self.buckets[-1] if self.buckets else 0
         self.max_chunked_tokens = CHUNK_FACTOR * largest if max_chunked_tokens is None else max_chunked_tokens
         self.pad_expert = self._choose_pad_expert()
-        self._inputs = StaticInputs() if inputs is None else inputs
+        self._buffers = StaticBuffers() if buffers is None else buffers
         self._entries: dict[GraphKey, _Entry] = {}
         self._variants: set[tuple[int, bool, str]] = set()
         self.capture_seconds = 0.0
@@ -334,9 +347,10 @@ class CudaGraphExperts(LayerExperts):
     def _entry(self, key: GraphKey) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
-            rows = self._inputs.rows(key.bucket, key.top_k, self.config.hidden_size, self.config.torch_dtype, self.device,
-                                     self.pad_expert)
-            entry = _Entry(key, rows, self.device)
+            hidden, dtype = self.config.hidden_size, self.config.torch_dtype
+            rows = self._buffers.rows(key.bucket, key.top_k, hidden, dtype, self.device, self.pad_expert)
+            out = self._buffers.output(key.bucket, hidden, dtype, self.device) if key.output_mode == "combined" else None
+            entry = _Entry(key, rows, out, self.device)
             self._entries[key] = entry
             self._variants.add(key.variant)
         if not entry.prepared:
@@ -348,7 +362,7 @@ class CudaGraphExperts(LayerExperts):
         key = entry.key
         return self.inner.forward_unchecked(  # type: ignore[attr-defined]
             entry.x, entry.ids, entry.w, apply_router_weight_on_input=key.apply_router_weight_on_input,
-            output_mode=key.output_mode, nonfinite=entry.flag,
+            output_mode=key.output_mode, nonfinite=entry.flag, out=entry.out_buffer,
         )
 
     def _prepare(self, entry: _Entry) -> None:
@@ -421,7 +435,8 @@ class CudaGraphExperts(LayerExperts):
         the caller vouches for the arguments.
 
         Returns ``[T, H]`` (combined) or ``[T, k, H]`` (route-major) in the model dtype: a view of
-        the static output when one graph ran, valid until the next call. ``nonfinite``: as for the
+        the static output when one graph ran, valid until the next call (of any wrapper sharing the
+        ``buffers``). ``nonfinite``: as for the
         wrapped backend (set to 1 when an MXFP8 quantization met NaN/Inf).
         """
         tokens, top_k = topk_ids.shape
@@ -474,7 +489,7 @@ __all__ = [
     "DEFAULT_MAX_VARIANTS",
     "CudaGraphExperts",
     "GraphKey",
-    "StaticInputs",
+    "StaticBuffers",
     "bucket_for",
     "is_capture_safe",
     "token_buckets",

@@ -64,6 +64,24 @@ def test_route_major(backend: str, held: list[int]) -> None:
     _check(backend, "swigluoai", "float32", 5, 2, held, mode="route_major")
 
 
+@pytest.mark.parametrize("backend", ["packed", "emulated"])
+@pytest.mark.parametrize("held", [[0, 2], [0, 1, 2, 3]], ids=["shard", "whole"])
+def test_forward_unchecked_writes_a_combined_output_into_out(backend: str, held: list[int]) -> None:
+    """``out=`` (what CUDA graphs sharing outputs across layers pass): the combined output lands in it, poisoned
+    beforehand, bit-equal to the output without it; route-major ignores it."""
+    cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=4, activation="silu", dtype="float32")
+    ex = _make(backend, cfg, make_layer(cfg, held, seed=3))
+    x, ids, w = make_batch(6, 2, 4, 128, cfg.torch_dtype, seed=4)
+    want = ex.forward_unchecked(x, ids, w)
+    out = torch.full((6, 128), float("nan"))
+    got = ex.forward_unchecked(x, ids, w, out=out)
+    assert got is out and torch.equal(out, want)
+    route_major = ex.forward_unchecked(x, ids, w, output_mode="route_major", out=torch.full((6, 128), float("nan")))
+    assert route_major.shape == (6, 2, 128) and not route_major.isnan().any()
+    empty = torch.empty((0, 128))
+    assert ex.forward_unchecked(x[:0], ids[:0], w[:0], out=empty) is empty
+
+
 def test_whole_layer_builds_no_held_mask() -> None:
     """A layer holding every expert (in any order) skips the held mask; a shard builds it."""
     cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=4)
