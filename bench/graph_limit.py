@@ -19,8 +19,8 @@ Per (N, size): the median over ``--repeats`` of the back-to-back time, microseco
 device tensors, as the CPU time to launch it and the GPU time between two events around it, to
 tell launch overhead from kernel time. Each N gets its own worker (graphs captured, eager sizes warmed
 up to the largest size, as the server starts), freed before the next; the GPU memory its capture took
-(allocated: the graphs' live buffers, which ``deploy/sizing.py`` estimates for one layer plus the shared
-input rows; reserved: with their pool) goes into the JSON::
+(allocated: the graphs' live buffers, shared by the layers, which ``deploy/sizing.py`` estimates;
+reserved: with their pool) goes into the JSON::
 
     PYTHONPATH=kernels:client:server python3 bench/graph_limit.py --out $OUT/limit
     PYTHONPATH=kernels:client:server python3 bench/graph_limit.py --out /tmp/l --shape smoke --device cpu --backend reference
