@@ -47,7 +47,7 @@ from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
 from lutb_server.errors import DeadlineExpired, QueueFull, Unavailable, deadline_reached
 from lutb_server.metrics import ServerMetrics
-from lutb_server.worker import BatchOutput, BatchWorker, ComputeWorker, running_loop
+from lutb_server.worker import BATCH_PATHS, BatchOutput, BatchWorker, ComputeWorker, running_loop
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class _LayerMetrics(NamedTuple):
     batch_tokens: Any
     batch_requests: Any
     tokens: Any
+    batches: dict[str, Any]
+    """The ``lutb_batches_total`` child of each path (:data:`~lutb_server.worker.BATCH_PATHS`)."""
 
 
 @dataclass(eq=False)
@@ -141,7 +143,6 @@ class BatchScheduler:
         self._timer_due = 0.0
         self._closed = False
         self._by_layer: dict[int, _LayerMetrics] = {}
-        self._batches_by_path: dict[tuple[int, str], Any] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -395,10 +396,7 @@ class BatchScheduler:
             m.batch_tokens.observe(call_tokens)
             m.batch_requests.observe(requests)
             m.tokens.inc(tokens)
-            batches = self._batches_by_path.get((layer, path))
-            if batches is None:  # labels() takes a lock and builds a key: once per (layer, path)
-                batches = self._batches_by_path[(layer, path)] = self._metrics.batches.labels(self._backend, str(layer), path)
-            batches.inc()
+            m.batches[path].inc()
 
     def _layer_metrics(self, layer: int) -> _LayerMetrics:
         """The metrics' children labelled (backend, layer), looked up once per layer (``labels()`` costs a lock and a dict)."""
@@ -410,6 +408,7 @@ class BatchScheduler:
             m = self._by_layer[layer] = _LayerMetrics(
                 metrics.queue_wait.labels(*labels), metrics.compute.labels(*labels), metrics.batch_tokens.labels(*labels),
                 metrics.batch_requests.labels(*labels), metrics.tokens.labels(*labels),
+                {path: metrics.batches.labels(*labels, path) for path in BATCH_PATHS},
             )
         return m
 

@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+BATCH_PATHS = ("graph", "chunks", "eager")
+"""How an experts call can run (:attr:`BatchOutput.path`)."""
+
+
 class BatchOutput(NamedTuple):
     """What a worker returns for one batch."""
 
@@ -315,19 +319,15 @@ class ComputeWorker:
         that owns the worker (tests, ``bench/serving.py``'s in-process baseline).
         """
         start = time.perf_counter()
-        tokens = sum(r.tokens for r in requests)
         path = "eager"
         if self._experts is None:
             outputs = _generic_forward(self.engine, requests)
         elif self.cuda:
-            experts, first = self._experts[requests[0].layer], requests[0]
-            if isinstance(experts, CudaGraphExperts):
-                path = experts.path_for(tokens, int(first.topk_ids.shape[1]), first.apply_router_weight_on_input, first.output_mode)
-            outputs = self._run_cuda(requests)
+            outputs, path = self._run_cuda(requests)
         else:
             outputs = self._run_cpu(requests)
         self.batches += 1
-        return BatchOutput(outputs, time.perf_counter() - start, tokens, path)
+        return BatchOutput(outputs, time.perf_counter() - start, sum(r.tokens for r in requests), path)
 
     def _gather(self, requests: list[PreparedRequest], buffers: _Buffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         first = requests[0]
@@ -357,7 +357,8 @@ class ComputeWorker:
                               output_mode=first.output_mode)
         return _split(out, requests)
 
-    def _run_cuda(self, requests: list[PreparedRequest]) -> list[torch.Tensor]:
+    def _run_cuda(self, requests: list[PreparedRequest]) -> tuple[list[torch.Tensor], str]:
+        """The batch on the device: its per-request outputs, and how the experts ran it (``BatchOutput.path``)."""
         first = requests[0]
         experts = self._experts[first.layer]  # type: ignore[index]
         on_input, mode = first.apply_router_weight_on_input, first.output_mode
@@ -365,9 +366,11 @@ class ComputeWorker:
         with torch.cuda.stream(self._stream):
             xh, idsh, wh = self._gather(requests, self._host)
             tokens, k = idsh.shape
-            targets = None
+            targets, path = None, "eager"
             if isinstance(experts, CudaGraphExperts):
-                targets = experts.static_inputs(tokens, k, apply_router_weight_on_input=on_input, output_mode=mode)
+                path = experts.path_for(tokens, k, on_input, mode)
+                if path == "graph":  # written straight into the graph's static inputs
+                    targets = experts.static_inputs(tokens, k, apply_router_weight_on_input=on_input, output_mode=mode)
             if targets is None:
                 targets = (self._dev.get("x", xh.shape, xh.dtype), self._dev.get("ids", idsh.shape, torch.int32),
                            self._dev.get("w", wh.shape, torch.float32))
@@ -391,7 +394,7 @@ class ComputeWorker:
                 if tokens:
                     raise NonFiniteInputError("MXFP8 quantization met NaN or Inf (hidden states or activation output)")
         result = out_h.clone()  # the batch's own memory: the pinned buffer is reused by the next batch
-        return _split(result, requests)
+        return _split(result, requests), path
 
     def _nonfinite_flag(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """The device NaN/Inf flag (zero between batches), its pinned host copy, and a numpy view of that copy
@@ -450,4 +453,4 @@ def _generic_forward(engine: ForwardEngine, requests: list[PreparedRequest]) -> 
     return _split(out, requests)
 
 
-__all__ = ["BatchOutput", "BatchWorker", "ComputeWorker", "ForwardEngine", "running_loop", "warm_up_sizes"]
+__all__ = ["BATCH_PATHS", "BatchOutput", "BatchWorker", "ComputeWorker", "ForwardEngine", "running_loop", "warm_up_sizes"]

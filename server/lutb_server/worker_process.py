@@ -215,15 +215,16 @@ class _Connection:
         """A request tensor: a view of this connection's arena, or decoded from its inline message."""
         return self.arena.view(item) if isinstance(item, Slot) and self.arena is not None else decode_tensor(item)
 
-    def answer(self, job: int, output: torch.Tensor | BaseException, seconds: float, call_tokens: int, path: str,
-               out_slot: Slot | None, memory: tuple[int, int]) -> None:
-        if isinstance(output, BaseException):
-            message = (job, _picklable(output), 0.0, 0, "", memory)
+    def answer(self, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, out_slot: Slot | None,
+               memory: tuple[int, int]) -> None:
+        """Send ``output``: this batch's part of ``call`` (the merged call that ran it), or, with ``call`` None, its exception."""
+        if call is None:
+            message = (job, _picklable(output), 0.0, 0, "", memory)  # type: ignore[arg-type]
         elif out_slot is not None and self.arena is not None and out_slot.fits(output):
             self.arena.view(out_slot).copy_(output)
-            message = (job, None, seconds, call_tokens, path, memory)
+            message = (job, None, call.seconds, call.call_tokens, call.path, memory)
         else:
-            message = (job, encode_tensor(output), seconds, call_tokens, path, memory)
+            message = (job, encode_tensor(output), call.seconds, call.call_tokens, call.path, memory)
         _send(self.sock, message)
 
 
@@ -291,7 +292,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
             try:  # a batch arrives concatenated: one request
                 request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode)
             except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
-                _answer(c, job, exc, 0.0, 0, "", out_slot, memory)
+                _answer(c, job, exc, None, out_slot, memory)
                 continue
             batches.append((c, job, request, out_slot))
         _run_merged(worker, batches, memory, spec.max_batch_tokens)
@@ -322,22 +323,24 @@ def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max
     """Run ``batches`` (one per serving process at most), merged by :func:`merge_groups`, and answer each."""
     for indexes in merge_groups([request for _, _, request, _ in batches], max_tokens):
         group = [batches[i] for i in indexes]
+        call: BatchOutput | None
         try:
-            outputs, seconds, call_tokens, path = worker.run([request for _, _, request, _ in group])
+            call = worker.run([request for _, _, request, _ in group])
+            outputs: list[torch.Tensor | BaseException] = list(call.outputs)
         except Exception as exc:  # noqa: BLE001 - alone, each batch gets its own result or error
             if len(group) > 1:
                 for batch in group:
                     _run_merged(worker, [batch], memory, max_tokens)
                 continue
-            outputs, seconds, call_tokens, path = [exc], 0.0, 0, ""
+            call, outputs = None, [exc]
         for (c, job, _, out_slot), output in zip(group, outputs):
-            _answer(c, job, output, seconds, call_tokens, path, out_slot, memory)
+            _answer(c, job, output, call, out_slot, memory)
 
 
-def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, seconds: float, call_tokens: int, path: str,
-            out_slot: Slot | None, memory: tuple[int, int]) -> None:
+def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, out_slot: Slot | None,
+            memory: tuple[int, int]) -> None:
     try:
-        c.answer(job, output, seconds, call_tokens, path, out_slot, memory)
+        c.answer(job, output, call, out_slot, memory)
     except OSError:
         pass  # that serving process is gone; its socket reads EOF next round
 

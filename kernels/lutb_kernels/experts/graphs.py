@@ -337,12 +337,17 @@ class CudaGraphExperts(LayerExperts):
         """How :meth:`forward_unchecked` runs such a batch: ``"graph"`` (one replay), ``"chunks"`` (replays of
         the largest bucket's graph and one smaller) or ``"eager"`` (the wrapped backend: 0 tokens, above
         ``eager_above``, or a variant beyond ``max_variants``). Sizes only; captures nothing."""
-        if self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode) is not None:
-            return "graph"
+        return self._plan(tokens, top_k, apply_router_weight_on_input, output_mode)[0]
+
+    def _plan(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str) -> tuple[str, GraphKey | None]:
+        """:meth:`path_for`, with the graph's key when the path is ``"graph"``."""
+        key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode)
+        if key is not None:
+            return "graph", key
         largest = self.buckets[-1] if self.buckets else 0
         if largest < tokens <= self.max_chunked_tokens and self.key_for(largest, top_k, apply_router_weight_on_input, output_mode):
-            return "chunks"
-        return "eager"
+            return "chunks", None
+        return "eager", None
 
     def _entry(self, key: GraphKey) -> _Entry:
         entry = self._entries.get(key)
@@ -440,10 +445,8 @@ class CudaGraphExperts(LayerExperts):
         wrapped backend (set to 1 when an MXFP8 quantization met NaN/Inf).
         """
         tokens, top_k = topk_ids.shape
-        path = self.path_for(tokens, top_k, apply_router_weight_on_input, output_mode)
-        if path == "graph":
-            key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode)
-            assert key is not None
+        path, key = self._plan(tokens, top_k, apply_router_weight_on_input, output_mode)
+        if key is not None:
             return self._replay(self._entry(key), x, topk_ids, topk_weights, nonfinite)
         if path == "eager":
             return self.inner.forward_unchecked(  # type: ignore[attr-defined]
