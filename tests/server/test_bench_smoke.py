@@ -41,12 +41,19 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
         # every caller answered inside its process's window; the windows' start times recorded
         assert s["callers_measured"] == r["concurrency"] and s["window_start_spread_s"] >= 0
         assert r["echo"]["requests"] > 0 and r["echo"]["request_bytes"] == r["server"]["request_bytes"]
+        assert r["echo"]["response_bytes"] == r["server"]["response_bytes"] and r["echo"]["tokens_per_s"] > 0
         assert r["inproc"]["us"] > 0 and r["inproc"]["batch_tokens"] >= 4
     by_wire = {r["wire"]: r["server"]["request_bytes"] for r in rows}
     assert by_wire["mxfp8"] < 0.7 * by_wire["bf16"]
     assert report["servers"]["smoke"]["backend"] == "reference"
     profile = Path(report["servers"]["smoke"]["profile"])
     assert profile.exists() and any(tool in profile.read_text() for tool in ("cProfile", "py-spy"))  # py-spy where installed
+    # each row's echo ran on its own API: the stream and unary rows of a cell hold different echo runs
+    for w in ("bf16", "mxfp8"):
+        for c in (1, 2):
+            unary, stream = (next(r["echo"] for r in rows if (r["wire"], r["api"], r["concurrency"]) == (w, a, c)) for a in ("unary", "stream"))
+            assert unary != stream
+    assert report["settings"]["echo_procs"] == 1  # one front end: one echo process
     assert "| shape | wire | api | C | T |" in (out / "serving.md").read_text()
     assert "## Where the time goes" in (out / "serving.md").read_text()
     assert "| prepare | queue | compute | hand-off | encode | other |" in (out / "serving.md").read_text()
@@ -71,15 +78,20 @@ def test_expert_parallel_bench_with_client_procs(tmp_path: Path) -> None:
 
 
 def test_serving_bench_smoke_on_a_compute_process(tmp_path: Path) -> None:
-    """bench/serving.py --compute-worker process: the server's batches run in its child process."""
+    """bench/serving.py --compute-worker process --front-ends 2: the server's batches run in its child process, and
+    the echo runs on as many processes as the server has front ends, sharing one port."""
     out = tmp_path / "out"
-    _run_bench("serving.py", ["--smoke", "--out", str(out), "--concurrency", "1", "--tokens", "4", "--wires", "bf16",
-                              "--apis", "stream", "--duration-s", "0.2", "--warmup-s", "0.05", "--compute-worker", "process"],
+    _run_bench("serving.py", ["--smoke", "--out", str(out), "--concurrency", "2", "--tokens", "4", "--wires", "bf16",
+                              "--apis", "stream", "--duration-s", "0.2", "--warmup-s", "0.05", "--compute-worker", "process",
+                              "--front-ends", "2"],
                timeout=120)
     report = json.loads((out / "serving.json").read_text())
     (row,) = report["rows"]
     assert row["server"]["requests"] > 0 and not row["server"]["errors"]
-    assert report["settings"]["compute_worker"] == "process"
+    assert row["echo"]["requests"] > 0 and not row["echo"]["errors"]
+    assert report["settings"]["compute_worker"] == "process" and report["settings"]["echo_procs"] == 2
+    for i in range(2):
+        assert "echo server ready" in (out / f"echo-{i}.log").read_text()
 
 
 def test_worker_pacing_bench_smoke(tmp_path: Path) -> None:
