@@ -5,6 +5,8 @@
 #   bash bench/serving_device.sh tests      # only the GPU tests (CUDA graphs, compute worker, GPU serving)
 #   bash bench/serving_device.sh bench --shapes qwen3-30b-a3b --profile     # only the bench; extra args go to it
 #   bash bench/serving_device.sh graphs     # bench/graph_limit.py: one graph, chunks, eager, split, larger graphs
+#   bash bench/serving_device.sh ab ab_old --shapes qwen3-30b-a3b --tokens 16   # bench/ab_serving.py: this tree against
+#                                           # the whole tree ab_old (git archive <rev> | tar -x -C ab_old), 2 interleaved pairs
 #
 # Assumes the project is importable from the source tree and the extra wheels are in /tmp/site.
 set -uo pipefail
@@ -30,6 +32,14 @@ fi
 if [[ $STAGE == graphs ]]; then
   echo "== bench/graph_limit.py (qwen3; JSON: $OUT/limit/graph_limit.json) =="
   timeout 540 "$PY" bench/graph_limit.py --out "$OUT/limit" "$@"
+  bench_status=$?
+fi
+if [[ $STAGE == ab ]]; then
+  OLD_TREE=${1:?usage: serving_device.sh ab OLD_TREE [bench/serving.py args]}
+  shift
+  echo "== bench/ab_serving.py: this tree against $OLD_TREE (runs under $OUT/ab) =="
+  timeout 580 "$PY" bench/ab_serving.py --old "$OLD_TREE" --out "$OUT/ab" --pairs 2 --budget-s 560 -- \
+    --work-dir /tmp/lutb-ckpt --duration-s 1.5 --warmup-s 0.3 --inproc-s 0.3 "$@"
   bench_status=$?
 fi
 if [[ $STAGE == all || $STAGE == bench ]]; then

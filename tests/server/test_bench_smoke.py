@@ -129,3 +129,27 @@ def test_serving_overhead_bench_smoke(tmp_path: Path) -> None:
     assert row["cpu_us_per_request"] > 0 and row["thread_cpu_us_per_request"]["main"] > 0
     assert row["echo_cpu_us_per_request"] >= row["echo_main_cpu_us_per_request"] > 0
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| 1 | 2 |")  # the table comes last
+
+
+def test_ab_serving_smoke(tmp_path: Path) -> None:
+    """bench/ab_serving.py: each tree's own bench/serving.py, interleaved, then one table of the server's figures."""
+    import shutil
+
+    old = tmp_path / "old"
+    for d in ("bench", "kernels", "client", "server"):
+        shutil.copytree(ROOT / d, old / d, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    bench = old / "bench" / "serving.py"  # a mark showing which tree's bench wrote a report
+    bench.write_text(bench.read_text().replace("TARGET_SLACK_US = 150.0", "TARGET_SLACK_US = 151.0"))
+    out = tmp_path / "out"
+    proc = _run_bench("ab_serving.py", ["--old", str(old), "--out", str(out), "--pairs", "1", "--",
+                                        "--smoke", "--work-dir", str(tmp_path / "ckpt"), "--concurrency", "1", "--tokens", "4",
+                                        "--wires", "bf16", "--apis", "stream", "--duration-s", "0.2", "--warmup-s", "0.05"],
+                      timeout=240)
+    report = json.loads((out / "ab_serving.json").read_text())
+    (row,) = report["rows"]
+    assert report["pairs"] == 1 and row["cell"] == {"shape": "smoke", "wire": "bf16", "api": "stream", "concurrency": 1, "tokens": 4}
+    assert row["new_p50_us"][0] > 0 and row["old_p50_us"][0] > 0 and row["tokens_per_s_new_over_old"] > 0
+    assert (out / "new1" / "serving.json").exists() and (out / "old1" / "serving.json").exists()
+    assert "echo + 151 us" in (out / "old1" / "serving.md").read_text()
+    assert "echo + 150 us" in (out / "new1" / "serving.md").read_text()
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| smoke | bf16 | stream | 1 | 4 |")

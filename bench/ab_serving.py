@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Serving A/B of two source trees: ``bench/serving.py`` of this tree (new) and of another whole
+tree (old), run alternately on one machine, then one table of latency and tokens/s per cell.
+
+For a change to the server itself (scheduler, worker, CUDA graphs) that cannot be switched at run
+time. Each tree runs its own ``bench/serving.py`` from its own directory with its own packages first
+on ``PYTHONPATH``; runs are interleaved (new, old, new, old, ...) so that clock or machine drift
+cannot pose as a gain. Only the server's own figures are compared (p50, p99, tokens/s, the batch
+formed, the worker's compute): the two trees' benches may measure their echo floor differently.
+The old tree is made on the development machine and carried to the device::
+
+    rm -rf ab_old && mkdir ab_old && git archive <rev> | tar -x -C ab_old   # ab_old/ is git-ignored locally
+    # device call, carry [".whl", "ab_old"]:
+    python3 bench/ab_serving.py --old ab_old --out $OUT/ab --pairs 2 -- --work-dir /tmp/ckpt --shapes qwen3-30b-a3b \\
+        --wires bf16 --concurrency 1,8,64 --tokens 16 --duration-s 1.5 --warmup-s 0.3 --inproc-s 0.3
+
+Give both trees one ``--work-dir`` so that the checkpoint is made once. Every run's ``serving.json``
+lands in ``OUT/new1``, ``OUT/old1``, ...; ``OUT/ab_serving.json`` holds the table's numbers. A run
+that fails or overruns ``--budget-s`` ends the series (pairs already complete are reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("kernels", "client", "server")
+
+Cell = tuple[str, str, str, int, int]  # shape, wire, api, concurrency, tokens
+
+
+def run_once(tree: Path, out: Path, bench_args: list[str], timeout_s: float) -> dict | None:
+    """``tree``'s ``bench/serving.py --out out *bench_args``, run from ``tree`` with its packages first; its report or None."""
+    env = dict(os.environ)
+    ours = {(ROOT / p).resolve() for p in PACKAGES}
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() not in ours and p not in PACKAGES]
+    env["PYTHONPATH"] = os.pathsep.join([str(tree / p) for p in PACKAGES] + rest)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "ab_run.log"
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run([sys.executable, str(tree / "bench" / "serving.py"), "--out", str(out.resolve()), *bench_args],
+                                cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            print(f"[ab_serving] {out.name}: over {timeout_s:.0f} s, stopped (log: {log})")
+            return None
+    report = out / "serving.json"
+    if rc != 0 or not report.exists():
+        print(f"[ab_serving] {out.name}: exit {rc} (log: {log})")
+        return None
+    return json.loads(report.read_text())
+
+
+def cells(report: dict) -> dict[Cell, dict]:
+    """The server's figures of each cell of one run."""
+    return {(r["shape"], r["wire"], r["api"], r["concurrency"], r["tokens"]): r["server"] for r in report["rows"]}
+
+
+def table(new: list[dict], old: list[dict]) -> tuple[str, list[dict]]:
+    """Markdown table per cell: each run's p50 and tokens/s, the means' ratios, batches and compute (medians)."""
+    new_cells, old_cells = [cells(r) for r in new], [cells(r) for r in old]
+    keys = sorted(set.intersection(*(set(c) for c in new_cells + old_cells)))
+    lines = ["| shape | wire | api | C | T | p50 us new (runs) | old (runs) | new / old | tok/s new (runs) | old (runs) | new / old "
+             "| batch new / old | compute us new / old |",
+             "|" + "|".join("---" for _ in range(13)) + "|"]
+    data = []
+
+    def runs(values: list[float]) -> str:
+        return " / ".join(f"{v:.0f}" for v in values)
+
+    def fig(values: list[float | None]) -> str:
+        known = [v for v in values if v is not None]
+        return f"{statistics.median(known):.0f}" if known else "-"
+
+    for key in keys:
+        n, o = [c[key] for c in new_cells], [c[key] for c in old_cells]
+        p50 = ([s["p50_us"] for s in n], [s["p50_us"] for s in o])
+        tps = ([s["tokens_per_s"] for s in n], [s["tokens_per_s"] for s in o])
+        p50_ratio = statistics.mean(p50[0]) / statistics.mean(p50[1])
+        tps_ratio = statistics.mean(tps[0]) / statistics.mean(tps[1])
+        batch = (fig([s.get("batch_tokens_p50") for s in n]), fig([s.get("batch_tokens_p50") for s in o]))
+        compute = (fig([s.get("server_compute_us_p50") for s in n]), fig([s.get("server_compute_us_p50") for s in o]))
+        lines.append(f"| {' | '.join(str(k) for k in key)} | {runs(p50[0])} | {runs(p50[1])} | {p50_ratio:.2f} "
+                     f"| {runs(tps[0])} | {runs(tps[1])} | {tps_ratio:.2f} | {batch[0]} / {batch[1]} | {compute[0]} / {compute[1]} |")
+        data.append({"cell": dict(zip(("shape", "wire", "api", "concurrency", "tokens"), key)),
+                     "new_p50_us": p50[0], "old_p50_us": p50[1], "new_tokens_per_s": tps[0], "old_tokens_per_s": tps[1],
+                     "p50_new_over_old": p50_ratio, "tokens_per_s_new_over_old": tps_ratio,
+                     "new_batch_tokens_p50": [s.get("batch_tokens_p50") for s in n],
+                     "old_batch_tokens_p50": [s.get("batch_tokens_p50") for s in o]})
+    return "\n".join(lines), data
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--old", type=Path, required=True, help="the other tree's root (holding bench/, kernels/, client/, server/)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--pairs", type=int, default=2, help="new/old pairs, interleaved")
+    p.add_argument("--budget-s", type=float, default=540.0, help="no run starts after this many seconds; a run is stopped there")
+    p.add_argument("bench_args", nargs="*", help="arguments for both trees' bench/serving.py, after --")
+    args = p.parse_args(argv)
+    old_tree = args.old.resolve()
+    missing = [d for d in ("bench/serving.py", *PACKAGES) if not (old_tree / d).exists()]
+    if missing:
+        p.error(f"{args.old} is not a whole tree: no {', '.join(missing)}")
+    if args.pairs < 1:
+        p.error("--pairs must be >= 1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    new: list[dict] = []
+    old: list[dict] = []
+    for i in range(1, args.pairs + 1):
+        pair = []
+        for name, tree in (("new", ROOT), ("old", old_tree)):
+            left = args.budget_s - (time.monotonic() - start)
+            res = run_once(tree, args.out / f"{name}{i}", args.bench_args, left) if left > 10 else None
+            print(f"[ab_serving] {name}{i}: {'done' if res else 'no result'} at {time.monotonic() - start:.0f} s", flush=True)
+            if res is None:
+                break
+            pair.append(res)
+        if len(pair) < 2:
+            break
+        new.append(pair[0])
+        old.append(pair[1])
+    if not new:
+        print("[ab_serving] no complete pair")
+        return 1
+    text, data = table(new, old)
+    (args.out / "ab_serving.json").write_text(json.dumps({"old_tree": str(args.old), "bench_args": args.bench_args,
+                                                           "pairs": len(new), "rows": data}, indent=1))
+    print(f"\nab_serving: {len(new)} interleaved pair(s), new = {ROOT}, old = {args.old}; server figures only\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
