@@ -82,6 +82,66 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
+# ----------------------------------------------------------------------------- CPU accounting (/proc)
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a server's front ends and compute process), from /proc; ``[pid]`` where
+    /proc has no ``children`` lists."""
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+    return pids
+
+
+def thread_cpu_s(pids: list[int]) -> dict[str, float]:
+    """CPU seconds so far (user + system) per thread of processes ``pids``, keyed ``"<process>/<thread>"``: the
+    process ``root`` for ``pids[0]``, else ``pid <n>``; the thread ``main`` for a process's main thread (a serving
+    process's event loop), else the thread's name (threads of one name summed)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for index, pid in enumerate(pids):
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            key = f"{'root' if index == 0 else f'pid {pid}'}/{name}"
+            out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+class CpuMeter:
+    """CPU used by a process tree's threads between :meth:`start` and :meth:`stop` (/proc: robust on a busy machine)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._before: dict[str, float] = {}
+        self._began = 0.0
+
+    def start(self) -> None:
+        self._before, self._began = thread_cpu_s(process_tree(self.pid)), time.perf_counter()
+
+    def stop(self, answered: int) -> dict[str, Any]:
+        """``answered``: requests answered meanwhile. Returns CPU us per request (all threads), each thread's busy
+        fraction of the wall time, and the busiest thread."""
+        wall = time.perf_counter() - self._began
+        pids = process_tree(self.pid)
+        now = thread_cpu_s(pids)
+        used = {k: v - self._before.get(k, 0.0) for k, v in now.items()}
+        busy = {k: round(v / wall, 3) for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v > 0}
+        top = next(iter(busy.items()), ("-", 0.0))
+        return {"cpu_us_per_request": sum(used.values()) * 1e6 / max(1, answered), "thread_busy": busy,
+                "busiest_thread": top[0], "busiest_thread_busy": top[1], "wall_s": wall, "processes": len(pids)}
+
+
 # ----------------------------------------------------------------------------- checkpoint
 
 
@@ -198,6 +258,8 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         sizes = {"request": len(payloads[0]), "response": 0}
         errors: list[str] = []
         done_tokens = 0
+        answered_all = 0  # responses, warm-up included (CPU is measured over the whole run)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
         # the measured window: after warmup_s, and after every caller's first answer (a first call that is slow,
         # e.g. a cold server path on a busy machine, must not swallow a short window); moved when that comes later
         t_start = time.perf_counter() + spec["warmup_s"]
@@ -216,7 +278,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         async def caller(index: int) -> None:
             # api "stream": one ForwardStream per caller for the whole cell, one request in
             # flight on it (what an attention node keeping a stream open per expert server does)
-            nonlocal done_tokens
+            nonlocal done_tokens, answered_all
             i = index
             channel = channels[index % len(channels)]
             call = channel.unary_unary(method)  # bytes in, bytes out: no (de)serialization cost on this side
@@ -244,6 +306,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                         return
                     continue
                 t1 = time.perf_counter()
+                answered_all += 1
                 if not answered:
                     answered = True
                     first_answer()
@@ -269,7 +332,9 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         # where this process's window sat on the wall clock (the processes' windows can differ: each starts after
         # its own callers' first answers)
         window_wall = time.time() - (time.perf_counter() - t_start)
+        busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     return {"latencies": latencies, "tokens": done_tokens, "window_s": spec["duration_s"], "batch_tokens": batch_tokens,
+            "answered": answered_all, "busy": busy,
             "measured_per_caller": measured_per_caller, "window_wall_start": window_wall, **server_times, "sizes": sizes,
             "errors": errors[:5]}
 
@@ -343,6 +408,9 @@ class LoadPool:
             "response_bytes": max(p["sizes"]["response"] for p in parts),
             "errors": [e for p in parts for e in p["errors"]][:5],
             "load_procs": procs,
+            "answered": sum(p["answered"] for p in parts),  # warm-up included
+            # CPU / wall of the busiest load-generator process: near 1, the load side limits the cell
+            "load_busy_max": max(p["busy"] for p in parts),
             # callers with at least one response in their process's window, and how far apart the windows started:
             # fewer callers than the concurrency, or windows far apart, mean the cell did not load the server as asked
             "callers_measured": sum(1 for p in parts for n in p["measured_per_caller"] if n),
@@ -661,6 +729,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         print(f"[bench] {shape_name}: server up in {info['startup_s']}s, backend {model.backend} on {model.device}", flush=True)
         if profiler is not None:
             profiler.attach(server.pid)
+        meter = CpuMeter(server.pid)
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
         for wire in args.wires:
             for tokens in args.tokens:
@@ -668,8 +737,10 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
                                                                  seed=tokens)
                 for concurrency in args.concurrency:
                     for api in args.apis:
+                        meter.start()
                         result = pool.run("expert", address, reqs.payloads, tokens, concurrency, args.warmup_s, args.duration_s,
                                           api=api, connections=args.front_ends)
+                        result["cpu"] = meter.stop(result["answered"])
                         # the transport floor: the bare echo of the same sizes, API and concurrency, on as many
                         # processes as the server has front ends (one connection per process, as for the server)
                         echo = pool.run("echo", echo_target, echo_payloads(result["request_bytes"], result["response_bytes"]),
@@ -779,6 +850,26 @@ def time_split_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+BUSY_NOTE = ("Who limits a cell, from /proc over each run (warm-up included): the server's CPU per answered request "
+             "(all its processes and threads), its busiest thread and that thread's CPU / wall time (root/main: the "
+             "serving process's event loop; lutb-compute: the thread compute worker; pid N: a front end or the compute "
+             "process), and the busiest load-generator process's CPU / wall time. A thread near 1.0 is saturated; "
+             "serving.json holds every thread's figure.")
+
+
+def busy_table(rows: list[Row]) -> str:
+    """Per cell: server CPU per request, its busiest thread, the load generators' busiest process (see ``BUSY_NOTE``)."""
+    head = "| shape | wire | api | C | T | tok/s | server CPU us/req | busiest server thread | its busy | load busy | echo tok/s |"
+    lines = [head, "|" + "|".join("---" for _ in range(11)) + "|"]
+    for r in rows:
+        cpu = r.server.get("cpu", {})
+        lines.append(f"| {r.shape} | {r.wire} | {r.api} | {r.concurrency} | {r.tokens} | {_fmt(r.server['tokens_per_s'])} "
+                     f"| {_fmt(cpu.get('cpu_us_per_request'))} | {cpu.get('busiest_thread', '-')} "
+                     f"| {_fmt(cpu.get('busiest_thread_busy'), 2)} | {_fmt(r.server.get('load_busy_max'), 2)} "
+                     f"| {_fmt(r.echo.get('tokens_per_s'))} |")
+    return "\n".join(lines)
+
+
 def write_report(out: Path, args: argparse.Namespace, infos: dict[str, Any], rows: list[Row], began: float) -> str:
     """Write serving.json and serving.md (after every shape, so a run cut short keeps what it measured); returns the short table."""
     import torch
@@ -804,7 +895,8 @@ def write_report(out: Path, args: argparse.Namespace, infos: dict[str, Any], row
            f"C=64: tok/s >= {TARGET_THROUGHPUT:.0%} of in-proc tok/s (\"above the echo's tok/s\": the bare transport "
            "answered fewer tokens/s than that).", "", table, "",
            "## Where the time goes", "", TIME_SPLIT_NOTE, "",
-           time_split_table(rows), ""]
+           time_split_table(rows), "",
+           "## Who is busy", "", BUSY_NOTE, "", busy_table(rows), ""]
     (out / "serving.md").write_text("\n".join(md))
     return table
 
@@ -914,6 +1006,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n[bench] wrote {out / 'serving.json'} and {out / 'serving.md'} in {time.perf_counter() - began:.1f}s")
     for name, info in infos.items():
         print(f"[bench] {name}: tokens/s vs concurrency: {info.get('saturation')}; profile: {info.get('profile')}")
+    print()
+    print(busy_table(all_rows))
     print()
     print(time_split_table(all_rows))
     print()

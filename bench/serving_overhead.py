@@ -214,26 +214,14 @@ def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", *args], stdout=log, stderr=subprocess.STDOUT)
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all threads) so far; NaN where /proc is missing."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return float("nan")
-
-
 def _thread_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds so far per thread name of process ``pid`` (``main``: the event loop; threads of one name summed)."""
-    out: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
+    return {key.split("/", 1)[1]: seconds for key, seconds in _serving.thread_cpu_s([pid]).items()}
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    return sum(_thread_cpu_s(pid).values())
 
 
 def _median(values: list[float]) -> float:

@@ -54,6 +54,12 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
             unary, stream = (next(r["echo"] for r in rows if (r["wire"], r["api"], r["concurrency"]) == (w, a, c)) for a in ("unary", "stream"))
             assert unary != stream
     assert report["settings"]["echo_procs"] == 1  # one front end: one echo process
+    for r in rows:  # who is busy: the server's threads from /proc (its event loop among them), the load processes
+        cpu = r["server"]["cpu"]
+        assert cpu["cpu_us_per_request"] > 0 and "root/main" in cpu["thread_busy"], cpu
+        assert cpu["busiest_thread"] in cpu["thread_busy"] and 0 < cpu["busiest_thread_busy"] <= 2.0
+        assert 0 < r["server"]["load_busy_max"] <= 2.0 and r["server"]["answered"] >= r["server"]["requests"]
+    assert "## Who is busy" in (out / "serving.md").read_text()
     assert "| shape | wire | api | C | T |" in (out / "serving.md").read_text()
     assert "## Where the time goes" in (out / "serving.md").read_text()
     assert "| prepare | queue | compute | hand-off | encode | other |" in (out / "serving.md").read_text()
@@ -92,6 +98,9 @@ def test_serving_bench_smoke_on_a_compute_process(tmp_path: Path) -> None:
     assert report["settings"]["compute_worker"] == "process" and report["settings"]["echo_procs"] == 2
     for i in range(2):
         assert "echo server ready" in (out / f"echo-{i}.log").read_text()
+    # the CPU meter follows the server's children: the root (front end 0), front end 1 and the compute process
+    # (and multiprocessing's resource tracker)
+    assert row["server"]["cpu"]["processes"] >= 3, row["server"]["cpu"]
 
 
 def test_worker_pacing_bench_smoke(tmp_path: Path) -> None:
