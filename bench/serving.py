@@ -340,6 +340,9 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load_worker(conn: Any, load_fn: Any = None) -> None:
+    from lutb_client.allocator import tune_malloc
+
+    tune_malloc()  # as the server does: the load side must not pay page faults the server does not
     load_fn = load_fn or _run_load
     while True:
         spec = conn.recv()
@@ -480,7 +483,9 @@ def _child_echo(port: int, loop: str, shared_port: bool = False) -> None:
     import grpc
 
     from lutb_server import event_loop
+    from lutb_client.allocator import tune_malloc
 
+    print(tune_malloc(), flush=True)  # as the server does (lutb_client.allocator): the same footing for the floor
     cache: dict[int, bytes] = {}
 
     def answer(request: bytes) -> bytes:
@@ -979,6 +984,9 @@ def main(argv: list[str] | None = None) -> int:
             _child_echo(int(raw[2]), raw[3], shared_port=raw[4:5] == ["shared-port"])
         return 0
     args = parse_args(argv)
+    from lutb_client.allocator import tune_malloc
+
+    args.malloc = tune_malloc()  # this process's; the server, echo and load processes each apply the same
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops us: still stop the children
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

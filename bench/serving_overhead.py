@@ -353,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(raw)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.tokens = [int(t) for t in args.tokens.split(",")]
+    from lutb_client.allocator import tune_malloc
+
+    args.malloc = tune_malloc()  # the server, echo and load processes each apply the same (lutb_client.allocator)
     temp = None
     if args.out is None:
         temp = args.out = Path(tempfile.mkdtemp(prefix="lutb-overhead-"))

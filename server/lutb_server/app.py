@@ -35,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_kernels.checkpoint import Checkpoint
+from lutb_client.allocator import tune_malloc
 from lutb_server.backends import BackendChoice, choose_backend, compute_capability, resolve_device
 from lutb_server.engine import ExpertEngine
 from lutb_server.front_ends import FrontEnds
@@ -396,6 +397,7 @@ async def serve(
     ``engine_loader`` and ``compute_connection`` are passed to :class:`ExpertServer` (benchmarks
     serve fake backends with the first; front ends k > 0 run on the second).
     """
+    log.info("%s", tune_malloc())  # this process moves large messages (lutb_client.allocator)
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

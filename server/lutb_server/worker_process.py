@@ -241,11 +241,13 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
     connections = [_Connection(sock) for sock in socks]
     try:
         from lutb_kernels.checkpoint import Checkpoint
+        from lutb_client.allocator import tune_malloc
         from lutb_server.app import apply_gil_switch_interval, apply_intra_op_threads
         from lutb_server.backends import choose_backend, resolve_device
         from lutb_server.engine import ExpertEngine
         from lutb_server.worker import ComputeWorker
 
+        log.info("%s", tune_malloc())  # inline batches (no shared arena) are large messages
         checkpoint = Checkpoint(spec.checkpoint)
         device = resolve_device(spec.device)
         apply_intra_op_threads(spec.intra_op_threads, device)
