@@ -135,7 +135,9 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
     options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
     async with grpc.aio.insecure_channel(spec["target"], options=options) as channel:
         await asyncio.wait_for(channel.channel_ready(), 60)
-        call = channel.unary_unary(ECHO_METHOD if spec["kind"] == "echo" else FORWARD_METHOD)
+        echo = spec["kind"] == "echo"
+        call = channel.unary_unary(ECHO_METHOD if echo else FORWARD_METHOD)
+        stream_method = _serving.ECHO_STREAM_METHOD if echo else _serving.FORWARD_STREAM_METHOD
         payloads: list[bytes] = spec["payloads"]
         rows: list[tuple[float, int, int, int, int]] = []  # latency s, batch tokens, compute us, queue us, total us
         errors: list[str] = []
@@ -146,15 +148,24 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
 
         async def caller(index: int) -> None:
             i = index
+            # api "stream": one ForwardStream (EchoStream) per caller for the whole run, one request in flight
+            duplex = channel.stream_stream(stream_method)(timeout=600) if spec["api"] == "stream" else None
             while time.perf_counter() < t_end:
                 payload = payloads[i % len(payloads)]
                 i += 1
                 t0 = time.perf_counter()
                 try:
-                    raw = await call(payload, timeout=60)
+                    if duplex is not None:
+                        await duplex.write(payload)
+                        raw = await duplex.read()
+                        if raw is grpc.aio.EOF:
+                            errors.append("stream ended early")
+                            return
+                    else:
+                        raw = await call(payload, timeout=60)
                 except grpc.RpcError as err:
                     errors.append(f"{err.code().name}: {err.details()}")
-                    if len(errors) > 20:
+                    if len(errors) > 20 or duplex is not None:
                         return
                     continue
                 t1 = time.perf_counter()
@@ -167,16 +178,19 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                                      timing.handoff_us, timing.prepare_us, timing.encode_us))
                     else:
                         rows.append((t1 - t0, 0, 0, 0, 0, 0, 0, 0))
+            if duplex is not None:
+                await duplex.done_writing()
+                await duplex.read()  # EOF: the server closed the stream
 
         await asyncio.gather(*(caller(spec["first_index"] + j) for j in range(spec["concurrency"])))
     return {"rows": rows, "errors": errors[:5], "sizes": sizes, "answered": answered[0]}
 
 
 def run_load(pool: _serving.LoadPool, kind: str, target: str, payloads: list[bytes], concurrency: int,
-             warmup_s: float, duration_s: float) -> dict[str, Any]:
-    """One measurement over the pool's processes, running this module's ``_run_load``."""
+             warmup_s: float, duration_s: float, api: str = "unary") -> dict[str, Any]:
+    """One measurement over the pool's processes, running this module's ``_run_load`` (``api``: unary or stream)."""
     parts = pool.gather(concurrency, {"kind": kind, "target": target, "payloads": payloads,
-                                      "warmup_s": warmup_s, "duration_s": duration_s})
+                                      "warmup_s": warmup_s, "duration_s": duration_s, "api": api})
     return {"rows": [r for p in parts for r in p["rows"]], "answered": sum(p["answered"] for p in parts),
             "errors": [e for p in parts for e in p["errors"]][:5],
             "request_bytes": parts[0]["sizes"]["request"], "response_bytes": max(p["sizes"]["response"] for p in parts)}
@@ -256,13 +270,13 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             payloads = _payloads(args.hidden, args.experts, args.top_k, tokens)
             for c in args.concurrency:
                 cpu0, threads0 = _cpu_s(server.pid), _thread_cpu_s(server.pid)
-                res = run_load(pool, "expert", f"127.0.0.1:{port}", payloads, c, args.warmup_s, args.duration_s)
+                res = run_load(pool, "expert", f"127.0.0.1:{port}", payloads, c, args.warmup_s, args.duration_s, args.api)
                 cpu = _cpu_s(server.pid) - cpu0  # warm-up included: divided by all requests answered meanwhile
                 threads = {k: v - threads0.get(k, 0.0) for k, v in _thread_cpu_s(server.pid).items()}
                 echo_cpu0, echo_main0 = _cpu_s(echo.pid), _thread_cpu_s(echo.pid).get("main", 0.0)
                 echo_res = run_load(pool, "echo", f"127.0.0.1:{echo_port}",
                                     _serving.echo_payloads(res["request_bytes"], res["response_bytes"]), c,
-                                    args.warmup_s / 2, args.duration_s)
+                                    args.warmup_s / 2, args.duration_s, args.api)
                 echo_cpu = _cpu_s(echo.pid) - echo_cpu0
                 echo_main = _thread_cpu_s(echo.pid).get("main", 0.0) - echo_main0
                 lat = [r[0] * 1e6 for r in res["rows"]]
@@ -272,7 +286,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 echo_p50 = _median([r[0] * 1e6 for r in echo_res["rows"]])
                 formed = _median(batch) if batch else float(tokens)
                 ideal = formed / (sleep_us(formed) / 1e6)
-                row = {"concurrency": c, "tokens": tokens, "requests": len(lat), "p50_us": _median(lat),
+                row = {"api": args.api, "concurrency": c, "tokens": tokens, "requests": len(lat), "p50_us": _median(lat),
                        "p99_us": _serving._pct(lat, 0.99), "tokens_per_s": len(lat) * tokens / args.duration_s,
                        "batch_tokens_p50": formed, "batch_tokens_mean": sum(batch) / max(1, len(batch)),
                        "sleep_us": sleep_us(formed), "echo_p50_us": echo_p50,
@@ -337,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the server process's sys.setswitchinterval in microseconds (default: Python's 5000)")
     p.add_argument("--event-loop", default="uvloop", choices=get_args(EventLoopKind),
                    help="the server's and the echo server's event loop (the server setting event_loop)")
+    p.add_argument("--api", default="unary", choices=("unary", "stream"),
+                   help="unary Forward calls, or one ForwardStream per caller with one request in flight (the echo likewise)")
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--tokens", default="1,16")
     p.add_argument("--hidden", type=int, default=2048)
