@@ -126,14 +126,16 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self, request_iterator: AsyncIterator[pb.ForwardRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ForwardResponse]:
         deadline = _deadline(context)
-        window: asyncio.Queue[asyncio.Task[pb.ForwardResponse] | None] = asyncio.Queue(maxsize=STREAM_WINDOW)
+        window: asyncio.Queue[asyncio.Task[pb.ForwardResponse] | None] = asyncio.Queue()
+        slots = asyncio.Semaphore(STREAM_WINDOW)  # requests being computed; reading pauses while none is free
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    await window.put(asyncio.ensure_future(self._stream_one(request, deadline)))
+                    await slots.acquire()
+                    window.put_nowait(asyncio.ensure_future(self._stream_one(request, deadline)))
             finally:
-                await window.put(None)
+                window.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
@@ -141,7 +143,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 task = await window.get()
                 if task is None:
                     break
-                yield await task
+                response = await task
+                slots.release()
+                yield response
             await reader  # surfaces an error of the request stream itself
         finally:
             reader.cancel()

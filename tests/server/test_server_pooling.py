@@ -148,3 +148,32 @@ def test_handoff_is_the_workers_round_trip_less_compute() -> None:
         assert result.queue_s + result.compute_s + result.handoff_s <= elapsed
 
     asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_a_stream_computes_up_to_its_window_of_requests_at_once(tiny_checkpoint, monkeypatch) -> None:
+    """Requests sent ahead on one ForwardStream pool while the slow backend runs, at most ``STREAM_WINDOW`` of them
+    in flight (reading pauses beyond), and their responses leave in request order."""
+    import grpc
+
+    from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
+    from lutb_client.client import build_request
+    from lutb_server import servicer
+
+    checkpoint = Checkpoint(tiny_checkpoint)
+    choice = BackendChoice("sleep", SleepExperts, torch.device("cpu"), "test")
+    hidden, tokens, count = checkpoint.config.hidden_size, 2, 40
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    ids = torch.zeros(tokens, 2, dtype=torch.int32)
+    requests = [build_request(0, x, ids, torch.full((tokens, 2), 0.5), request_id=i + 1) for i in range(count)]
+    largest = {}
+    with ServerThread(engine_loader=lambda: ExpertEngine(checkpoint, choice, validate_tiles=False)) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.ExpertServiceStub(channel)
+            for window in (3, servicer.STREAM_WINDOW):
+                monkeypatch.setattr(servicer, "STREAM_WINDOW", window)
+                responses = list(stub.ForwardStream(iter(requests), timeout=60))
+                assert [r.request_id for r in responses] == list(range(1, count + 1))
+                assert all(r.status.code == 0 and r.HasField("output") for r in responses)
+                largest[window] = max(r.timing.batch_tokens for r in responses) // tokens
+    assert largest[3] <= 3  # never more than the window in flight
+    assert largest[max(largest)] > 3  # and with the default window the requests sent ahead do pool beyond it
