@@ -27,8 +27,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ab_trees import run_ab  # noqa: E402 - the sibling script's interleaved new/old series
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("kernels", "client", "server")
@@ -111,32 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{args.old} is not a whole tree: no {', '.join(missing)}")
     if args.pairs < 1:
         p.error("--pairs must be >= 1")
-    args.out.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    new: list[dict] = []
-    old: list[dict] = []
-    for i in range(1, args.pairs + 1):
-        pair = []
-        for name, tree in (("new", ROOT), ("old", old_tree)):
-            left = args.budget_s - (time.monotonic() - start)
-            res = run_once(tree, args.out / f"{name}{i}", args.bench_args, left) if left > 10 else None
-            print(f"[ab_serving] {name}{i}: {'done' if res else 'no result'} at {time.monotonic() - start:.0f} s", flush=True)
-            if res is None:
-                break
-            pair.append(res)
-        if len(pair) < 2:
-            break
-        new.append(pair[0])
-        old.append(pair[1])
-    if not new:
-        print("[ab_serving] no complete pair")
-        return 1
-    text, data = table(new, old)
-    (args.out / "ab_serving.json").write_text(json.dumps({"old_tree": str(args.old), "bench_args": args.bench_args,
-                                                           "pairs": len(new), "rows": data}, indent=1))
-    print(f"\nab_serving: {len(new)} interleaved pair(s), new = {ROOT}, old = {args.old}; server figures only\n")
-    print(text)
-    return 0
+    return run_ab("ab_serving", {"new": ROOT, "old": old_tree}, run_once, table, args, "server figures only")
 
 
 if __name__ == "__main__":

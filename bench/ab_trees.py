@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +61,39 @@ def packed_rows(results: dict) -> dict[tuple[str, int], tuple[float, float]]:
     return rows
 
 
+def run_ab(tag: str, trees: dict[str, Path], run_once: Callable[[Path, Path, list[str], float], dict | None],
+           table: Callable[[list[dict], list[dict]], tuple[str, list[dict]]], args: argparse.Namespace, title: str) -> int:
+    """The interleaved series: ``run_once(trees[name], args.out / f"{name}{i}", args.bench_args, seconds_left)`` for
+    name = new then old, ``args.pairs`` times while ``args.budget_s`` lasts (a run that returns None ends it); then
+    ``table`` of the complete pairs, printed under ``title`` and saved (with its numbers) as ``OUT/<tag>.json``."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    new: list[dict] = []
+    old: list[dict] = []
+    for i in range(1, args.pairs + 1):
+        pair = []
+        for name in ("new", "old"):
+            left = args.budget_s - (time.monotonic() - start)
+            res = run_once(trees[name], args.out / f"{name}{i}", args.bench_args, left) if left > 10 else None
+            print(f"[{tag}] {name}{i}: {'done' if res else 'no result'} at {time.monotonic() - start:.0f} s", flush=True)
+            if res is None:
+                break
+            pair.append(res)
+        if len(pair) < 2:
+            break
+        new.append(pair[0])
+        old.append(pair[1])
+    if not new:
+        print(f"[{tag}] no complete pair")
+        return 1
+    text, data = table(new, old)
+    (args.out / f"{tag}.json").write_text(json.dumps({"old_tree": str(trees["old"]), "bench_args": args.bench_args,
+                                                      "pairs": len(new), "rows": data}, indent=1))
+    print(f"\n{tag}: {title}, {len(new)} interleaved pair(s), new = {trees['new']}, old = {trees['old']}\n")
+    print(text)
+    return 0
+
+
 def table(new: list[dict], old: list[dict]) -> tuple[str, list[dict]]:
     """Markdown table of the packed forward per (shape, T): each run's us, the difference of means, the ratio to the peer."""
     new_rows, old_rows = [packed_rows(r) for r in new], [packed_rows(r) for r in old]
@@ -89,32 +123,8 @@ def main() -> int:
     args = p.parse_args()
     if not (args.old / "lutb_kernels").is_dir():
         p.error(f"{args.old} holds no lutb_kernels package")
-    args.out.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    new: list[dict] = []
-    old: list[dict] = []
-    for i in range(1, args.pairs + 1):
-        pair = []
-        for name, tree in (("new", ROOT / "kernels"), ("old", args.old)):
-            left = args.budget_s - (time.monotonic() - start)
-            res = run_once(tree, args.out / f"{name}{i}", args.bench_args, left) if left > 10 else None
-            print(f"[ab_trees] {name}{i}: {'done' if res else 'no result'} at {time.monotonic() - start:.0f} s", flush=True)
-            if res is None:
-                break
-            pair.append(res)
-        if len(pair) < 2:
-            break
-        new.append(pair[0])
-        old.append(pair[1])
-    if not new:
-        print("[ab_trees] no complete pair")
-        return 1
-    text, data = table(new, old)
-    (args.out / "ab_trees.json").write_text(json.dumps({"old_tree": str(args.old), "bench_args": args.bench_args,
-                                                         "pairs": len(new), "rows": data}, indent=1))
-    print(f"\nab_trees: packed forward us (CUDA graph), {len(new)} interleaved pair(s), new = kernels/, old = {args.old}\n")
-    print(text)
-    return 0
+    return run_ab("ab_trees", {"new": ROOT / "kernels", "old": args.old}, run_once, table, args,
+                  "packed forward us (CUDA graph)")
 
 
 if __name__ == "__main__":

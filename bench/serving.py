@@ -339,35 +339,30 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
             "errors": errors[:5]}
 
 
-def _load_worker(conn: Any, load_fn: Any = None) -> None:
+def _load_worker(conn: Any) -> None:
     from lutb_client.allocator import tune_malloc
 
     tune_malloc()  # as the server does: the load side must not pay page faults the server does not
-    load_fn = load_fn or _run_load
     while True:
         spec = conn.recv()
         if spec is None:
             return
         try:
-            conn.send(asyncio.run(load_fn(spec)))
+            conn.send(asyncio.run(_run_load(spec)))
         except Exception as exc:  # noqa: BLE001 - reported to the parent
             conn.send({"fatal": f"{type(exc).__name__}: {exc}"})
 
 
 class LoadPool:
-    """Long-lived load-generator processes (spawned once; each runs its share of the callers).
+    """Long-lived load-generator processes (spawned once; each runs its share of the callers with
+    :func:`_run_load` per :meth:`gather`)."""
 
-    ``load_fn(spec) -> dict`` is the async load loop each process runs per :meth:`gather`
-    (a module-level function, so spawned processes can import it); this module's
-    ``_run_load`` by default. ``bench/serving_overhead.py`` passes its own.
-    """
-
-    def __init__(self, procs: int, load_fn: Any = None) -> None:
+    def __init__(self, procs: int) -> None:
         ctx = mp.get_context("spawn")
         self.workers = []
         for _ in range(procs):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_load_worker, args=(child, load_fn), daemon=True)
+            proc = ctx.Process(target=_load_worker, args=(child,), daemon=True)
             proc.start()
             self.workers.append((proc, parent))
 

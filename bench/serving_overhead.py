@@ -9,9 +9,10 @@ releases the GIL, as a wait on the GPU does) and returns zeros of the right shap
 default sleep (350 us + 4 us/token) is about what the packed backend takes for one qwen3
 layer on an H200 (``bench/results/2026-12-02-serving-h200.md``, in-process column).
 
-Closed-loop callers (unary ``Forward``, bytes in and out, no client-side decoding beyond
-``timing``) run in ``--load-procs`` other processes at each concurrency and tokens per
-request; a bare grpc.aio echo server answering the same sizes gives the transport floor.
+Closed-loop callers (unary ``Forward``, or with ``--api stream`` one ``ForwardStream`` each with one
+request in flight; bytes in and out, no client-side decoding beyond ``timing``; ``bench/serving.py``'s
+load loop) run in ``--load-procs`` other processes at each concurrency and tokens per request; a bare
+grpc.aio echo server answering the same sizes with the same API gives the transport floor.
 Per cell it prints:
 
 - p50/p99 latency, tokens/s, median and mean batch tokens formed (``timing.batch_tokens``);
@@ -43,7 +44,6 @@ share them (say so when recording results).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -56,10 +56,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serving as _serving  # noqa: E402 - the sibling benchmark's helpers (echo server, ports, percentiles)
-
-FORWARD_METHOD = _serving.FORWARD_METHOD
-ECHO_METHOD = _serving.ECHO_METHOD
+import serving as _serving  # noqa: E402 - the sibling benchmark's helpers (echo server, load loop, ports, percentiles)
 
 
 # ----------------------------------------------------------------------------- the fake backend (server process)
@@ -127,71 +124,23 @@ def _child_serve(config: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- load generator (other processes)
 
 
-async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
-    import grpc
-
-    from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
-
-    options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
-    async with grpc.aio.insecure_channel(spec["target"], options=options) as channel:
-        await asyncio.wait_for(channel.channel_ready(), 60)
-        echo = spec["kind"] == "echo"
-        call = channel.unary_unary(ECHO_METHOD if echo else FORWARD_METHOD)
-        stream_method = _serving.ECHO_STREAM_METHOD if echo else _serving.FORWARD_STREAM_METHOD
-        payloads: list[bytes] = spec["payloads"]
-        rows: list[tuple[float, int, int, int, int]] = []  # latency s, batch tokens, compute us, queue us, total us
-        errors: list[str] = []
-        sizes = {"request": len(payloads[0]), "response": 0}
-        answered = [0]
-        t_start = time.perf_counter() + spec["warmup_s"]
-        t_end = t_start + spec["duration_s"]
-
-        async def caller(index: int) -> None:
-            i = index
-            # api "stream": one ForwardStream (EchoStream) per caller for the whole run, one request in flight
-            duplex = channel.stream_stream(stream_method)(timeout=600) if spec["api"] == "stream" else None
-            while time.perf_counter() < t_end:
-                payload = payloads[i % len(payloads)]
-                i += 1
-                t0 = time.perf_counter()
-                try:
-                    if duplex is not None:
-                        await duplex.write(payload)
-                        raw = await duplex.read()
-                        if raw is grpc.aio.EOF:
-                            errors.append("stream ended early")
-                            return
-                    else:
-                        raw = await call(payload, timeout=60)
-                except grpc.RpcError as err:
-                    errors.append(f"{err.code().name}: {err.details()}")
-                    if len(errors) > 20 or duplex is not None:
-                        return
-                    continue
-                t1 = time.perf_counter()
-                answered[0] += 1
-                sizes["response"] = len(raw)
-                if t0 >= t_start and t1 <= t_end:
-                    if spec["kind"] == "expert":
-                        timing = pb.ForwardResponse.FromString(raw).timing
-                        rows.append((t1 - t0, timing.batch_tokens, timing.compute_us, timing.queue_us, timing.total_us,
-                                     timing.handoff_us, timing.prepare_us, timing.encode_us))
-                    else:
-                        rows.append((t1 - t0, 0, 0, 0, 0, 0, 0, 0))
-            if duplex is not None:
-                await duplex.done_writing()
-                await duplex.read()  # EOF: the server closed the stream
-
-        await asyncio.gather(*(caller(spec["first_index"] + j) for j in range(spec["concurrency"])))
-    return {"rows": rows, "errors": errors[:5], "sizes": sizes, "answered": answered[0]}
-
-
 def run_load(pool: _serving.LoadPool, kind: str, target: str, payloads: list[bytes], concurrency: int,
              warmup_s: float, duration_s: float, api: str = "unary") -> dict[str, Any]:
-    """One measurement over the pool's processes, running this module's ``_run_load`` (``api``: unary or stream)."""
-    parts = pool.gather(concurrency, {"kind": kind, "target": target, "payloads": payloads,
+    """One measurement over the pool's processes (``bench/serving.py``'s load loop; ``api``: unary or stream).
+
+    ``rows``: per request answered inside the window, ``(latency s, batch tokens, compute, queue, total, hand-off,
+    prepare, encode us)`` from the response's ``timing`` (zeros but the latency for the echo).
+    """
+    parts = pool.gather(concurrency, {"kind": kind, "target": target, "payloads": payloads, "tokens": 0,
                                       "warmup_s": warmup_s, "duration_s": duration_s, "api": api})
-    return {"rows": [r for p in parts for r in p["rows"]], "answered": sum(p["answered"] for p in parts),
+    rows: list[tuple[float, ...]] = []
+    for p in parts:  # the load loop appends a response's latency and its timing fields together: zip pairs them
+        if kind == "expert":
+            rows += zip(p["latencies"], p["batch_tokens"], p["compute_us"], p["queue_us"], p["total_us"],
+                        p["handoff_us"], p["prepare_us"], p["encode_us"])
+        else:
+            rows += [(latency, 0, 0, 0, 0, 0, 0, 0) for latency in p["latencies"]]
+    return {"rows": rows, "answered": sum(p["answered"] for p in parts),
             "errors": [e for p in parts for e in p["errors"]][:5],
             "request_bytes": parts[0]["sizes"]["request"], "response_bytes": max(p["sizes"]["response"] for p in parts)}
 
@@ -254,7 +203,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     server = _spawn(["serve", json.dumps(config)], out / "server.log")
     echo = subprocess.Popen([sys.executable, _serving.__file__, "--child", "echo", str(echo_port), args.event_loop],
                             stdout=open(out / "echo.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
-    pool = _serving.LoadPool(max(1, min(args.load_procs, max(args.concurrency))), load_fn=_run_load)
+    pool = _serving.LoadPool(max(1, min(args.load_procs, max(args.concurrency))))
     profiler = None
     rows: list[dict[str, Any]] = []
     try:
