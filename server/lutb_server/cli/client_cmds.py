@@ -133,8 +133,10 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 def run_bench(args: argparse.Namespace) -> int:
     import asyncio
 
+    from lutb_client.allocator import tune_malloc
     from lutb_client.errors import ExpertServiceError
 
+    tune_malloc()  # large requests must not pay page faults on this side (the server does the same)
     try:
         return asyncio.run(_bench(args))
     except ExpertServiceError as exc:
