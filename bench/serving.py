@@ -477,8 +477,8 @@ def _child_echo(port: int, loop: str, shared_port: bool = False) -> None:
     """
     import grpc
 
-    from lutb_server import event_loop
     from lutb_client.allocator import tune_malloc
+    from lutb_server import event_loop
 
     print(tune_malloc(), flush=True)  # as the server does (lutb_client.allocator): the same footing for the floor
     cache: dict[int, bytes] = {}
@@ -778,8 +778,8 @@ def _targets(row: Row) -> None:
         row.targets["latency"] = {"bound_us": bound, "ok": bool(s["p50_us"] <= bound)}
     if row.concurrency == 64:
         want = TARGET_THROUGHPUT * i["tokens_per_s"]
-        # above_echo: the bare transport, at this concurrency and with as many processes, answered fewer tokens/s
-        # than the target asks: then no server on this transport and host can meet it
+        # above_echo: the bare echo, at this concurrency and on as many processes, answered fewer tokens/s than the
+        # target asks: the target then lies beyond what the transport alone carried on this host
         row.targets["throughput"] = {"min_tokens_per_s": want, "ok": bool(s["tokens_per_s"] >= want),
                                      "above_echo": bool(want > e["tokens_per_s"])}
 

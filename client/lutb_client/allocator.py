@@ -10,8 +10,8 @@ short-lived copies (the gRPC message, ``bytes`` of a tensor field, serialisation
 defaults, freeing such a buffer often gives its pages back to the kernel (the heap top is trimmed
 above ``M_TRIM_THRESHOLD``, and blocks above ``M_MMAP_THRESHOLD`` are unmapped on free, the
 thresholds adapting only up to a point), so the next one is faulted in again page by page. On the
-CPU sandbox, serialising one 512 KB ``ForwardResponse`` took ~500 us and ~350 page faults in a
-loop instead of ~25 us, 2 MB ~1.75 ms instead of ~0.1 ms
+CPU sandbox, serialising one 512 KB ``ForwardResponse`` took ~500 us and ~250 page faults in a
+loop instead of ~25 us, 2 MB ~1.9 ms instead of ~0.1 ms
 (bench/results/2026-12-05-malloc-thresholds-cpu.md).
 
 :func:`tune_malloc` raises both thresholds once per process: blocks up to 32 MiB (glibc's

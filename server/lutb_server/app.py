@@ -34,8 +34,8 @@ from grpc_reflection.v1alpha import reflection
 
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
-from lutb_kernels.checkpoint import Checkpoint
 from lutb_client.allocator import tune_malloc
+from lutb_kernels.checkpoint import Checkpoint
 from lutb_server.backends import BackendChoice, choose_backend, compute_capability, resolve_device
 from lutb_server.engine import ExpertEngine
 from lutb_server.front_ends import FrontEnds

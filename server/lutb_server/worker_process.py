@@ -240,8 +240,8 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [compute]: %(message)s")
     connections = [_Connection(sock) for sock in socks]
     try:
-        from lutb_kernels.checkpoint import Checkpoint
         from lutb_client.allocator import tune_malloc
+        from lutb_kernels.checkpoint import Checkpoint
         from lutb_server.app import apply_gil_switch_interval, apply_intra_op_threads
         from lutb_server.backends import choose_backend, resolve_device
         from lutb_server.engine import ExpertEngine
