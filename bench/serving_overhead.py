@@ -4,10 +4,12 @@
 ``bench/serving.py`` needs a GPU to say anything about the server's own cost; this script
 isolates that cost anywhere. The server (``ExpertServer``: servicer, interceptors, metrics,
 scheduler, compute worker) runs in its own process on a checkpoint whose layer is served by
-:class:`SleepExperts`: ``forward`` sleeps ``base_us + per_token_us * T`` (``time.sleep``
-releases the GIL, as a wait on the GPU does) and returns zeros of the right shape. The
-default sleep (350 us + 4 us/token) is about what the packed backend takes for one qwen3
-layer on an H200 (``bench/results/2026-12-02-serving-h200.md``, in-process column).
+``lutb_server.testing.SleepExperts`` (``--backend lutb_server.testing:SleepExperts``): ``forward``
+sleeps ``base_us + per_token_us * T`` (``time.sleep`` releases the GIL, as a wait on the GPU does)
+and returns zeros of the right shape. The default sleep (350 us + 4 us/token) is about what the
+packed backend takes for one qwen3 layer on an H200 (``bench/results/2026-12-02-serving-h200.md``,
+in-process column). Being a backend like the others, it also runs in a compute process
+(``--compute-worker process``, ``--front-ends N``).
 
 Closed-loop callers (unary ``Forward``, or with ``--api stream`` one ``ForwardStream`` each with one
 request in flight; bytes in and out, no client-side decoding beyond ``timing``; ``bench/serving.py``'s
@@ -24,8 +26,9 @@ Per cell it prints:
 - ``handler``: median ``timing.total_us - compute_us - queue_us - handoff_us`` (decode, validate,
   encode, resuming the request's coroutine), and of it ``prepare`` (``timing.prepare_us``: decode and
   validation) and ``encode`` (``timing.encode_us``);
-- ``server CPU us/req``: CPU time of the server process per answered request, from
-  ``/proc`` (per thread in the JSON/log: ``main`` is the event loop) -- robust on a busy machine;
+- ``server CPU us/req``: CPU time of the server per answered request (its compute process and
+  front ends included), from ``/proc`` (per thread in the JSON/log: ``main`` is the serving
+  process's event loop, ``pid N/...`` a child's thread) -- robust on a busy machine;
   ``loop CPU us/req`` is the event loop thread's share;
 - ``echo CPU us/req`` and ``echo loop CPU us/req``: the same for the echo server during its run
   (gRPC's own cost per request of these sizes: what the server's figures cannot go below);
@@ -48,91 +51,29 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serving as _serving  # noqa: E402 - the sibling benchmark's helpers (echo server, load loop, ports, percentiles)
+import serving as _serving  # noqa: E402 - the sibling benchmark's helpers (server and echo children, load loop, /proc)
 
-
-# ----------------------------------------------------------------------------- the fake backend (server process)
-
-
-def _sleep_experts_class(base_us: float, per_token_us: float, launches: int = 0) -> type:
-    import torch
-
-    from lutb_kernels.experts.base import LayerExperts, Support
-
-    class SleepExperts(LayerExperts):
-        """Sleeps like a GPU call (GIL released) and returns zeros of the right shape and dtype."""
-
-        name: ClassVar[str] = "sleep"
-
-        @classmethod
-        def supports(cls, config: Any, device: Any) -> Support:
-            return Support(True, "fake backend for overhead measurements")
-
-        def forward(self, x, topk_ids, topk_weights, *, apply_router_weight_on_input=False, output_mode="combined"):
-            tokens = int(x.shape[0])
-            # ``launches`` small torch ops first: the Python and dispatch work (GIL held) a GPU
-            # forward spends launching its kernels, then the sleep stands in for the GPU's time
-            t = torch.zeros(4)
-            for _ in range(launches):
-                t = t.add(1)
-            time.sleep((base_us + per_token_us * tokens) / 1e6)
-            shape = (tokens, x.shape[1]) if output_mode == "combined" else (tokens, topk_ids.shape[1], x.shape[1])
-            return torch.zeros(shape, dtype=x.dtype)
-
-        @property
-        def weight_bytes(self) -> int:
-            return 0
-
-    return SleepExperts
-
-
-def _child_serve(config: dict[str, Any]) -> None:
-    import logging
-
-    import torch
-
-    from lutb_kernels.checkpoint import Checkpoint
-    from lutb_server import event_loop
-    from lutb_server.app import serve
-    from lutb_server.backends import BackendChoice
-    from lutb_server.engine import ExpertEngine
-    from lutb_server.settings import ServerSettings
-
-    logging.basicConfig(level=logging.INFO, format="[server] %(asctime)s %(name)s %(message)s")
-    cls = _sleep_experts_class(config.pop("_base_us"), config.pop("_per_token_us"), config.pop("_launches", 0))
-    switch_us = config.pop("_switch_interval_us", None)
-    checkpoint = Checkpoint(config["checkpoint"])
-    choice = BackendChoice("sleep", cls, torch.device("cpu"), "fake backend (bench/serving_overhead.py)")
-    settings = ServerSettings(**config)
-
-    def loader() -> ExpertEngine:
-        return ExpertEngine(checkpoint, choice, max_tokens_per_request=settings.max_tokens_per_request, validate_tiles=False)
-
-    if switch_us:  # an experiment: the GIL hand-over between the event loop and the compute worker
-        sys.setswitchinterval(switch_us / 1e6)
-    event_loop.run(serve(settings, engine_loader=loader), settings.event_loop)
+from lutb_server.testing import SLEEP_EXPERTS_ENV  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- load generator (other processes)
 
 
 def run_load(pool: _serving.LoadPool, kind: str, target: str, payloads: list[bytes], concurrency: int,
-             warmup_s: float, duration_s: float, api: str = "unary") -> dict[str, Any]:
+             warmup_s: float, duration_s: float, api: str = "unary", connections: int = 1) -> dict[str, Any]:
     """One measurement over the pool's processes (``bench/serving.py``'s load loop; ``api``: unary or stream).
 
     ``rows``: per request answered inside the window, ``(latency s, batch tokens, compute, queue, total, hand-off,
     prepare, encode us)`` from the response's ``timing`` (zeros but the latency for the echo).
     """
     parts = pool.gather(concurrency, {"kind": kind, "target": target, "payloads": payloads, "tokens": 0,
-                                      "warmup_s": warmup_s, "duration_s": duration_s, "api": api})
+                                      "warmup_s": warmup_s, "duration_s": duration_s, "api": api, "connections": connections})
     rows: list[tuple[float, ...]] = []
     for p in parts:  # the load loop appends a response's latency and its timing fields together: zip pairs them
         if kind == "expert":
@@ -172,18 +113,14 @@ def _payloads(hidden: int, experts: int, top_k: int, tokens: int) -> list[bytes]
     return out
 
 
-def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    log = open(log_path, "ab")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", *args], stdout=log, stderr=subprocess.STDOUT)
-
-
 def _thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds so far per thread name of process ``pid`` (``main``: the event loop; threads of one name summed)."""
-    return {key.split("/", 1)[1]: seconds for key, seconds in _serving.thread_cpu_s([pid]).items()}
+    """CPU seconds so far per thread of process ``pid`` and its children (a compute process, front ends): the
+    process's own threads by name (``main``: its event loop), a child's as ``pid N/name``."""
+    return {key.removeprefix("root/"): seconds for key, seconds in _serving.thread_cpu_s(_serving.process_tree(pid)).items()}
 
 
 def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    """User + system CPU seconds of process ``pid`` and its children (all their threads) so far."""
     return sum(_thread_cpu_s(pid).values())
 
 
@@ -195,14 +132,15 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     out: Path = args.out
     ckpt = _make_checkpoint(out / "checkpoints", args.hidden, args.experts)
     port, echo_port = _serving._free_port(), _serving._free_port()
-    config = {"checkpoint": str(ckpt), "backend": "reference", "device": "cpu", "host": "127.0.0.1", "port": port,
-              "metrics_port": 0, "validate_checkpoint": False, "max_wait_us": args.max_wait_us,
+    config = {"checkpoint": str(ckpt), "backend": "lutb_server.testing:SleepExperts", "device": "cpu", "host": "127.0.0.1",
+              "port": port, "metrics_port": 0, "validate_checkpoint": False, "max_wait_us": args.max_wait_us,
               "max_batch_tokens": args.max_batch_tokens, "max_queue_requests": 4096, "shutdown_grace_s": 2,
-              "cuda_graph_max_tokens": 0, "intra_op_threads": args.intra_op_threads, "_base_us": args.base_us, "_per_token_us": args.per_token_us,
-              "_launches": args.launches, "_switch_interval_us": args.switch_interval_us, "event_loop": args.event_loop}
-    server = _spawn(["serve", json.dumps(config)], out / "server.log")
-    echo = subprocess.Popen([sys.executable, _serving.__file__, "--child", "echo", str(echo_port), args.event_loop],
-                            stdout=open(out / "echo.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+              "cuda_graph_max_tokens": 0, "intra_op_threads": args.intra_op_threads,
+              "gil_switch_interval_us": args.switch_interval_us, "event_loop": args.event_loop,
+              "compute_worker": args.compute_worker, "front_ends": args.front_ends}
+    os.environ[SLEEP_EXPERTS_ENV] = f"{args.base_us},{args.per_token_us},{args.launches}"  # the server's and its children's
+    server = _serving._spawn_child(["serve", json.dumps(config)], out / "server.log")
+    echo = _serving._spawn_child(["echo", str(echo_port), args.event_loop], out / "echo.log")
     pool = _serving.LoadPool(max(1, min(args.load_procs, max(args.concurrency))))
     profiler = None
     rows: list[dict[str, Any]] = []
@@ -219,7 +157,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             payloads = _payloads(args.hidden, args.experts, args.top_k, tokens)
             for c in args.concurrency:
                 cpu0, threads0 = _cpu_s(server.pid), _thread_cpu_s(server.pid)
-                res = run_load(pool, "expert", f"127.0.0.1:{port}", payloads, c, args.warmup_s, args.duration_s, args.api)
+                res = run_load(pool, "expert", f"127.0.0.1:{port}", payloads, c, args.warmup_s, args.duration_s, args.api,
+                               connections=args.front_ends)
                 cpu = _cpu_s(server.pid) - cpu0  # warm-up included: divided by all requests answered meanwhile
                 threads = {k: v - threads0.get(k, 0.0) for k, v in _thread_cpu_s(server.pid).items()}
                 echo_cpu0, echo_main0 = _cpu_s(echo.pid), _thread_cpu_s(echo.pid).get("main", 0.0)
@@ -282,10 +221,6 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else argv
-    if raw[:1] == ["--child"]:
-        if raw[1] == "serve":
-            _child_serve(json.loads(raw[2]))
-        return 0
     from typing import get_args
 
     from lutb_server.event_loop import EventLoopKind
@@ -296,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-token-us", type=float, default=4.0, help="fake backend: extra sleep per token")
     p.add_argument("--launches", type=int, default=0,
                    help="fake backend: small torch ops (GIL held) per experts call before the sleep, like kernel launches")
-    p.add_argument("--switch-interval-us", type=float, default=None,
-                   help="the server process's sys.setswitchinterval in microseconds (default: Python's 5000)")
+    p.add_argument("--switch-interval-us", type=int, default=0,
+                   help="the server's gil_switch_interval_us (default 0: the server's default on a CPU device, Python's 5000)")
+    p.add_argument("--compute-worker", default="thread", choices=("thread", "process"), help="server setting")
+    p.add_argument("--front-ends", type=int, default=1, help="server setting (needs --compute-worker process)")
     p.add_argument("--event-loop", default="uvloop", choices=get_args(EventLoopKind),
                    help="the server's and the echo server's event loop (the server setting event_loop)")
     p.add_argument("--api", default="unary", choices=("unary", "stream"),

@@ -1,8 +1,9 @@
 """The experts backend registry: which ``LayerExperts`` classes exist and which one runs here.
 
-A backend is one entry of :data:`BACKENDS` (name -> module and class), imported
-only when asked for, so a module that is missing or cannot import on this machine
-makes that backend unavailable with a reason instead of crashing the server.
+A backend is one entry of :data:`BACKENDS` (name -> module and class), or a class named by its
+import path (``package.module:Class``, a ``LayerExperts`` subclass of one's own), imported only
+when asked for, so a module that is missing or cannot import on this machine makes that backend
+unavailable with a reason instead of crashing the server.
 ``auto`` tries :data:`AUTO_ORDER` (fastest first) and takes the first whose
 ``supports(config, device)`` says yes; the reason names what it skipped and why.
 """
@@ -71,10 +72,17 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def load_class(name: str) -> tuple[type[LayerExperts] | None, str]:
-    """Import a backend's class: ``(cls, "")`` or ``(None, why not)``."""
+    """Import a backend's class: ``(cls, "")`` or ``(None, why not)``.
+
+    ``name`` is a key of :data:`BACKENDS` or ``package.module:Class``: a ``LayerExperts`` subclass of one's own,
+    imported from wherever the process (and a compute process it spawns) can import it.
+    """
     entry = BACKENDS.get(name)
+    if entry is None and ":" in name:
+        module_name, _, class_name = name.partition(":")
+        entry = BackendEntry(name, module_name, class_name)
     if entry is None:
-        return None, f"unknown backend {name!r}; known: {', '.join(BACKENDS)}"
+        return None, f"unknown backend {name!r}; known: {', '.join(BACKENDS)}, or package.module:Class"
     try:
         module = importlib.import_module(entry.module)
     except ImportError as exc:

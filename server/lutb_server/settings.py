@@ -21,7 +21,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from lutb_server.event_loop import EventLoopKind
 
 ENV_PREFIX = "LUTB_"
-BackendName = Literal["auto", "reference", "emulated", "packed", "native"]
+BUILTIN_BACKENDS = ("auto", "reference", "emulated", "packed", "native")
+_BACKEND_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # module:Class, a LayerExperts subclass of one's own
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 
@@ -42,8 +43,9 @@ class ServerSettings(BaseSettings):
     host: str = Field("0.0.0.0", description="address the gRPC and metrics servers listen on")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks a free one)")
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus metrics HTTP port; 0 disables metrics serving")
-    backend: BackendName = Field(
-        "auto", description="experts backend: auto (best available), reference, emulated, packed or native"
+    backend: str = Field(
+        "auto", description="experts backend: auto (best available), reference, emulated, packed, native, or "
+        "package.module:Class for a LayerExperts subclass of your own"
     )
     device: str = Field("auto", description="torch device: auto (cuda if present, else cpu), cpu, cuda or cuda:N")
     max_batch_tokens: int = Field(
@@ -115,6 +117,13 @@ class ServerSettings(BaseSettings):
                              f"(metrics_port + k, at most 65535)")
         return self
 
+    @field_validator("backend")
+    @classmethod
+    def _check_backend(cls, value: str) -> str:
+        if value not in BUILTIN_BACKENDS and not _BACKEND_PATH.match(value):
+            raise ValueError(f"backend must be one of {', '.join(BUILTIN_BACKENDS)} or package.module:Class, got {value!r}")
+        return value
+
     @field_validator("device")
     @classmethod
     def _check_device(cls, value: str) -> str:
@@ -181,4 +190,4 @@ def load_settings(cli: dict[str, Any] | None = None) -> ServerSettings:
     return ServerSettings(**(cli or {}))
 
 
-__all__ = ["BackendName", "ServerSettings", "env_name", "flag_name", "load_settings"]
+__all__ = ["BUILTIN_BACKENDS", "ServerSettings", "env_name", "flag_name", "load_settings"]

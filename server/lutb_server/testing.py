@@ -1,4 +1,5 @@
-"""Helpers for tests and examples: tiny random checkpoints and a server on a background thread.
+"""Helpers for tests, examples and benchmarks: tiny random checkpoints, a server on a background
+thread, and a fake backend that only sleeps.
 
 Not used by the server itself.
 """
@@ -6,14 +7,18 @@ Not used by the server itself.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights, write_checkpoint
+from lutb_kernels.experts.base import LayerExperts, Support
+from lutb_kernels.reference import OutputMode
 from lutb_kernels.tiles import TILE, TILE_BYTES, pack_tiles
 from lutb_server import event_loop
 from lutb_server.app import ExpertServer
@@ -28,6 +33,47 @@ def random_tiles(shape: tuple[int, ...], generator: torch.Generator) -> torch.Te
     tiles = pack_tiles(codes, scales, lut)
     assert tiles.shape[-1] == TILE_BYTES
     return tiles
+
+
+SLEEP_EXPERTS_ENV = "LUTB_SLEEP_EXPERTS"
+"""``base_us,per_token_us[,launches]`` of :class:`SleepExperts` (default ``350,4,0``), read when a layer is built."""
+
+
+class SleepExperts(LayerExperts):
+    """A fake backend for measuring the server itself: ``--backend lutb_server.testing:SleepExperts``.
+
+    Each call runs ``launches`` small torch ops (GIL held, like kernel launches), then sleeps
+    ``base_us + per_token_us * T`` microseconds (GIL released, like a wait on the GPU), and returns zeros of
+    the output's shape and dtype. The timing comes from the environment (:data:`SLEEP_EXPERTS_ENV`), so that
+    a compute process the server spawns sees it too. The default, 350 us + 4 us per token, is about the packed
+    backend's time for one qwen3-30b-a3b layer on an H200 (bench/results/2026-12-02-serving-h200.md).
+    """
+
+    name: ClassVar[str] = "sleep"
+
+    def __init__(self, config: CheckpointConfig, weights: LayerWeights, device: torch.device | str) -> None:
+        super().__init__(config, weights, device)
+        values = [float(v) for v in os.environ.get(SLEEP_EXPERTS_ENV, "350,4").split(",")]
+        self.base_us, self.per_token_us = values[0], values[1]
+        self.launches = int(values[2]) if len(values) > 2 else 0
+
+    @classmethod
+    def supports(cls, config: CheckpointConfig, device: torch.device) -> Support:
+        return Support(device.type == "cpu", "a fake backend that sleeps (lutb_server.testing), CPU only")
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                apply_router_weight_on_input: bool = False, output_mode: OutputMode = "combined") -> torch.Tensor:
+        tokens = int(x.shape[0])
+        t = torch.zeros(4)
+        for _ in range(self.launches):
+            t = t.add(1)
+        time.sleep((self.base_us + self.per_token_us * tokens) / 1e6)
+        shape = (tokens, x.shape[1]) if output_mode == "combined" else (tokens, topk_ids.shape[1], x.shape[1])
+        return torch.zeros(shape, dtype=x.dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        return 0
 
 
 def make_tiny_checkpoint(
@@ -191,4 +237,4 @@ class ServeProcess:
             self.proc.wait(30)
 
 
-__all__ = ["ServeProcess", "ServerThread", "free_port", "make_tiny_checkpoint", "random_tiles"]
+__all__ = ["SLEEP_EXPERTS_ENV", "ServeProcess", "ServerThread", "SleepExperts", "free_port", "make_tiny_checkpoint", "random_tiles"]

@@ -162,3 +162,17 @@ def test_ab_serving_smoke(tmp_path: Path) -> None:
     assert "echo + 151 us" in (out / "old1" / "serving.md").read_text()
     assert "echo + 150 us" in (out / "new1" / "serving.md").read_text()
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| smoke | bf16 | stream | 1 | 4 |")
+
+
+def test_serving_overhead_bench_on_a_compute_process(tmp_path: Path) -> None:
+    """bench/serving_overhead.py --compute-worker process --api stream: the fake backend runs in the compute process
+    (it is a backend by import path, timed from the environment), and the CPU counted includes that process."""
+    out = tmp_path / "out"
+    _run_bench("serving_overhead.py", ["--out", str(out), "--concurrency", "2", "--tokens", "2", "--hidden", "256",
+                                       "--duration-s", "0.5", "--warmup-s", "0.1", "--load-procs", "1", "--api", "stream",
+                                       "--compute-worker", "process", "--base-us", "2000"], timeout=120)
+    (row,) = json.loads((out / "overhead.json").read_text())["rows"]
+    assert row["requests"] > 0 and not row["errors"], row
+    assert row["api"] == "stream" and row["compute_us_p50"] >= 2000  # the sleep set on the command line, in the child
+    assert any(key.startswith("pid ") for key in row["thread_cpu_us_per_request"]), row["thread_cpu_us_per_request"]
+    assert "SleepExperts" in (out / "server.log").read_text()

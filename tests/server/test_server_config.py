@@ -232,3 +232,20 @@ def test_warm_up_covers_the_largest_batch_the_worker_can_get(batch: int, per_req
                            backend=SimpleNamespace(name="packed", device=torch.device("cuda:0")))
     spec = worker_spec(plan, s)  # type: ignore[arg-type]
     assert (spec.warm_up_tokens, spec.max_batch_tokens) == (want, batch)
+
+
+def test_a_backend_of_ones_own_by_import_path() -> None:
+    """``package.module:Class`` names a LayerExperts subclass outside the registry; bad paths are refused with why."""
+    from lutb_server.testing import SleepExperts
+
+    cpu = torch.device("cpu")
+    choice = choose_backend("lutb_server.testing:SleepExperts", CONFIG, cpu)
+    assert choice.cls is SleepExperts and choice.name == "lutb_server.testing:SleepExperts"
+    for name, words in {"no_such_module_anywhere:X": "cannot be imported", "lutb_server.testing:Nope": "no LayerExperts subclass",
+                        "lutb_server.testing:ServerThread": "no LayerExperts subclass"}.items():
+        with pytest.raises(BackendUnavailableError, match=words):
+            choose_backend(name, CONFIG, cpu)
+    assert ServerSettings(backend="pkg.sub_mod:My_Experts").backend == "pkg.sub_mod:My_Experts"
+    for bad in ("fastest", "pkg.mod:", ":Class", "pkg mod:Class"):
+        with pytest.raises(ValueError, match="package.module:Class"):
+            ServerSettings(backend=bad)
