@@ -225,6 +225,9 @@ def test_lutb_serve_stops_its_compute_process_on_sigterm(tiny_checkpoint: Path) 
             time.sleep(0.05)
     finally:
         serving.kill()
+    # both processes set (or left, saying why) their malloc thresholds at start-up (lutb_client.allocator)
+    said = [line for line in serving.lines if "malloc thresholds:" in line]
+    assert len(said) == 2 and sum("[compute]" in line for line in said) == 1, said
 
 
 def test_an_engine_without_experts_validates_but_does_not_compute(tiny_checkpoint: Path) -> None:
