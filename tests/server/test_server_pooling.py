@@ -12,34 +12,17 @@ import torch
 
 from lutb_client import ExpertClient
 from lutb_kernels.checkpoint import Checkpoint
-from lutb_kernels.experts.base import LayerExperts, Support
 from lutb_server.backends import BackendChoice
 from lutb_server.engine import ExpertEngine, PreparedRequest
 from lutb_server.scheduler import BatchScheduler
-from lutb_server.testing import ServerThread
+from lutb_server.testing import SLEEP_EXPERTS_ENV, ServerThread, SleepExperts
 
-SLEEP_S = 0.02
-
-
-class SleepExperts(LayerExperts):
-    """A slow device: every call sleeps SLEEP_S (GIL released, like a GPU wait) and returns x * 0."""
-
-    name = "sleep"
-
-    @classmethod
-    def supports(cls, config, device):
-        return Support(True, "test backend")
-
-    def forward(self, x, topk_ids, topk_weights, *, apply_router_weight_on_input=False, output_mode="combined"):
-        time.sleep(SLEEP_S)
-        return x * 0
-
-    @property
-    def weight_bytes(self) -> int:
-        return 0
+SLOW_DEVICE = "20000,0"
+"""``LUTB_SLEEP_EXPERTS`` for a slow device: every experts call sleeps 20 ms (GIL released, like a GPU wait)."""
 
 
-def test_batches_grow_with_concurrency_on_a_slow_backend(tiny_checkpoint) -> None:
+def test_batches_grow_with_concurrency_on_a_slow_backend(tiny_checkpoint, monkeypatch) -> None:
+    monkeypatch.setenv(SLEEP_EXPERTS_ENV, SLOW_DEVICE)
     checkpoint = Checkpoint(tiny_checkpoint)
     choice = BackendChoice("sleep", SleepExperts, torch.device("cpu"), "test")
     hidden = checkpoint.config.hidden_size
@@ -159,6 +142,7 @@ def test_a_stream_computes_up_to_its_window_of_requests_at_once(tiny_checkpoint,
     from lutb_client.client import build_request
     from lutb_server import servicer
 
+    monkeypatch.setenv(SLEEP_EXPERTS_ENV, SLOW_DEVICE)
     checkpoint = Checkpoint(tiny_checkpoint)
     choice = BackendChoice("sleep", SleepExperts, torch.device("cpu"), "test")
     hidden, tokens, count = checkpoint.config.hidden_size, 2, 40
