@@ -25,6 +25,10 @@ reserved: with their pool) goes into the JSON::
     PYTHONPATH=kernels:client:server python3 bench/graph_limit.py --out $OUT/limit
     PYTHONPATH=kernels:client:server python3 bench/graph_limit.py --out /tmp/l --shape smoke --device cpu --backend reference
 
+``--profile-sizes``: cProfile of 20 eager experts calls at each of those sizes (launch only, after the timed
+ones), top functions by own time into ``launch-profile-T<size>.txt``: why a size's launch costs what it does.
+``--graph-limits ''`` skips the graph runs.
+
 Results: ``graph_limit.json`` under ``--out``; the table prints last. On a CPU device there are
 no graphs: every run is eager (the smoke form only checks that the script runs).
 """
@@ -59,6 +63,25 @@ def split_runs(sizes: list[int], limit: int) -> list[list[int]]:
     return groups
 
 
+def profile_launch(call, path: Path, sync, calls: int = 20) -> None:  # noqa: ANN001
+    """cProfile of ``calls`` calls of ``call`` (``sync`` after each, outside the profile); top 30 by own time to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        sync()
+        prof.enable()
+        call()
+        prof.disable()
+    sync()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    path.write_text(f"cProfile of {calls} launches\n" + text.getvalue())
+    print(f"[limit] launch profile: {path}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -70,6 +93,7 @@ def main() -> int:
     p.add_argument("--sizes", default="480,512,528,640,768,1024,1536,2048",
                    help=f"comma list of batch sizes in tokens (requests of {REQUEST_TOKENS} tokens)")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--profile-sizes", default="", help="comma list of sizes whose eager launch cProfile records (CUDA)")
     args = p.parse_args()
 
     import torch
@@ -122,6 +146,9 @@ def main() -> int:
                     launch.append(launched * 1e6)
                     gpu.append(begin.elapsed_time(end) * 1e3)
             eager[tokens] = {"launch_us": statistics.median(launch), "gpu_us": statistics.median(gpu)}
+            if str(tokens) in args.profile_sizes.split(","):
+                profile_launch(lambda: inner.forward_unchecked(*args_dev, nonfinite=flag), args.out / f"launch-profile-T{tokens}.txt",
+                               lambda: torch.cuda.synchronize(device))
             print(f"[limit] eager experts call T={tokens}: launch {eager[tokens]['launch_us']:.0f} us (CPU), "
                   f"{eager[tokens]['gpu_us']:.0f} us between events (GPU)", flush=True)
 
