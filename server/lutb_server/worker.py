@@ -396,17 +396,20 @@ class ComputeWorker:
         staging.busy = True
         return LaunchedCall(requests, start, tokens, path, staging=staging)
 
-    def finish(self, call: LaunchedCall) -> BatchOutput:
-        """Wait for a launched call; its per-request outputs (their own memory) and timing.
+    def finish(self, call: LaunchedCall, *, borrow: bool = False) -> BatchOutput:
+        """Wait for a launched call; its per-request outputs and timing.
 
-        Raises :class:`~lutb_kernels.errors.NonFiniteInputError` when the call met NaN or Inf.
+        The outputs are their own memory, unless ``borrow``: then, on CUDA, they are views of the call's
+        pinned staging buffer, valid only until the next :meth:`launch` (for a caller that copies them
+        out at once, as the compute process does into its shared memory). Raises
+        :class:`~lutb_kernels.errors.NonFiniteInputError` when the call met NaN or Inf.
         """
         outputs = call.outputs
         staging = call.staging
         if staging is not None:
             call.staging = None
             try:
-                outputs = self._finish_cuda(call.requests, staging)
+                outputs = self._finish_cuda(call.requests, staging, borrow)
             finally:
                 staging.busy = False
         assert outputs is not None
@@ -477,17 +480,19 @@ class ComputeWorker:
             staging.event.record(self._stream)
         return path
 
-    def _finish_cuda(self, requests: list[PreparedRequest], staging: _Staging) -> list[torch.Tensor]:
+    def _finish_cuda(self, requests: list[PreparedRequest], staging: _Staging, borrow: bool) -> list[torch.Tensor]:
+        out = staging.out
+        assert out is not None
         staging.event.synchronize()
         if staging.checked:
             flag, _, flag_np = staging.nonfinite_flag(self.device)
             if flag_np[0]:
                 with torch.cuda.stream(self._stream):
                     flag.zero_()  # ahead of this staging's next call; only a call that set the flag pays for this
-                if staging.out.shape[0]:
+                if out.shape[0]:
                     raise NonFiniteInputError("MXFP8 quantization met NaN or Inf (hidden states or activation output)")
-        result = staging.out.clone()  # the batch's own memory: the pinned buffer is reused by a later call
-        return _split(result, requests)
+        # the batch's own memory unless borrowed: the pinned buffer is reused by a later call
+        return _split(out if borrow else out.clone(), requests)
 
     @property
     def staging_bytes(self) -> dict[str, int]:

@@ -362,7 +362,7 @@ def _launch(worker: ComputeWorker, group: list[_Batch], memory: tuple[int, int])
 def _answer_call(worker: ComputeWorker, running: _Running, memory: tuple[int, int]) -> None:
     """Wait for a launched merged call and answer each of its batches (run alone when the merged call failed)."""
     try:
-        call = worker.finish(running.call)
+        call = worker.finish(running.call, borrow=True)  # copied into the arena or encoded by _answer, before any launch
     except Exception as exc:  # noqa: BLE001 - see _run_alone
         _run_alone(worker, running.group, exc, memory)
         return
