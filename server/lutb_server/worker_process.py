@@ -266,7 +266,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
         worker = ComputeWorker(engine, cuda_graph_max_tokens=spec.cuda_graph_max_tokens, cuda_graph_top_k=spec.cuda_graph_top_k)
         graphs_s = worker.capture_graphs()
         warm_up_s = worker.warm_up(spec.warm_up_tokens) if spec.warm_up_tokens else 0.0
-        memory, memory_read = _gpu_memory(device), time.monotonic()
+        memory = _gpu_memory(device)
         ready = ("ready", {"weight_bytes": engine.weight_bytes, "backend": engine.backend.name,
                            "graphs_s": graphs_s, "warm_up_s": warm_up_s, "gpu_memory": memory})
     except BaseException as exc:  # noqa: BLE001 - reported to the serving processes, which raise it
@@ -276,6 +276,26 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
             except OSError:
                 pass
         return
+    _serve_batches(worker, connections, ready, spec.max_batch_tokens, lambda: _gpu_memory(device), memory)
+
+
+_Batch = tuple[_Connection, int, PreparedRequest, "Slot | None"]
+
+
+class _Running(NamedTuple):
+    """A merged call in flight on the compute process's worker, and the batches it answers."""
+
+    group: list[_Batch]
+    call: LaunchedCall
+
+
+def _serve_batches(worker: ComputeWorker, connections: list[_Connection], ready: tuple[str, dict[str, Any]],
+                  max_batch_tokens: int, read_memory: Callable[[], tuple[int, int]], memory: tuple[int, int]) -> None:
+    """The compute process's loop, after start-up: shake hands with each connection (answer ``ready``),
+    then run the batches they send, merged and pipelined (see :func:`_child_main`), until every
+    connection has said stop or closed. ``read_memory`` gives the GPU allocator's bytes, read at
+    most every :data:`GPU_MEMORY_PERIOD_S` after answering (``memory``: the last reading)."""
+    memory_read = time.monotonic()
     waiting, open_ = list(connections), []  # before and after the handshake; front ends start in any order
     in_flight: deque[_Running] = deque()  # launched merged calls, oldest first
     while waiting or open_ or in_flight:
@@ -312,7 +332,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 _answer(c, job, exc, None, out_slot, memory)
                 continue
             batches.append((c, job, request, out_slot))
-        for indexes in merge_groups([request for _, _, request, _ in batches], spec.max_batch_tokens):
+        for indexes in merge_groups([request for _, _, request, _ in batches], max_batch_tokens):
             if len(in_flight) == PIPELINE_DEPTH:
                 _answer_call(worker, in_flight.popleft(), memory)
             running = _launch(worker, [batches[i] for i in indexes], memory)
@@ -321,17 +341,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
         while in_flight and in_flight[0].call.done():
             _answer_call(worker, in_flight.popleft(), memory)
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
-            memory, memory_read = _gpu_memory(device), time.monotonic()
-
-
-_Batch = tuple[_Connection, int, PreparedRequest, "Slot | None"]
-
-
-class _Running(NamedTuple):
-    """A merged call in flight on the compute process's worker, and the batches it answers."""
-
-    group: list[_Batch]
-    call: LaunchedCall
+            memory, memory_read = read_memory(), time.monotonic()
 
 
 def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[list[int]]:
