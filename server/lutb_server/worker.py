@@ -23,14 +23,6 @@ the NaN/Inf flag is reset only after a batch that set it, and the graph path reu
 
 On a CPU device the same steps run without pinning, streams or copies to a device.
 
-Pipelining: :meth:`ComputeWorker.run` is :meth:`~ComputeWorker.launch` (steps 1-4 queued on the
-stream, nothing waited for) then :meth:`~ComputeWorker.finish` (wait for the call's own CUDA event,
-check its flag, copy out). A caller that owns the worker may launch a second call before
-finishing the first (at most :data:`PIPELINE_DEPTH` in flight): each in-flight call has its own
-pinned staging buffers, flag and event, and the device buffers and graph inputs they share are
-reused in stream order. The compute process does this (``worker_process``): while the GPU runs one
-merged call, it reads, stages and launches the next one and answers the finished one.
-
 CUDA graphs: with ``cuda_graph_max_tokens > 0`` on a CUDA device, every layer whose
 backend is capture-safe is wrapped in ``CudaGraphExperts``; :meth:`ComputeWorker.capture_graphs`
 captures the ``combined`` / weights-on-output / ``cuda_graph_top_k`` variant for every
@@ -63,9 +55,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-PIPELINE_DEPTH = 2
-"""Most experts calls launched and not yet finished on one :class:`ComputeWorker` (see the module docstring)."""
-
 BATCH_PATHS = ("graph", "chunks", "eager")
 """How an experts call can run (:attr:`BatchOutput.path`)."""
 
@@ -76,8 +65,7 @@ class BatchOutput(NamedTuple):
     outputs: list[torch.Tensor]
     """Per-request outputs (CPU, model dtype), in the batch's order."""
     seconds: float
-    """Seconds the experts call took on the worker, from its launch to its outputs on the host (with a call
-    launched behind another, its wait for the GPU to finish that one included)."""
+    """Seconds the experts call took on the worker."""
     call_tokens: int
     """Tokens of the experts call that ran the batch: the batch's own, or more when the compute process merged it
     with other front ends' batches (what the GPU actually saw)."""
@@ -157,50 +145,6 @@ class _Buffers:
         return sum(b.numel() for b in self._bufs.values())
 
 
-class _Staging:
-    """What one in-flight experts call owns on a CUDA device: pinned host buffers (inputs and output),
-    the device NaN/Inf flag with its pinned host copy, and the event recorded after its last copy."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.host = _Buffers(torch.device("cpu"), pin=cuda)
-        self.event: Any = torch.cuda.Event() if cuda else None
-        self.out: torch.Tensor | None = None
-        self.checked = False
-        """Whether the call sets the flag (``forward_unchecked``)."""
-        self.busy = False
-        self._flag: tuple[torch.Tensor, torch.Tensor, Any] | None = None
-
-    def nonfinite_flag(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """The device NaN/Inf flag (zero between calls), its pinned host copy, and a numpy view of that copy
-        (read without a torch call)."""
-        if self._flag is None:
-            flag = torch.zeros(1, dtype=torch.int32, device=device)
-            flag_h = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            self._flag = (flag, flag_h, flag_h.numpy())
-        return self._flag
-
-
-class LaunchedCall:
-    """An experts call :meth:`ComputeWorker.launch` started; :meth:`ComputeWorker.finish` ends it."""
-
-    __slots__ = ("requests", "start", "tokens", "path", "outputs", "staging")
-
-    def __init__(self, requests: list[PreparedRequest], start: float, tokens: int, path: str, *,
-                 outputs: list[torch.Tensor] | None = None, staging: _Staging | None = None) -> None:
-        self.requests = requests
-        self.start = start
-        """``time.perf_counter()`` at the launch."""
-        self.tokens = tokens
-        self.path = path
-        self.outputs = outputs
-        """Off CUDA: the outputs, computed at the launch."""
-        self.staging = staging
-
-    def done(self) -> bool:
-        """Whether :meth:`ComputeWorker.finish` would return without waiting for the device."""
-        return self.staging is None or bool(self.staging.event.query())
-
-
 class ComputeWorker:
     """The thread that runs experts calls (see the module docstring).
 
@@ -232,8 +176,9 @@ class ComputeWorker:
         if self.cuda and self.device.index is None:  # torch.cuda.set_device refuses a bare "cuda"
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._stream: Any = None
-        self._staging = [_Staging(self.cuda) for _ in range(PIPELINE_DEPTH)]  # one per call in flight
+        self._host = _Buffers(torch.device("cpu"), pin=self.cuda)
         self._dev = _Buffers(self.device, pin=False)
+        self._flag: tuple[torch.Tensor, torch.Tensor, Any] | None = None
         self.batches = 0
         if hasattr(engine, "layer_experts") and hasattr(engine, "layer_ids"):
             self._experts = {layer: engine.layer_experts(layer) for layer in engine.layer_ids}
@@ -371,53 +316,20 @@ class ComputeWorker:
         """One experts call over ``requests`` (same pool key), outputs split back per request.
 
         Blocking; runs on the worker thread via :meth:`submit`, or on any single thread
-        that owns the worker (tests, ``bench/serving.py``'s in-process baseline, the compute process).
-        """
-        return self.finish(self.launch(requests))
-
-    def launch(self, requests: list[PreparedRequest]) -> LaunchedCall:
-        """Start one experts call over ``requests`` (same pool key) without waiting for the device.
-
-        On CUDA the staging, copies and kernels are queued on the worker's stream and this returns;
-        elsewhere the call runs to the end here. Hand the result to :meth:`finish`. At most
-        :data:`PIPELINE_DEPTH` calls may be launched and not finished (RuntimeError beyond); the
-        same thread launches and finishes.
+        that owns the worker (tests, ``bench/serving.py``'s in-process baseline).
         """
         start = time.perf_counter()
-        tokens = sum(r.tokens for r in requests)
+        path = "eager"
         if self._experts is None:
-            return LaunchedCall(requests, start, tokens, "eager", outputs=_generic_forward(self.engine, requests))
-        if not self.cuda:
-            return LaunchedCall(requests, start, tokens, "eager", outputs=self._run_cpu(requests))
-        staging = next((st for st in self._staging if not st.busy), None)
-        if staging is None:
-            raise RuntimeError(f"{PIPELINE_DEPTH} experts calls are in flight: finish one before launching another")
-        path = self._launch_cuda(requests, staging)
-        staging.busy = True
-        return LaunchedCall(requests, start, tokens, path, staging=staging)
-
-    def finish(self, call: LaunchedCall, *, borrow: bool = False) -> BatchOutput:
-        """Wait for a launched call; its per-request outputs and timing.
-
-        The outputs are their own memory, unless ``borrow``: then, on CUDA, they are views of the call's
-        pinned staging buffer, valid only until the next :meth:`launch` (for a caller that copies them
-        out at once, as the compute process does into its shared memory). Raises
-        :class:`~lutb_kernels.errors.NonFiniteInputError` when the call met NaN or Inf.
-        """
-        outputs = call.outputs
-        staging = call.staging
-        if staging is not None:
-            call.staging = None
-            try:
-                outputs = self._finish_cuda(call.requests, staging, borrow)
-            finally:
-                staging.busy = False
-        assert outputs is not None
+            outputs = _generic_forward(self.engine, requests)
+        elif self.cuda:
+            outputs, path = self._run_cuda(requests)
+        else:
+            outputs = self._run_cpu(requests)
         self.batches += 1
-        return BatchOutput(outputs, time.perf_counter() - call.start, call.tokens, call.path)
+        return BatchOutput(outputs, time.perf_counter() - start, sum(r.tokens for r in requests), path)
 
-    @staticmethod
-    def _gather(requests: list[PreparedRequest], buffers: _Buffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _gather(self, requests: list[PreparedRequest], buffers: _Buffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         first = requests[0]
         tokens = sum(r.tokens for r in requests)
         k = int(first.topk_ids.shape[1])
@@ -440,19 +352,19 @@ class ComputeWorker:
         if len(requests) == 1:  # nothing to pool: the request's own tensors
             x, ids, w = first.x, first.topk_ids, first.topk_weights
         else:
-            x, ids, w = self._gather(requests, self._staging[0].host)
+            x, ids, w = self._gather(requests, self._host)
         out = experts.forward(x, ids, w, apply_router_weight_on_input=first.apply_router_weight_on_input,
                               output_mode=first.output_mode)
         return _split(out, requests)
 
-    def _launch_cuda(self, requests: list[PreparedRequest], staging: _Staging) -> str:
-        """Queue the batch on the worker's stream into ``staging``; returns how the experts run it (``BatchOutput.path``)."""
+    def _run_cuda(self, requests: list[PreparedRequest]) -> tuple[list[torch.Tensor], str]:
+        """The batch on the device: its per-request outputs, and how the experts ran it (``BatchOutput.path``)."""
         first = requests[0]
         experts = self._experts[first.layer]  # type: ignore[index]
         on_input, mode = first.apply_router_weight_on_input, first.output_mode
         unchecked = callable(getattr(experts, "forward_unchecked", None))
         with torch.cuda.stream(self._stream):
-            xh, idsh, wh = self._gather(requests, staging.host)
+            xh, idsh, wh = self._gather(requests, self._host)
             tokens, k = idsh.shape
             targets, path = None, "eager"
             if isinstance(experts, CudaGraphExperts):
@@ -467,37 +379,36 @@ class ComputeWorker:
             idsd.copy_(idsh, non_blocking=True)
             wd.copy_(wh, non_blocking=True)
             if unchecked:
-                flag, flag_h, _ = staging.nonfinite_flag(self.device)
+                flag, flag_h, flag_np = self._nonfinite_flag()
                 out = experts.forward_unchecked(  # type: ignore[attr-defined]
                     xd, idsd, wd, apply_router_weight_on_input=on_input, output_mode=mode, nonfinite=flag)
             else:
                 out = experts.forward(xd, idsd, wd, apply_router_weight_on_input=on_input, output_mode=mode)
-            staging.out = staging.host.get("out", out.shape, out.dtype)
-            staging.out.copy_(out, non_blocking=True)
+            out_h = self._host.get("out", out.shape, out.dtype)
+            out_h.copy_(out, non_blocking=True)
             if unchecked:
                 flag_h.copy_(flag, non_blocking=True)
-            staging.checked = unchecked
-            staging.event.record(self._stream)
-        return path
-
-    def _finish_cuda(self, requests: list[PreparedRequest], staging: _Staging, borrow: bool) -> list[torch.Tensor]:
-        out = staging.out
-        assert out is not None
-        staging.event.synchronize()
-        if staging.checked:
-            flag, _, flag_np = staging.nonfinite_flag(self.device)
-            if flag_np[0]:
-                with torch.cuda.stream(self._stream):
-                    flag.zero_()  # ahead of this staging's next call; only a call that set the flag pays for this
-                if out.shape[0]:
+            self._stream.synchronize()
+            if unchecked and flag_np[0]:
+                flag.zero_()  # on the worker's stream, ahead of the next batch; only a batch that set the flag pays for this
+                if tokens:
                     raise NonFiniteInputError("MXFP8 quantization met NaN or Inf (hidden states or activation output)")
-        # the batch's own memory unless borrowed: the pinned buffer is reused by a later call
-        return _split(out if borrow else out.clone(), requests)
+        result = out_h.clone()  # the batch's own memory: the pinned buffer is reused by the next batch
+        return _split(result, requests), path
+
+    def _nonfinite_flag(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The device NaN/Inf flag (zero between batches), its pinned host copy, and a numpy view of that copy
+        (read without a torch call)."""
+        if self._flag is None:
+            flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+            flag_h = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self._flag = (flag, flag_h, flag_h.numpy())
+        return self._flag
 
     @property
     def staging_bytes(self) -> dict[str, int]:
         """Bytes held by the host and device staging buffers."""
-        return {"host": sum(st.host.nbytes for st in self._staging), "device": self._dev.nbytes}
+        return {"host": self._host.nbytes, "device": self._dev.nbytes}
 
 
 def warm_up_sizes(above: int, limit: int, launch_key: Callable[[int, int], Hashable] | None, top_k: int) -> list[int]:
@@ -542,5 +453,4 @@ def _generic_forward(engine: ForwardEngine, requests: list[PreparedRequest]) -> 
     return _split(out, requests)
 
 
-__all__ = ["BATCH_PATHS", "PIPELINE_DEPTH", "BatchOutput", "BatchWorker", "ComputeWorker", "ForwardEngine", "LaunchedCall",
-           "running_loop", "warm_up_sizes"]
+__all__ = ["BATCH_PATHS", "BatchOutput", "BatchWorker", "ComputeWorker", "ForwardEngine", "running_loop", "warm_up_sizes"]

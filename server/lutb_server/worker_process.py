@@ -60,12 +60,11 @@ import signal
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -74,7 +73,7 @@ from lutb_server.engine import PreparedRequest
 from lutb_server.errors import Unavailable
 from lutb_server.metrics import torch_gpu_memory
 from lutb_server.shared_arena import SharedArena, Slot, arena_supported
-from lutb_server.worker import PIPELINE_DEPTH, BatchOutput, ComputeWorker, LaunchedCall, running_loop
+from lutb_server.worker import BatchOutput, running_loop
 
 log = logging.getLogger(__name__)
 
@@ -233,16 +232,9 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
     """The compute process: build, shake hands with each serving process, then run their batches.
 
     Batches that arrive together from several serving processes (front ends) and share a pool key
-    run as one experts call (up to ``spec.max_batch_tokens`` tokens): the GPU sees their union. A
-    failing merged call is run again one batch at a time, so that one front end's bad batch fails
-    only its own. The child exits when every serving process has said stop or closed its socket.
-
-    Calls are pipelined (``ComputeWorker.launch`` / ``finish``, up to ``PIPELINE_DEPTH`` in
-    flight): while one merged call runs on the GPU, the loop reads the batches that arrive, stages
-    and launches them as the next call, and answers a call as soon as its event says it is done,
-    so that the CPU's work on batches overlaps the GPU's instead of following it. With a call in
-    flight the loop polls (``select`` with a zero timeout, then the call's event) rather than blocks;
-    a stream synchronisation spins the same way.
+    run as one ``ComputeWorker.run`` (up to ``spec.max_batch_tokens`` tokens): the GPU sees their union. A failing merged batch is run again
+    one batch at a time, so that one front end's bad batch fails only its own. The child exits
+    when every serving process has said stop or closed its socket.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the serving processes drain first
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [compute]: %(message)s")
@@ -253,6 +245,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
         from lutb_server.app import apply_gil_switch_interval, apply_intra_op_threads
         from lutb_server.backends import choose_backend, resolve_device
         from lutb_server.engine import ExpertEngine
+        from lutb_server.worker import ComputeWorker
 
         log.info("%s", tune_malloc())  # inline batches (no shared arena) are large messages
         checkpoint = Checkpoint(spec.checkpoint)
@@ -266,7 +259,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
         worker = ComputeWorker(engine, cuda_graph_max_tokens=spec.cuda_graph_max_tokens, cuda_graph_top_k=spec.cuda_graph_top_k)
         graphs_s = worker.capture_graphs()
         warm_up_s = worker.warm_up(spec.warm_up_tokens) if spec.warm_up_tokens else 0.0
-        memory = _gpu_memory(device)
+        memory, memory_read = _gpu_memory(device), time.monotonic()
         ready = ("ready", {"weight_bytes": engine.weight_bytes, "backend": engine.backend.name,
                            "graphs_s": graphs_s, "warm_up_s": warm_up_s, "gpu_memory": memory})
     except BaseException as exc:  # noqa: BLE001 - reported to the serving processes, which raise it
@@ -276,38 +269,10 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
             except OSError:
                 pass
         return
-    _serve_batches(worker, connections, ready, spec.max_batch_tokens, lambda: _gpu_memory(device), memory)
-
-
-_Batch = tuple[_Connection, int, PreparedRequest, "Slot | None"]
-
-
-class _Running(NamedTuple):
-    """A merged call in flight on the compute process's worker, and the batches it answers."""
-
-    group: list[_Batch]
-    call: LaunchedCall
-
-
-def _serve_batches(worker: ComputeWorker, connections: list[_Connection], ready: tuple[str, dict[str, Any]],
-                  max_batch_tokens: int, read_memory: Callable[[], tuple[int, int]], memory: tuple[int, int]) -> None:
-    """The compute process's loop, after start-up: shake hands with each connection (answer ``ready``),
-    then run the batches they send, merged and pipelined (see :func:`_child_main`), until every
-    connection has said stop or closed. ``read_memory`` gives the GPU allocator's bytes, read at
-    most every :data:`GPU_MEMORY_PERIOD_S` after answering (``memory``: the last reading)."""
-    memory_read = time.monotonic()
     waiting, open_ = list(connections), []  # before and after the handshake; front ends start in any order
-    in_flight: deque[_Running] = deque()  # launched merged calls, oldest first
-    while waiting or open_ or in_flight:
-        if len(in_flight) == PIPELINE_DEPTH:
-            _answer_call(worker, in_flight.popleft(), memory)
+    while waiting or open_:
         batches: list[_Batch] = []
-        if not (waiting or open_):
-            readable = []
-        elif len(open_) == 1 and not waiting and not in_flight:
-            readable = open_  # nothing else to wait for: block in its recv
-        else:  # with a call in flight, only look: its answer must not wait for a front end
-            readable = select.select(waiting + open_, [], [], 0 if in_flight else None)[0]
+        readable = open_ if len(open_) == 1 and not waiting else select.select(waiting + open_, [], [])[0]
         for c in readable:
             if c in waiting:
                 waiting.remove(c)
@@ -332,16 +297,12 @@ def _serve_batches(worker: ComputeWorker, connections: list[_Connection], ready:
                 _answer(c, job, exc, None, out_slot, memory)
                 continue
             batches.append((c, job, request, out_slot))
-        for indexes in merge_groups([request for _, _, request, _ in batches], max_batch_tokens):
-            if len(in_flight) == PIPELINE_DEPTH:
-                _answer_call(worker, in_flight.popleft(), memory)
-            running = _launch(worker, [batches[i] for i in indexes], memory)
-            if running is not None:
-                in_flight.append(running)
-        while in_flight and in_flight[0].call.done():
-            _answer_call(worker, in_flight.popleft(), memory)
+        _run_merged(worker, batches, memory, spec.max_batch_tokens)
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
-            memory, memory_read = read_memory(), time.monotonic()
+            memory, memory_read = _gpu_memory(device), time.monotonic()
+
+
+_Batch = tuple[_Connection, int, PreparedRequest, "Slot | None"]
 
 
 def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[list[int]]:
@@ -360,40 +321,22 @@ def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[l
     return groups
 
 
-def _launch(worker: ComputeWorker, group: list[_Batch], memory: tuple[int, int]) -> _Running | None:
-    """Launch ``group``'s batches as one call; None when that failed and each batch was run and answered alone."""
-    try:
-        return _Running(group, worker.launch([request for _, _, request, _ in group]))
-    except Exception as exc:  # noqa: BLE001 - alone, each batch gets its own result or error
-        _run_alone(worker, group, exc, memory)
-        return None
-
-
-def _answer_call(worker: ComputeWorker, running: _Running, memory: tuple[int, int]) -> None:
-    """Wait for a launched merged call and answer each of its batches (run alone when the merged call failed)."""
-    try:
-        call = worker.finish(running.call, borrow=True)  # copied into the arena or encoded by _answer, before any launch
-    except Exception as exc:  # noqa: BLE001 - see _run_alone
-        _run_alone(worker, running.group, exc, memory)
-        return
-    for (c, job, _, out_slot), output in zip(running.group, call.outputs):
-        _answer(c, job, output, call, out_slot, memory)
-
-
-def _run_alone(worker: ComputeWorker, group: list[_Batch], error: Exception, memory: tuple[int, int]) -> None:
-    """After a merged call of ``group`` failed with ``error``: run each batch alone, so that one front end's
-    bad batch fails only its own (a group of one gets ``error`` itself)."""
-    if len(group) == 1:
-        c, job, _, out_slot = group[0]
-        _answer(c, job, error, None, out_slot, memory)
-        return
-    for c, job, request, out_slot in group:
+def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max_tokens: int) -> None:
+    """Run ``batches`` (one per serving process at most), merged by :func:`merge_groups`, and answer each."""
+    for indexes in merge_groups([request for _, _, request, _ in batches], max_tokens):
+        group = [batches[i] for i in indexes]
+        call: BatchOutput | None
         try:
-            call = worker.run([request])
-        except Exception as exc:  # noqa: BLE001 - this batch's own error
-            _answer(c, job, exc, None, out_slot, memory)
-        else:
-            _answer(c, job, call.outputs[0], call, out_slot, memory)
+            call = worker.run([request for _, _, request, _ in group])
+            outputs: list[torch.Tensor | BaseException] = list(call.outputs)
+        except Exception as exc:  # noqa: BLE001 - alone, each batch gets its own result or error
+            if len(group) > 1:
+                for batch in group:
+                    _run_merged(worker, [batch], memory, max_tokens)
+                continue
+            call, outputs = None, [exc]
+        for (c, job, _, out_slot), output in zip(group, outputs):
+            _answer(c, job, output, call, out_slot, memory)
 
 
 def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, out_slot: Slot | None,

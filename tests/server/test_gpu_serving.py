@@ -108,7 +108,7 @@ def test_pinned_staging_and_pooling(servers: tuple[ServerThread, ServerThread], 
         x, ids, w = batches[i]
         assert _rel_l2(out, reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2
     worker = graphs.server.scheduler.worker
-    assert all(buf.is_pinned() for staging in worker._staging for buf in staging.host._bufs.values())
+    assert all(buf.is_pinned() for buf in worker._host._bufs.values())
     assert worker._dev.device.type == "cuda"
 
 

@@ -64,15 +64,15 @@ def test_results_unchanged(engine: ExpertEngine, sizes: list[int], k: int, mode:
 def test_staging_buffers_are_reused(engine: ExpertEngine) -> None:
     worker = ComputeWorker(engine)
     worker.run(_requests(engine, [8, 8], seed=1))
-    grown, nbytes = worker._staging[0].host.grown, worker.staging_bytes["host"]
-    x_ptr = worker._staging[0].host.get("x", (1, engine.config.hidden_size), engine.model_dtype).data_ptr()
+    grown, nbytes = worker._host.grown, worker.staging_bytes["host"]
+    x_ptr = worker._host.get("x", (1, engine.config.hidden_size), engine.model_dtype).data_ptr()
     for seed, sizes in enumerate(([3, 5], [1, 1, 1], [16])):
         requests = _requests(engine, sizes, seed=seed + 2)
         outputs = worker.run(requests).outputs
         for got, want in zip(outputs, _engine_pooled(engine, requests)):
             assert torch.equal(got, want)
-    assert worker._staging[0].host.grown == grown and worker.staging_bytes["host"] == nbytes
-    assert worker._staging[0].host.get("x", (1, engine.config.hidden_size), engine.model_dtype).data_ptr() == x_ptr
+    assert worker._host.grown == grown and worker.staging_bytes["host"] == nbytes
+    assert worker._host.get("x", (1, engine.config.hidden_size), engine.model_dtype).data_ptr() == x_ptr
     assert worker.staging_bytes["device"] == 0  # CPU: no device copies
     assert worker.graph_layers == [] and worker.capture_graphs() == 0.0
 
@@ -231,67 +231,6 @@ def test_a_nonfinite_batch_fails_alone_on_the_gpu(tiny_checkpoint: Path, tokens:
         with pytest.raises(NonFiniteInputError):
             worker.run(bad)
         assert torch.equal(worker.run(good).outputs[0], want)
-
-
-def test_launch_then_finish_equals_run_on_the_cpu(engine: ExpertEngine) -> None:
-    """Off CUDA a launch computes the call: any number may be launched, finished in any order."""
-    worker = ComputeWorker(engine)
-    batches = [_requests(engine, sizes, seed=seed) for seed, sizes in enumerate(([3, 2], [4], [1, 1, 5]))]
-    launched = [worker.launch(b) for b in batches]
-    assert all(call.done() for call in launched)
-    for call, batch in reversed(list(zip(launched, batches))):
-        got = worker.finish(call)
-        assert got.call_tokens == sum(r.tokens for r in batch) and got.seconds > 0
-        for g, w in zip(got.outputs, _engine_pooled(engine, batch)):
-            assert torch.equal(g, w)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [5, 100, 600], ids=["graph", "chunks", "eager"])  # graphs to 64, chunks to 512
-def test_two_calls_in_flight_on_the_gpu(tiny_checkpoint: Path, tokens: int) -> None:
-    """Two calls of one size (one graph, chunks or eager size) launched before either finishes, finished in
-    either order, equal the same calls run one at a time; their staging is their own (poisoned in between);
-    a third launch is refused; a NaN call in flight fails alone and leaves no flag for the next."""
-    import dataclasses
-
-    from lutb_kernels.checkpoint import Checkpoint
-    from lutb_kernels.errors import NonFiniteInputError
-    from lutb_server.worker import PIPELINE_DEPTH
-
-    ckpt = Checkpoint(tiny_checkpoint)
-    gpu_engine = ExpertEngine(ckpt, choose_backend("packed", ckpt.config, torch.device("cuda")), validate_tiles=False)
-    worker = ComputeWorker(gpu_engine, cuda_graph_max_tokens=64, cuda_graph_top_k=2)
-    a, b = (_requests(gpu_engine, [tokens], k=2, seed=tokens + s) for s in (1, 2))
-    want_a, want_b = worker.run(a).outputs[0], worker.run(b).outputs[0]
-    assert not torch.equal(want_a, want_b)
-    for order in ("first", "second"):
-        worker.run(a)  # both stagings sized, then poisoned: bf16 0xFFFF is NaN
-        worker.run(b)
-        for staging in worker._staging:
-            for buf in staging.host._bufs.values():
-                buf.fill_(255)
-        la, lb = worker.launch(a), worker.launch(b)
-        assert PIPELINE_DEPTH == 2
-        with pytest.raises(RuntimeError, match="in flight"):
-            worker.launch(a)
-        if order == "second":
-            assert torch.equal(worker.finish(lb).outputs[0], want_b)
-        borrowed = worker.finish(la, borrow=True).outputs[0]  # a view of the pinned staging, as the compute process reads it
-        assert borrowed.is_pinned() and torch.equal(borrowed, want_a)
-        if order == "first":
-            assert torch.equal(worker.finish(lb).outputs[0], want_b)
-        assert la.done() and lb.done()
-    bad_x = a[0].x.clone()
-    bad_x[tokens // 2, 3] = float("nan")
-    bad = [dataclasses.replace(a[0], x=bad_x)]
-    for _ in range(2):
-        lbad, lgood = worker.launch(bad), worker.launch(b)
-        with pytest.raises(NonFiniteInputError):
-            worker.finish(lbad)
-        assert torch.equal(worker.finish(lgood).outputs[0], want_b)
-        la, lb = worker.launch(a), worker.launch(b)  # each staging's flag is clear again
-        assert torch.equal(worker.finish(la).outputs[0], want_a)
-        assert torch.equal(worker.finish(lb).outputs[0], want_b)
 
 
 def test_a_worker_that_cannot_use_its_device_fails_jobs_instead_of_hanging(engine: ExpertEngine,

@@ -19,7 +19,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lutb_client import ExpertClient, ExpertServiceError
 from lutb_client.codec import decode_tensor, encode_tensor
 from lutb_kernels.checkpoint import Checkpoint
-from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts import ReferenceExperts
 from lutb_server.backends import choose_backend, resolve_device
 from lutb_server.engine import ExpertEngine, PreparedRequest
@@ -124,104 +123,6 @@ def test_many_batches_in_flight_complete_in_any_interleaving(process_worker: Pro
     for batch, future in zip(batches, futures):
         got = future.result(60).outputs
         assert torch.equal(got[0], ComputeWorker(full).run(batch)[0][0])
-
-
-class _SlowDevice:
-    """A ComputeWorker stand-in for the compute process's loop: each launched call "runs" for ``call_s``
-    after the one before it (one device, in order), computes on the CPU, and logs launches and finishes;
-    more than two calls in flight, or a NaN input, fail as on a GPU."""
-
-    def __init__(self, full: ExpertEngine, call_s: float) -> None:
-        self.real = ComputeWorker(full)
-        self.call_s = call_s
-        self.events: list[tuple[str, int]] = []  # ("launch" | "finish", call tokens)
-        self.in_flight = 0
-        self._free_at = 0.0
-
-    def launch(self, requests: list[PreparedRequest]):  # noqa: ANN201 - a LaunchedCall stand-in
-        if self.in_flight == 2:
-            raise RuntimeError("2 experts calls are in flight")
-        result = self.real.run(requests)  # a launch error (unknown layer) raises here, as on a GPU
-        self._free_at = max(self._free_at, time.monotonic()) + self.call_s
-        self.in_flight += 1
-        self.events.append(("launch", result.call_tokens))
-        ends = self._free_at
-
-        class Call:
-            def done(self) -> bool:
-                return time.monotonic() >= ends
-
-        call = Call()
-        call.result, call.ends, call.requests = result, ends, requests  # type: ignore[attr-defined]
-        return call
-
-    def finish(self, call, *, borrow: bool = False):  # noqa: ANN001, ANN201
-        time.sleep(max(0.0, call.ends - time.monotonic()))
-        self.in_flight -= 1
-        self.events.append(("finish", call.result.call_tokens))
-        if any(torch.isnan(r.x.float()).any() for r in call.requests):
-            raise NonFiniteInputError("NaN")
-        return call.result
-
-    def run(self, requests: list[PreparedRequest]):  # noqa: ANN201
-        return self.finish(self.launch(requests))
-
-
-def test_the_compute_loop_launches_the_next_call_while_one_runs(tiny_checkpoint: Path) -> None:
-    """The compute process's loop (_serve_batches) over two front ends' sockets and a slow device: a batch
-    that arrives while a call runs is launched before that call is answered, never more than two calls
-    are in flight, every answer is right, and a NaN batch merged with a good one fails alone."""
-    import dataclasses
-    import socket
-    import threading
-
-    from lutb_server.worker_process import _Connection, _serve_batches
-
-    catalog, full = _engines(tiny_checkpoint)
-    device = _SlowDevice(full, call_s=0.15)
-    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
-    ready = ("ready", {"weight_bytes": 0, "backend": "reference", "graphs_s": 0.0, "warm_up_s": 0.0, "gpu_memory": (0, 0)})
-    loop = threading.Thread(target=_serve_batches, args=(device, [_Connection(theirs) for _, theirs in pairs], ready, 0,
-                                                          lambda: (0, 0), (0, 0)), daemon=True)
-    loop.start()
-    spec = WorkerSpec(str(tiny_checkpoint), "reference", "cpu", validate_tiles=False)
-    one, two = (ProcessComputeWorker(spec, connection=ours, arena_bytes=size) for (ours, _), size in zip(pairs, (DEFAULT_ARENA_BYTES, 0)))
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda w: w.start(), (one, two)))
-    try:
-        first, second = _requests(catalog, 0, (3,), seed=1), _requests(catalog, 1, (5,), seed=2)
-        got_first = one.submit(first)
-        deadline = time.monotonic() + 10
-        while not device.events and time.monotonic() < deadline:
-            time.sleep(0.001)
-        got_second = two.submit(second)  # the first call runs for 0.15 s yet
-        for got, batch in ((got_first, first), (got_second, second)):
-            assert torch.equal(got.result(10).outputs[0], ComputeWorker(full).run(batch).outputs[0])
-        assert device.events == [("launch", 3), ("launch", 5), ("finish", 3), ("finish", 5)]
-
-        device.events.clear()
-        batches = [_requests(catalog, i % 2, (1 + i,), seed=10 + i) for i in range(6)]  # layers alternate: no merging
-        futures = [(one if i % 2 else two).submit(b) for i, b in enumerate(batches)]
-        for future, batch in zip(futures, batches):
-            assert torch.equal(future.result(10).outputs[0], ComputeWorker(full).run(batch).outputs[0])
-        depth = max(sum(1 if e == "launch" else -1 for e, _ in device.events[:i + 1]) for i in range(len(device.events)))
-        assert depth == 2, device.events
-
-        busy = [one.submit(_requests(catalog, 0, (2,), seed=20 + i)) for i in range(2)]  # both calls in flight
-        good = _requests(catalog, 1, (4,), seed=30)
-        nan_x = good[0].x.clone()
-        nan_x[1, 2] = float("nan")
-        bad = [dataclasses.replace(good[0], x=nan_x)]
-        failed, passed = one.submit(bad), two.submit(good)
-        assert isinstance(failed.exception(10), NonFiniteInputError)
-        assert torch.equal(passed.result(10).outputs[0], ComputeWorker(full).run(good).outputs[0])
-        for b in busy:
-            b.result(10)
-    finally:
-        two.close(10)
-        one.close(10)
-    loop.join(10)
-    assert not loop.is_alive()
 
 
 def test_a_dead_child_fails_pending_and_later_batches(tiny_checkpoint: Path) -> None:
