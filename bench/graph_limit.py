@@ -41,6 +41,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,7 +64,7 @@ def split_runs(sizes: list[int], limit: int) -> list[list[int]]:
     return groups
 
 
-def profile_launch(call, path: Path, sync, calls: int = 20) -> None:  # noqa: ANN001
+def profile_launch(call: Callable[[], object], path: Path, sync: Callable[[], object], calls: int = 20) -> None:
     """cProfile of ``calls`` calls of ``call`` (``sync`` after each, outside the profile); top 30 by own time to ``path``."""
     import cProfile
     import io
