@@ -27,7 +27,9 @@ reserved: with their pool) goes into the JSON::
 
 ``--profile-sizes``: cProfile of 20 eager experts calls at each of those sizes (launch only, after the timed
 ones), top functions by own time into ``launch-profile-T<size>.txt``: why a size's launch costs what it does.
-``--graph-limits ''`` skips the graph runs.
+``--graph-limits ''`` skips the graph runs. ``--pairwise-max-routes R`` sets
+``lutb_kernels.routing_triton.PAIRWISE_MAX_ROUTES`` for the run (the most routes the one-launch routing kernel
+takes over more than 64 experts; above it the plain-torch version runs), to time eager calls both ways.
 
 Results: ``graph_limit.json`` under ``--out``; the table prints last. On a CPU device there are
 no graphs: every run is eager (the smoke form only checks that the script runs).
@@ -95,7 +97,14 @@ def main() -> int:
                    help=f"comma list of batch sizes in tokens (requests of {REQUEST_TOKENS} tokens)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--profile-sizes", default="", help="comma list of sizes whose eager launch cProfile records (CUDA)")
+    p.add_argument("--pairwise-max-routes", type=int, default=None,
+                   help="routing_triton.PAIRWISE_MAX_ROUTES for this run (default: the module's)")
     args = p.parse_args()
+    if args.pairwise_max_routes is not None:
+        from lutb_kernels import routing_triton
+
+        routing_triton.PAIRWISE_MAX_ROUTES = args.pairwise_max_routes
+        print(f"[limit] PAIRWISE_MAX_ROUTES = {args.pairwise_max_routes}", flush=True)
 
     import torch
 
