@@ -65,12 +65,21 @@ def run_ab(tag: str, trees: dict[str, Path], run_once: Callable[[Path, Path, lis
            table: Callable[[list[dict], list[dict]], tuple[str, list[dict]]], args: argparse.Namespace, title: str) -> int:
     """The interleaved series: ``run_once(trees[name], args.out / f"{name}{i}", args.bench_args, seconds_left)`` for
     name = new then old, ``args.pairs`` times while ``args.budget_s`` lasts (a run that returns None ends it); then
-    ``table`` of the complete pairs, printed under ``title`` and saved (with its numbers) as ``OUT/<tag>.json``."""
+    ``table`` of the complete pairs, printed under ``title`` and saved (with its numbers) as ``OUT/<tag>.json``.
+
+    A pair starts only if the budget left holds 1.1 times the longest pair so far: a pair cut short by the budget
+    counts for nothing and would spend the device's time on a run the table leaves out."""
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     new: list[dict] = []
     old: list[dict] = []
+    longest_pair = 0.0
     for i in range(1, args.pairs + 1):
+        left = args.budget_s - (time.monotonic() - start)
+        if left < 1.1 * longest_pair:
+            print(f"[{tag}] pair {i} not started: {left:.0f} s of budget left, a pair took up to {longest_pair:.0f} s", flush=True)
+            break
+        pair_start = time.monotonic()
         pair = []
         for name in ("new", "old"):
             left = args.budget_s - (time.monotonic() - start)
@@ -81,6 +90,7 @@ def run_ab(tag: str, trees: dict[str, Path], run_once: Callable[[Path, Path, lis
             pair.append(res)
         if len(pair) < 2:
             break
+        longest_pair = max(longest_pair, time.monotonic() - pair_start)
         new.append(pair[0])
         old.append(pair[1])
     if not new:

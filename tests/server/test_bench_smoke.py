@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -176,3 +178,30 @@ def test_serving_overhead_bench_on_a_compute_process(tmp_path: Path) -> None:
     assert row["api"] == "stream" and row["compute_us_p50"] >= 2000  # the sleep set on the command line, in the child
     assert any(key.startswith("pid ") for key in row["thread_cpu_us_per_request"]), row["thread_cpu_us_per_request"]
     assert "SleepExperts" in (out / "server.log").read_text()
+
+
+def test_ab_series_starts_no_pair_the_budget_cannot_finish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/ab_trees.run_ab (shared by ab_serving.py): with 20 s runs and a 100 s budget, two pairs run (80 s);
+    a third would be cut short by the budget, so it does not start."""
+    import argparse
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("lutb_bench_ab_trees", ROOT / "bench" / "ab_trees.py")
+    assert spec is not None and spec.loader is not None
+    ab_trees = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_trees)
+    clock = [0.0]
+    monkeypatch.setattr(ab_trees, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    runs: list[str] = []
+
+    def run_once(tree: Path, out: Path, bench_args: list[str], left: float) -> dict:
+        clock[0] += 20.0
+        runs.append(out.name)
+        return {"tree": tree.name}
+
+    args = argparse.Namespace(out=tmp_path / "ab", pairs=3, budget_s=100.0, bench_args=[])
+    rc = ab_trees.run_ab("ab_test", {"new": tmp_path / "new", "old": tmp_path / "old"}, run_once,
+                         lambda new, old: (f"{len(new)} / {len(old)}", []), args, "test")
+    assert rc == 0 and runs == ["new1", "old1", "new2", "old2"]
+    assert json.loads((tmp_path / "ab" / "ab_test.json").read_text())["pairs"] == 2
