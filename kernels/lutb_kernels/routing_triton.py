@@ -18,7 +18,11 @@ deepseek; bench/results/2026-12-02-routing-ep-h200.md), 40 us against 102 us at 
 per step (``PAIRWISE_RANK_CHUNK``): over 256 experts 3.0 / 5.1 / 12.5 / 44.1 us at 64 / 256 /
 1024 / 4096 routes against the torch version's 63-103 us, but 164 against 146 us at 16384 routes
 (bench/results/2026-12-04-routing-chunk-h200.md). :func:`triton_routing_wins` encodes that, and
-the experts backends call this kernel where it says so and the torch version elsewhere.
+the experts backends call this kernel where it says so and the torch version elsewhere. Those timings
+replayed CUDA graphs, so they leave out launch costs. An eager qwen3 experts call (128 experts, top-8)
+took 1588 us to launch at 528 tokens (4224 routes, torch routing) against 408 us at 512 (4096 routes, this
+kernel) on the H200 (bench/results/2026-12-05-compute-pipeline-h200.md). Whether the pairwise limit should
+be higher for eager calls is not yet measured (``bench/graph_limit.py --pairwise-max-routes``).
 
 Triton is optional: importing this module never imports triton.
 """
