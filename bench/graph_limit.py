@@ -123,6 +123,7 @@ def main() -> int:
                           validate_tiles=False, max_tokens_per_request=1 << 20)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     limits = [int(s) for s in args.graph_limits.split(",") if s]
+    profile_sizes = {int(s) for s in args.profile_sizes.split(",") if s}
 
     gen = torch.Generator().manual_seed(1)
     batches = {tokens: prepared_requests(engine, shape, tokens, gen, request_tokens=REQUEST_TOKENS) for tokens in sizes}
@@ -156,7 +157,7 @@ def main() -> int:
                     launch.append(launched * 1e6)
                     gpu.append(begin.elapsed_time(end) * 1e3)
             eager[tokens] = {"launch_us": statistics.median(launch), "gpu_us": statistics.median(gpu)}
-            if str(tokens) in args.profile_sizes.split(","):
+            if tokens in profile_sizes:
                 profile_launch(lambda: inner.forward_unchecked(*args_dev, nonfinite=flag), args.out / f"launch-profile-T{tokens}.txt",
                                lambda: torch.cuda.synchronize(device))
             print(f"[limit] eager experts call T={tokens}: launch {eager[tokens]['launch_us']:.0f} us (CPU), "
