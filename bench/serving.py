@@ -39,6 +39,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import socket
@@ -587,8 +588,8 @@ def _wait_port(port: int, timeout: float = 60) -> None:
 class Profiler:
     """py-spy attached to the server process when installed; otherwise the server runs under cProfile."""
 
-    def __init__(self, out: Path, tag: str) -> None:
-        self.out, self.tag = out, tag
+    def __init__(self, out: Path, tag: str, *, native: bool = False) -> None:
+        self.out, self.tag, self.native = out, tag, native
         self.py_spy = shutil.which("py-spy")
         self.proc: subprocess.Popen[bytes] | None = None
         self.raw = out / f"profile-{tag}.pyspy.txt"
@@ -596,7 +597,8 @@ class Profiler:
 
     def attach(self, pid: int) -> None:
         if self.py_spy:
-            self.proc = subprocess.Popen([self.py_spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
+            native = ["--native", "--rate", "100"] if self.native else ["--rate", "250"]  # unwinding C stacks is slow
+            self.proc = subprocess.Popen([self.py_spy, "record", "--pid", str(pid), "--format", "raw", *native,
                                           "--threads", "--subprocesses", "--output", str(self.raw)],  # the compute process too
                                          stdout=subprocess.DEVNULL, stderr=open(self.out / f"profile-{self.tag}.pyspy.log", "wb"))
 
@@ -610,27 +612,70 @@ class Profiler:
             self.proc.kill()
         if not self.raw.exists():
             return None
-        counts: dict[str, int] = {}
-        inclusive: dict[str, int] = {}
-        total = 0
-        for line in self.raw.read_text().splitlines():
-            stack, _, n = line.rpartition(" ")
-            if not stack or not n.isdigit():
-                continue
-            frames = stack.split(";")
-            total += int(n)
-            counts[frames[-1]] = counts.get(frames[-1], 0) + int(n)
-            for f in set(frames):
-                inclusive[f] = inclusive.get(f, 0) + int(n)
         top = self.out / f"profile-{self.tag}.top.txt"
-        with open(top, "w") as fh:
-            fh.write(f"py-spy, server process (and its compute process, if any), {total} samples\n\n== top 40 by own samples ==\n")
-            for f, n in sorted(counts.items(), key=lambda kv: -kv[1])[:40]:
-                fh.write(f"{100 * n / max(total, 1):6.2f}%  {f}\n")
-            fh.write("\n== top 40 inclusive ==\n")
-            for f, n in sorted(inclusive.items(), key=lambda kv: -kv[1])[:40]:
-                fh.write(f"{100 * n / max(total, 1):6.2f}%  {f}\n")
+        top.write_text(summarize_py_spy(self.raw.read_text()))
         return str(top)
+
+
+def _process_role(frames: list[str]) -> str:
+    """What a sampled process is, from the functions on its stacks (the spawned processes share one command line)."""
+    text = ";".join(frames)
+    if "_child_main" in text:
+        return "compute process"
+    if "front_end_main" in text:
+        return "front end"
+    return "server main (front end 0)"
+
+
+# a process frame: its command line is quoted but not escaped (it may hold quotes and ';'); the next frame is
+# another process or a thread
+_PY_SPY_PROCESS = re.compile(r'process (\d+):".*?";(?=process \d+:|thread \()')
+
+
+def _py_spy_function(frame: str) -> str:
+    """``func (file:line)`` -> ``func (file)``; a native frame known only by address, ``0x7f.. (lib.so)`` -> ``? (lib.so)``."""
+    if frame.startswith("0x"):
+        return "?" + frame[frame.find(" "):]
+    return frame.rsplit(":", 1)[0] + ")" if frame.endswith(")") and ":" in frame else frame
+
+
+def summarize_py_spy(raw: str, top_n: int = 25) -> str:
+    """py-spy ``--format raw --threads --subprocesses`` output -> per-process top functions, as text.
+
+    Each raw line is ``process A:"cmd";[process B:"cmd";]thread (tid): name;func (file:line);... count``;
+    a sample belongs to the innermost ``process`` frame. Functions are keyed without the line number.
+    Per process: its share of all samples, then the top ``top_n`` functions by own samples and by
+    inclusive samples (both as a share of that process's samples).
+    """
+    own: dict[str, dict[str, int]] = {}
+    inclusive: dict[str, dict[str, int]] = {}
+    totals: dict[str, int] = {}
+    roles: dict[str, str] = {}
+    for line in raw.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        pids = _PY_SPY_PROCESS.findall(stack)  # command lines may hold ';': take the process frames out first
+        owner = f"process {pids[-1]}" if pids else "process ?"
+        funcs = [_py_spy_function(f) for f in _PY_SPY_PROCESS.sub("", stack).split(";") if f and not f.startswith("thread (")]
+        count = int(n)
+        totals[owner] = totals.get(owner, 0) + count
+        if owner not in roles or roles[owner].startswith("server main"):
+            roles[owner] = _process_role(funcs)
+        leaf = funcs[-1] if funcs else "(no Python frame)"
+        own.setdefault(owner, {})[leaf] = own.setdefault(owner, {}).get(leaf, 0) + count
+        per = inclusive.setdefault(owner, {})
+        for f in set(funcs):
+            per[f] = per.get(f, 0) + count
+    total = sum(totals.values())
+    lines = [f"py-spy, the server's processes (server main, front ends, compute process), {total} samples", ""]
+    lines += [f"{100 * c / max(total, 1):6.2f}%  {p}  {roles[p]}" for p, c in sorted(totals.items(), key=lambda kv: -kv[1])]
+    for p, c in sorted(totals.items(), key=lambda kv: -kv[1]):
+        lines += ["", f"== {p} ({roles[p]}): {c} samples; top {top_n} by own samples =="]
+        lines += [f"{100 * k / c:6.2f}%  {f}" for f, k in sorted(own[p].items(), key=lambda kv: -kv[1])[:top_n]]
+        lines += ["", f"== {p}: top {top_n} inclusive =="]
+        lines += [f"{100 * k / c:6.2f}%  {f}" for f, k in sorted(inclusive[p].items(), key=lambda kv: -kv[1])[:top_n]]
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- in-process baseline
@@ -714,7 +759,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         "max_queue_requests": 4096, "gil_switch_interval_us": args.gil_switch_interval_us,
         "compute_worker": args.compute_worker, "front_ends": args.front_ends, "event_loop": args.event_loop,
     }
-    profiler = Profiler(out, shape_name) if args.profile else None
+    profiler = Profiler(out, shape_name, native=args.profile == "native") if args.profile else None
     if profiler is not None and not profiler.py_spy:
         config["_cprofile"] = str(profiler.cprofile)
     started = time.perf_counter()
@@ -939,7 +984,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-procs", type=int, default=4, help="most load-generator processes")
     p.add_argument("--start-timeout-s", type=float, default=420.0)
     p.add_argument("--work-dir", default=None, help="where checkpoints are made once (default: OUT/checkpoints)")
-    p.add_argument("--profile", action="store_true", help="profile the server under load (py-spy if installed, else cProfile)")
+    p.add_argument("--profile", nargs="?", const="python", choices=["python", "native"], default=None,
+                   help="profile the server under load: py-spy if installed (with 'native', C frames too: grpc core, "
+                        "uvloop, torch; slower sampling), else cProfile")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:

@@ -205,3 +205,38 @@ def test_ab_series_starts_no_pair_the_budget_cannot_finish(tmp_path: Path, monke
                          lambda new, old: (f"{len(new)} / {len(old)}", []), args, "test")
     assert rc == 0 and runs == ["new1", "old1", "new2", "old2"]
     assert json.loads((tmp_path / "ab" / "ab_test.json").read_text())["pairs"] == 2
+
+
+def test_py_spy_summary_splits_samples_by_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/serving.summarize_py_spy: each sample goes to its innermost process (command lines holding quotes and
+    ';' included), processes are named by their stacks, functions lose their line numbers, native frames known
+    only by address are pooled per library, and shares are of that process's samples."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lutb_bench_serving", ROOT / "bench" / "serving.py")
+    assert spec is not None and spec.loader is not None
+    serving = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, serving)  # its dataclasses look their module up there
+    spec.loader.exec_module(serving)
+    root = 'process 10:"python bench/serving.py serve {"port": 1}"'
+    child = 'process 11:"python -c from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle=6)"'
+    fe = 'process 12:"python -c from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle=8)"'
+    raw = "\n".join([
+        f"{root};thread (10): MainThread;main (serving.py:5);run (lutb_server/event_loop.py:9);decode (codec.py:3) 6",
+        f"{root};thread (10): MainThread;main (serving.py:5);run (lutb_server/event_loop.py:9);decode (codec.py:4) 2",
+        f"{root};{child};thread (11): MainThread;_child_main (lutb_server/worker_process.py:250);sync (torch.py:1) 9",
+        f"{root};{child};thread (11): MainThread;_child_main (lutb_server/worker_process.py:260) 1",
+        f"{root};{fe};thread (12): MainThread;front_end_main (lutb_server/front_ends.py:120);0x7f01 (libc.so.6) 3",
+        f"{root};{fe};thread (12): MainThread;front_end_main (lutb_server/front_ends.py:120);0x7f02 (libc.so.6) 1",
+        "not a sample line",
+    ])
+    text = serving.summarize_py_spy(raw)
+    assert text.startswith("py-spy, the server's processes (server main, front ends, compute process), 22 samples")
+    shares = [line.split() for line in text.splitlines()[2:5]]
+    assert shares == [["45.45%", "process", "11", "compute", "process"],
+                      ["36.36%", "process", "10", "server", "main", "(front", "end", "0)"],
+                      ["18.18%", "process", "12", "front", "end"]]
+    assert "100.00%  decode (codec.py)" in text  # lines 3 and 4 pooled: all 8 of process 10's samples
+    assert " 90.00%  sync (torch.py)" in text and " 10.00%  _child_main (lutb_server/worker_process.py)" in text
+    assert "100.00%  ? (libc.so.6)" in text
+    assert "spawn_main" not in text.replace("front ends, compute process", "")  # no command line leaks into frames
