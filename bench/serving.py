@@ -617,14 +617,17 @@ class Profiler:
         return str(top)
 
 
-def _process_role(frames: list[str]) -> str:
-    """What a sampled process is, from the functions on its stacks (the spawned processes share one command line)."""
+def _process_role(depth: int, frames: list[str]) -> str:
+    """What a sampled process is: the profiled one (``depth`` 1) is the server's main process; a child is named by the
+    functions on its stacks (the spawned processes share one command line)."""
     text = ";".join(frames)
+    if depth == 1:
+        return "server main (front end 0)"
     if "_child_main" in text:
         return "compute process"
     if "front_end_main" in text:
         return "front end"
-    return "server main (front end 0)"
+    return "resource tracker" if "resource_tracker" in text else "other child"
 
 
 # a process frame: its command line is quoted but not escaped (it may hold quotes and ';'); the next frame is
@@ -660,8 +663,8 @@ def summarize_py_spy(raw: str, top_n: int = 25) -> str:
         funcs = [_py_spy_function(f) for f in _PY_SPY_PROCESS.sub("", stack).split(";") if f and not f.startswith("thread (")]
         count = int(n)
         totals[owner] = totals.get(owner, 0) + count
-        if owner not in roles or roles[owner].startswith("server main"):
-            roles[owner] = _process_role(funcs)
+        if roles.get(owner, "other child") == "other child":  # until a stack says what it is
+            roles[owner] = _process_role(len(pids), funcs)
         leaf = funcs[-1] if funcs else "(no Python frame)"
         own.setdefault(owner, {})[leaf] = own.setdefault(owner, {}).get(leaf, 0) + count
         per = inclusive.setdefault(owner, {})

@@ -148,7 +148,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         _serving._wait_port(echo_port)
         _serving._wait_serving(f"127.0.0.1:{port}", server, 120)
         if args.profile:
-            profiler = _serving.Profiler(out, "overhead")
+            profiler = _serving.Profiler(out, "overhead", native=args.profile == "native")
             if not profiler.py_spy:
                 print("[overhead] --profile needs py-spy on PATH; not profiling", flush=True)
             profiler.attach(server.pid)
@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-procs", type=int, default=2)
     p.add_argument("--intra-op-threads", type=int, default=1,
                    help="server setting; default 1, what the server uses on a CUDA device (0: torch's default, as on a CPU device)")
-    p.add_argument("--profile", action="store_true", help="py-spy the server during the run (needs py-spy on PATH)")
+    p.add_argument("--profile", nargs="?", const="python", choices=["python", "native"], default=None,
+                   help="py-spy the server during the run (needs py-spy on PATH; 'native': C frames too)")
     args = p.parse_args(raw)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.tokens = [int(t) for t in args.tokens.split(",")]
