@@ -242,7 +242,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
     try:
         from lutb_client.allocator import tune_malloc
         from lutb_kernels.checkpoint import Checkpoint
-        from lutb_server.app import apply_gil_switch_interval, apply_intra_op_threads
+        from lutb_server.app import apply_gil_switch_interval, apply_intra_op_threads, settle_gc
         from lutb_server.backends import choose_backend, resolve_device
         from lutb_server.engine import ExpertEngine
         from lutb_server.worker import ComputeWorker
@@ -259,6 +259,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
         worker = ComputeWorker(engine, cuda_graph_max_tokens=spec.cuda_graph_max_tokens, cuda_graph_top_k=spec.cuda_graph_top_k)
         graphs_s = worker.capture_graphs()
         warm_up_s = worker.warm_up(spec.warm_up_tokens) if spec.warm_up_tokens else 0.0
+        log.info("%s", settle_gc())
         memory, memory_read = _gpu_memory(device), time.monotonic()
         ready = ("ready", {"weight_bytes": engine.weight_bytes, "backend": engine.backend.name,
                            "graphs_s": graphs_s, "warm_up_s": warm_up_s, "gpu_memory": memory})

@@ -218,6 +218,38 @@ def test_gil_switch_interval_defaults_to_200_us_on_cuda_only() -> None:
         sys.setswitchinterval(before)
 
 
+def test_settle_gc_freezes_what_start_up_left_and_collects_the_young_less_often() -> None:
+    """settle_gc: garbage is collected first (not frozen), the objects alive are frozen, the young threshold rises;
+    the middle and old thresholds stay."""
+    import gc
+
+    from lutb_server.app import GC_YOUNG_THRESHOLD, settle_gc
+
+    before = gc.get_threshold()
+    gc.unfreeze()
+
+    class Node:
+        pass
+
+    def make_cycle() -> None:
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # type: ignore[attr-defined]
+
+    kept = [Node() for _ in range(100)]
+    try:
+        make_cycle()  # unreachable: only the collector frees it
+        line = settle_gc()
+        frozen = gc.get_freeze_count()
+        assert frozen > len(kept) and line == f"gc: {frozen} start-up objects frozen, young-generation threshold {GC_YOUNG_THRESHOLD}"
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, before[1], before[2])
+        gc.unfreeze()  # the frozen objects go back to the oldest generation: the cycle is no longer there
+        assert not any(type(o) is Node and o not in kept for o in gc.get_objects())
+        assert sum(type(o) is Node for o in gc.get_objects()) == len(kept)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+
+
 @pytest.mark.parametrize(("batch", "per_request", "want"), [(8192, 4096, 8192), (512, 4096, 4096), (512, 512, 512)])
 def test_warm_up_covers_the_largest_batch_the_worker_can_get(batch: int, per_request: int, want: int) -> None:
     """A request above max_batch_tokens runs alone: the warm-up must reach it too, or its first call compiles under

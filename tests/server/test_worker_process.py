@@ -343,6 +343,9 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
         while any(_alive(pid) for pid in (*pids, child)):
             assert time.monotonic() < deadline, "a front end or the compute process outlived the server"
             time.sleep(0.05)
+        settled = [line for line in serving.lines if "start-up objects frozen" in line]  # each process, once started
+        assert len(settled) == 3 and sum("[compute]" in line for line in settled) == 1, settled
+        assert sum("[front end 1]" in line for line in settled) == 1, settled
     finally:
         serving.kill()
 
