@@ -242,13 +242,14 @@ class BatchScheduler:
         batch = self._take_batch()
         if not batch:
             return
+        started = time.monotonic()  # the hand-over (a compute process's copies and message) counts as hand-off, not queue
         try:
             job = self.worker.submit([i.request for i in batch])
         except Exception as exc:  # noqa: BLE001 - the worker is gone (closing): nothing will compute these
             for item in batch:
                 _fail(item, Unavailable(f"compute worker unavailable ({exc}); request not computed"))
             return
-        running = self._running = _Running(batch, time.monotonic(), job)
+        running = self._running = _Running(batch, started, job)
         loop = self._loop
         assert loop is not None
 
