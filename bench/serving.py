@@ -597,7 +597,8 @@ class Profiler:
 
     def attach(self, pid: int) -> None:
         if self.py_spy:
-            native = ["--native", "--rate", "100"] if self.native else ["--rate", "250"]  # unwinding C stacks is slow
+            # unwinding C stacks is slow and needs the process stopped; Python stacks are read without stopping it
+            native = ["--native", "--rate", "100"] if self.native else ["--nonblocking", "--rate", "250"]
             self.proc = subprocess.Popen([self.py_spy, "record", "--pid", str(pid), "--format", "raw", *native,
                                           "--threads", "--subprocesses", "--output", str(self.raw)],  # the compute process too
                                          stdout=subprocess.DEVNULL, stderr=open(self.out / f"profile-{self.tag}.pyspy.log", "wb"))
