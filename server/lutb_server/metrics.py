@@ -21,6 +21,8 @@ lutb_weight_bytes                        gauge                                  
 lutb_gpu_memory_allocated_bytes          gauge     device                                torch.cuda.memory_allocated (GPU only)
 lutb_gpu_memory_reserved_bytes           gauge     device                                torch.cuda.memory_reserved (GPU only)
 lutb_expert_tokens_total                 counter   layer, expert                         tokens per held expert (only with expert_metrics)
+process_cpu_seconds_total, process_*     (various)                                       this serving process: CPU, memory, open files
+                                                                                         (prometheus_client's ProcessCollector; Linux)
 ======================================== ========= ===================================== ===========================================
 
 Label sets are bounded: methods are the registered ones, codes the gRPC codes,
@@ -38,7 +40,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -84,6 +86,7 @@ class ServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, *, expert_metrics: bool = False) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)  # per serving process: with front ends, which of them is short of CPU
         self.grpc_requests = Counter("lutb_grpc_requests", "Finished gRPC calls", ["service", "method", "code"], registry=r)
         self.grpc_duration = Histogram(
             "lutb_grpc_request_duration_seconds", "Server-side gRPC call latency", ["service", "method"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -80,6 +81,8 @@ def test_metrics_count_the_calls(tiny_checkpoint: Path) -> None:
     info = [labels for (name, labels) in samples if name == "lutb_backend_info"]
     assert len(info) == 1 and dict(info[0])["backend"] == "reference" and dict(info[0])["device"] == "cpu"
     assert not any(name.startswith("lutb_gpu_memory") for name, _ in samples)  # CPU: no GPU gauges
+    if sys.platform.startswith("linux"):  # the serving process's own (ProcessCollector reads /proc)
+        assert _get(samples, "process_cpu_seconds_total") > 0 and _get(samples, "process_resident_memory_bytes") > 0
 
 
 def test_two_servers_in_one_process_keep_separate_metrics(tiny_checkpoint: Path) -> None:
@@ -158,6 +161,9 @@ def test_front_end_zero_serves_every_front_ends_metrics() -> None:
         assert _get(samples, "lutb_front_end_up", front_end="1") == 1
         assert _get(samples, "lutb_front_end_up", front_end="2") == 0
         assert not any(dict(labels).get("front_end") == "2" for name, labels in samples if name != "lutb_front_end_up")
+        if sys.platform.startswith("linux"):  # each front end's process metrics, under its label
+            assert _get(samples, "process_cpu_seconds_total", front_end="0") > 0
+            assert _get(samples, "process_cpu_seconds_total", front_end="1") > 0
     finally:
         zero.close()
         one.close()
