@@ -19,10 +19,13 @@ per step (``PAIRWISE_RANK_CHUNK``): over 256 experts 3.0 / 5.1 / 12.5 / 44.1 us 
 1024 / 4096 routes against the torch version's 63-103 us, but 164 against 146 us at 16384 routes
 (bench/results/2026-12-04-routing-chunk-h200.md). :func:`triton_routing_wins` encodes that, and
 the experts backends call this kernel where it says so and the torch version elsewhere. Those timings
-replayed CUDA graphs, so they leave out launch costs. An eager qwen3 experts call (128 experts, top-8)
-took 1588 us to launch at 528 tokens (4224 routes, torch routing) against 408 us at 512 (4096 routes, this
-kernel) on the H200 (bench/results/2026-12-05-compute-pipeline-h200.md). Whether the pairwise limit should
-be higher for eager calls is not yet measured (``bench/graph_limit.py --pairwise-max-routes``).
+replayed CUDA graphs, so they leave out launch costs: the torch version takes ~0.9 ms of CPU to launch,
+which an eager call pays in full. An eager qwen3 experts call (128 experts, top-8) took 1588 us to launch
+at 528 tokens (4224 routes, torch routing) against 408 us at 512 (4096 routes, this kernel) on the H200
+(bench/results/2026-12-05-compute-pipeline-h200.md). So the pairwise limit is 16384 routes, where the
+graph timings above tie within 18 us: on an H100 host, eager calls at 528, 1024 and 2048 tokens launched in
+974 / 933 / 852 us with it against 1607 / 1762 / 1700 us with the limit at 4096 (wall, launch to GPU
+done: 1011 / 970 / 1218 against 1642 / 1801 / 2069 us; bench/results/2026-12-05-routing-limit-h100.md).
 
 Triton is optional: importing this module never imports triton.
 """
@@ -43,11 +46,12 @@ __all__ = [
 # (padded) experts, and compares routes pairwise ([C, C]) with counters in memory above it.
 ONEHOT_MAX_EXPERTS = 64
 _INT32_LIMIT = 2**31
-# Most routes for which one launch beats the torch version, per phase-3 mode (H200 measurements
-# in the module docstring): the one-hot mode walks 8192 / e_pad routes per step and ties at 16384
-# routes over 8 experts; the pairwise mode costs ~11 us per 1024 routes and loses at 16384.
+# Most routes for which one launch beats the torch version, per phase-3 mode (measurements in the
+# module docstring): the one-hot mode walks 8192 / e_pad routes per step and ties at 16384 routes
+# over 8 experts; the pairwise mode costs ~11 us per 1024 routes, 18 us more than the torch version's
+# kernels at 16384 routes, but saves its ~0.9 ms of launches on every eager call up to there.
 ONEHOT_MAX_ROUTES = 8192
-PAIRWISE_MAX_ROUTES = 4096
+PAIRWISE_MAX_ROUTES = 16384
 # Routes per placement step in the pairwise mode ([C, C] comparisons). On the H200 (128 and 256
 # experts, 64-16384 routes) 32 was the fastest of 16-256 at every warp count tried (4, 8, 16): 3-5x
 # faster than 128 (whose [128, 128] block takes 254 registers), bench/results/2026-12-04-routing-chunk-h200.md.

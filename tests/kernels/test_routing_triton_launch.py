@@ -16,9 +16,10 @@ from lutb_kernels.routing_triton import (
 
 @pytest.mark.parametrize("routes,experts,wins", [
     (8, 256, True), (256, 256, True), (4096, 256, True),  # 2.7-44 us against 61-103 us
-    (16384, 256, False),  # 164 against 146 us
+    (16384, 256, True),  # 164 against 146 us on the GPU, but ~0.9 ms less to launch eagerly
+    (16385, 256, False), (32768, 128, False),  # the server's eager batches (4096+ tokens, top-8)
     (16, 8, True), (8192, 8, True), (16384, 8, False),  # the one-hot mode
-    (4096, 64, True), (4097, 128, False),
+    (4096, 64, True), (4097, 128, True), (16384, 128, True), (16385, 128, False),
 ])
 def test_triton_routing_wins_where_measured(routes: int, experts: int, wins: bool) -> None:
     assert triton_routing_wins(routes, experts) is wins

@@ -16,8 +16,8 @@ the largest bucket runs in *chunks*, up to ``max_chunked_tokens`` tokens (by def
 graph and one smaller for the rest, their outputs copied into one tensor, all on the stream
 without a host sync. Larger batches run the wrapped backend eagerly.
 
-Why chunks: an eager call launches ~10 Triton kernels and, above 4096 routes, ~25 torch ops
-for the routing. On the H200 qwen3 batches of 528-1024 tokens took 2.6-6.0 ms eagerly against
+Why chunks: an eager call launches ~10 Triton kernels and, above 16384 routes (4096 before 2026-12-05),
+~25 torch ops for the routing. On the H200 qwen3 batches of 528-1024 tokens took 2.6-6.0 ms eagerly against
 ~1 ms for 480 tokens in a graph, the eager time barely growing from 640 to 1024 tokens as a
 launch-bound call's does, and eager caught up with 512-token graphs per token only at ~8192
 tokens (bench/results/2026-12-04-eager-compiles-h200.md, 2026-12-04-worker-calls-h200.md).
