@@ -204,7 +204,7 @@ def settle_gc() -> str:
     after start-up ~190k objects of torch, grpc and our modules, 40-100 ms with the GIL held, a pause every
     request of the process waits through. Frozen, those objects are never scanned again; the rarer young
     collections cost less in all. On the CPU sandbox at 64 callers (bench/results/2026-12-05-gc-cpu.md) native
-    profiles put 10-13% of the serving process's samples in the collector before and 2-5% after.
+    profiles put 10-13% of the serving process's samples in the collector before and 2-6% after.
     """
     gc.collect()
     gc.freeze()
