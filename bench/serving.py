@@ -47,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -651,9 +652,9 @@ def summarize_py_spy(raw: str, top_n: int = 25) -> str:
     Per process: its share of all samples, then the top ``top_n`` functions by own samples and by
     inclusive samples (both as a share of that process's samples).
     """
-    own: dict[str, dict[str, int]] = {}
-    inclusive: dict[str, dict[str, int]] = {}
-    totals: dict[str, int] = {}
+    own: defaultdict[str, Counter[str]] = defaultdict(Counter)
+    inclusive: defaultdict[str, Counter[str]] = defaultdict(Counter)
+    totals: Counter[str] = Counter()
     roles: dict[str, str] = {}
     for line in raw.splitlines():
         stack, _, n = line.rpartition(" ")
@@ -663,22 +664,19 @@ def summarize_py_spy(raw: str, top_n: int = 25) -> str:
         owner = f"process {pids[-1]}" if pids else "process ?"
         funcs = [_py_spy_function(f) for f in _PY_SPY_PROCESS.sub("", stack).split(";") if f and not f.startswith("thread (")]
         count = int(n)
-        totals[owner] = totals.get(owner, 0) + count
+        totals[owner] += count
         if roles.get(owner, "other child") == "other child":  # until a stack says what it is
             roles[owner] = _process_role(len(pids), funcs)
-        leaf = funcs[-1] if funcs else "(no Python frame)"
-        own.setdefault(owner, {})[leaf] = own.setdefault(owner, {}).get(leaf, 0) + count
-        per = inclusive.setdefault(owner, {})
-        for f in set(funcs):
-            per[f] = per.get(f, 0) + count
+        own[owner][funcs[-1] if funcs else "(no Python frame)"] += count
+        inclusive[owner].update(dict.fromkeys(funcs, count))  # each function once per sample
     total = sum(totals.values())
     lines = [f"py-spy, the server's processes (server main, front ends, compute process), {total} samples", ""]
-    lines += [f"{100 * c / max(total, 1):6.2f}%  {p}  {roles[p]}" for p, c in sorted(totals.items(), key=lambda kv: -kv[1])]
-    for p, c in sorted(totals.items(), key=lambda kv: -kv[1]):
+    lines += [f"{100 * c / max(total, 1):6.2f}%  {p}  {roles[p]}" for p, c in totals.most_common()]
+    for p, c in totals.most_common():
         lines += ["", f"== {p} ({roles[p]}): {c} samples; top {top_n} by own samples =="]
-        lines += [f"{100 * k / c:6.2f}%  {f}" for f, k in sorted(own[p].items(), key=lambda kv: -kv[1])[:top_n]]
+        lines += [f"{100 * k / c:6.2f}%  {f}" for f, k in own[p].most_common(top_n)]
         lines += ["", f"== {p}: top {top_n} inclusive =="]
-        lines += [f"{100 * k / c:6.2f}%  {f}" for f, k in sorted(inclusive[p].items(), key=lambda kv: -kv[1])[:top_n]]
+        lines += [f"{100 * k / c:6.2f}%  {f}" for f, k in inclusive[p].most_common(top_n)]
     return "\n".join(lines) + "\n"
 
 
