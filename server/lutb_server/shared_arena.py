@@ -28,6 +28,10 @@ ALIGN = 256
 """Bytes every tensor's offset is a multiple of (cache lines, and any dtype's alignment)."""
 
 
+_MAX_GEOMETRIES = 4096
+"""Cached (dtype, shape) geometries beyond which the cache starts over (a few per batch size seen)."""
+
+
 def arena_supported() -> bool:
     """Whether this platform has anonymous shared memory (``memfd_create``)."""
     return hasattr(os, "memfd_create")
@@ -48,12 +52,9 @@ class Slot(NamedTuple):
             n *= s
         return n
 
-    def fits(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` has this slot's dtype and shape (so it can be copied in)."""
-        return tuple(tensor.shape) == self.shape and _dtype_name(tensor.dtype) == self.dtype
 
-
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``dtype``'s name in a :class:`Slot`, e.g. ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -75,6 +76,8 @@ class SharedArena:
         self._map = mmap.mmap(fd, size)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
         self._typed: dict[str, torch.Tensor] = {}  # the whole arena as a flat tensor of each dtype met (for view)
+        self._geometry: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, tuple[int, ...], int, int]] = {}
+        """(dtype, shape) -> (flat tensor of that dtype, strides, bytes, itemsize): view's arithmetic, once per shape."""
         self._live: deque[tuple[int, int]] = deque()  # (start, end) of taken spans, oldest first
 
     @classmethod
@@ -98,6 +101,7 @@ class SharedArena:
         """Unmap and close the descriptor (the memory goes when both processes have closed it)."""
         self._bytes = torch.empty(0, dtype=torch.uint8)
         self._typed.clear()
+        self._geometry.clear()
         try:
             self._map.close()
         except BufferError:  # a tensor view is still alive somewhere: the mapping goes with it
@@ -126,9 +130,8 @@ class SharedArena:
     def place(self, tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[Slot] | None:
         """Take one span for ``tensors`` (dtype, shape) and lay them out in it (:func:`layout`); None
         when the ring has no room now. Release it with ``release(slots[0].offset)``."""
-        slots, nbytes = layout(0, tensors)
-        start = self.take(nbytes)
-        return None if start is None else [slot._replace(offset=slot.offset + start) for slot in slots]
+        start = self.take(sum(_aligned(max(_nbytes(dtype, shape), 1)) for dtype, shape in tensors))
+        return None if start is None else layout(start, tensors)[0]
 
     def release(self, start: int) -> None:
         """Give back the span taken at ``start`` (normally the oldest)."""
@@ -148,33 +151,52 @@ class SharedArena:
 
     # -- tensors (both sides) -------------------------------------------------------------------
 
-    def view(self, slot: Slot) -> torch.Tensor:
-        """The tensor ``slot`` describes, as a view of the shared memory (writes are seen by both processes)."""
-        nbytes = slot.nbytes
-        if slot.offset < 0 or slot.offset + nbytes > self.size:
-            raise ValueError(f"slot {slot} lies outside the arena ({self.size} bytes)")
-        flat = self._typed.get(slot.dtype)
-        if flat is None:  # the arena's size is a multiple of ALIGN, so of every itemsize
-            flat = self._typed[slot.dtype] = self._bytes.view(getattr(torch, slot.dtype))
-        itemsize = flat.element_size()
-        if slot.offset % itemsize:
-            raise ValueError(f"slot {slot} is not aligned to its dtype ({itemsize} bytes)")
-        strides, step = [], 1
-        for s in reversed(slot.shape):
-            strides.append(step)
-            step *= s
+    def view(self, slot: Slot | tuple[int, str, tuple[int, ...]]) -> torch.Tensor:
+        """The tensor ``slot`` describes, as a view of the shared memory (writes are seen by both processes).
+
+        ``slot``: a :class:`Slot` or the plain ``(offset, dtype, shape)`` tuple it travels as (pickling a
+        plain tuple is ~3x cheaper than a named one).
+
+        Raises:
+            ValueError: the slot lies outside the arena or is not aligned to its dtype.
+        """
+        offset, dtype, shape = slot
+        key = (dtype, shape)
+        geometry = self._geometry.get(key)
+        if geometry is None:
+            flat = self._typed.get(dtype)
+            if flat is None:  # the arena's size is a multiple of ALIGN, so of every itemsize
+                flat = self._typed[dtype] = self._bytes.view(getattr(torch, dtype))
+            strides, step = [], 1
+            for s in reversed(shape):
+                strides.append(step)
+                step *= s
+            if len(self._geometry) >= _MAX_GEOMETRIES:
+                self._geometry.clear()
+            geometry = self._geometry[key] = (flat, tuple(strides[::-1]), step * flat.element_size(), flat.element_size())
+        flat, strides, nbytes, itemsize = geometry
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"slot {tuple(slot)} lies outside the arena ({self.size} bytes)")
+        if offset % itemsize:
+            raise ValueError(f"slot {tuple(slot)} is not aligned to its dtype ({itemsize} bytes)")
         # one as_strided instead of slice + two views: ~3x cheaper, and a batch makes 8 of them
-        return flat.as_strided(slot.shape, strides[::-1], slot.offset // itemsize)
+        return flat.as_strided(shape, strides, offset // itemsize)
 
 
 def layout(start: int, tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[list[Slot], int]:
     """Slots for ``tensors`` (dtype, shape) placed one after another from ``start``; also the bytes they span."""
     slots, offset = [], start
     for dtype, shape in tensors:
-        slot = Slot(offset, _dtype_name(dtype), tuple(int(s) for s in shape))
-        slots.append(slot)
-        offset += _aligned(max(slot.nbytes, 1))
+        slots.append(Slot(offset, dtype_name(dtype), tuple(int(s) for s in shape)))
+        offset += _aligned(max(_nbytes(dtype, shape), 1))
     return slots, offset - start
 
 
-__all__ = ["ALIGN", "SharedArena", "Slot", "arena_supported", "layout"]
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+__all__ = ["ALIGN", "SharedArena", "Slot", "arena_supported", "dtype_name", "layout"]

@@ -14,8 +14,10 @@ and awaits the returned ``concurrent.futures.Future``. On the worker thread, per
 3. the experts: ``forward_unchecked`` (no host sync; the engine validated the request on
    the CPU already) with a device-side NaN/Inf flag, or ``forward`` for backends without it;
 4. one device-to-host copy of the whole batch's output into a pinned buffer (plus the
-   4-byte flag), one stream synchronisation, then one host copy into the batch's result
-   tensor, split into per-request views.
+   4-byte flag), one stream synchronisation, then one host copy out of the pinned buffer:
+   per request into the destination the caller gave (``run(..., into=)``: a compute process
+   passes its serving processes' shared-memory output slots), else into the batch's own
+   result tensor, split into per-request views.
 
 Few torch calls per batch: under load each one may hand the GIL to the event loop and wait
 to get it back (docs/serving.md, "The compute worker"), so staging views are cached per shape,
@@ -312,20 +314,34 @@ class ComputeWorker:
 
     # -- one batch ---------------------------------------------------------------------------
 
-    def run(self, requests: list[PreparedRequest]) -> BatchOutput:
+    def run(self, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None = None) -> BatchOutput:
         """One experts call over ``requests`` (same pool key), outputs split back per request.
+
+        Args:
+            requests: the batch, same pool key.
+            into: per request, where to write its output (a CPU tensor of exactly its ``output_shape`` and the
+                model dtype, e.g. a view of shared memory; that tensor is then its entry in
+                ``BatchOutput.outputs``), or None for a tensor of its own. None: every output its own tensor.
+                On a CUDA device an output is copied once, from the pinned staging straight into its
+                destination (a compute process answers this way without a second copy).
 
         Blocking; runs on the worker thread via :meth:`submit`, or on any single thread
         that owns the worker (tests, ``bench/serving.py``'s in-process baseline).
+
+        Raises:
+            ValueError: ``into`` does not have one entry per request, or a destination's shape or dtype
+                differs from its output's (checked before the experts run).
         """
         start = time.perf_counter()
+        if into is not None:
+            _check_destinations(requests, into)
         path = "eager"
         if self._experts is None:
-            outputs = _generic_forward(self.engine, requests)
+            outputs = _deliver(_generic_forward(self.engine, requests), requests, into, owned=True)
         elif self.cuda:
-            outputs, path = self._run_cuda(requests)
+            outputs, path = self._run_cuda(requests, into)
         else:
-            outputs = self._run_cpu(requests)
+            outputs = self._run_cpu(requests, into)
         self.batches += 1
         return BatchOutput(outputs, time.perf_counter() - start, sum(r.tokens for r in requests), path)
 
@@ -346,7 +362,7 @@ class ComputeWorker:
             torch.cat([r.topk_weights for r in requests], out=w)
         return x, ids, w
 
-    def _run_cpu(self, requests: list[PreparedRequest]) -> list[torch.Tensor]:
+    def _run_cpu(self, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor]:
         first = requests[0]
         experts = self._experts[first.layer]  # type: ignore[index]
         if len(requests) == 1:  # nothing to pool: the request's own tensors
@@ -355,9 +371,9 @@ class ComputeWorker:
             x, ids, w = self._gather(requests, self._host)
         out = experts.forward(x, ids, w, apply_router_weight_on_input=first.apply_router_weight_on_input,
                               output_mode=first.output_mode)
-        return _split(out, requests)
+        return _deliver(out, requests, into, owned=True)
 
-    def _run_cuda(self, requests: list[PreparedRequest]) -> tuple[list[torch.Tensor], str]:
+    def _run_cuda(self, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None) -> tuple[list[torch.Tensor], str]:
         """The batch on the device: its per-request outputs, and how the experts ran it (``BatchOutput.path``)."""
         first = requests[0]
         experts = self._experts[first.layer]  # type: ignore[index]
@@ -393,8 +409,7 @@ class ComputeWorker:
                 flag.zero_()  # on the worker's stream, ahead of the next batch; only a batch that set the flag pays for this
                 if tokens:
                     raise NonFiniteInputError("MXFP8 quantization met NaN or Inf (hidden states or activation output)")
-        result = out_h.clone()  # the batch's own memory: the pinned buffer is reused by the next batch
-        return _split(result, requests), path
+        return _deliver(out_h, requests, into, owned=False), path  # the pinned buffer is reused by the next batch
 
     def _nonfinite_flag(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """The device NaN/Inf flag (zero between batches), its pinned host copy, and a numpy view of that copy
@@ -439,8 +454,34 @@ def _split(out: torch.Tensor, requests: list[PreparedRequest]) -> list[torch.Ten
     return list(torch.split(out, [r.tokens for r in requests])) if len(requests) > 1 else [out]
 
 
-def _generic_forward(engine: ForwardEngine, requests: list[PreparedRequest]) -> list[torch.Tensor]:
-    """An engine without ``layer_experts``: concatenate, ``engine.forward``, split."""
+def _check_destinations(requests: list[PreparedRequest], into: Sequence[torch.Tensor | None]) -> None:
+    """Refuse ``into`` unless it has one entry per request, each None or a tensor of that request's output shape and
+    dtype (``copy_`` would broadcast a wrong shape silently)."""
+    if len(into) != len(requests):
+        raise ValueError(f"into: {len(into)} destinations for {len(requests)} requests")
+    for i, (r, dest) in enumerate(zip(requests, into)):
+        if dest is not None and (list(dest.shape) != r.output_shape or dest.dtype != r.x.dtype):
+            raise ValueError(f"into[{i}]: {tuple(dest.shape)} {dest.dtype}, the output is {tuple(r.output_shape)} {r.x.dtype}")
+
+
+def _deliver(out: torch.Tensor, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None, *,
+             owned: bool) -> list[torch.Tensor]:
+    """The batch's output ``out`` split per request: copied into ``into[i]`` where given, elsewhere a view of
+    ``out`` when ``owned`` (memory of its own), else a copy (one for the whole batch when nothing has a destination)."""
+    if into is None or all(dest is None for dest in into):
+        return _split(out if owned else out.clone(), requests)
+    outputs = []
+    for part, dest in zip(_split(out, requests), into):
+        if dest is None:
+            outputs.append(part if owned else part.clone())
+        else:
+            dest.copy_(part)
+            outputs.append(dest)
+    return outputs
+
+
+def _generic_forward(engine: ForwardEngine, requests: list[PreparedRequest]) -> torch.Tensor:
+    """An engine without ``layer_experts``: the batch's output (its requests concatenated, ``engine.forward``)."""
     first = requests[0]
     if len(requests) == 1:
         x, ids, w = first.x, first.topk_ids, first.topk_weights
@@ -450,7 +491,7 @@ def _generic_forward(engine: ForwardEngine, requests: list[PreparedRequest]) -> 
         w = torch.cat([r.topk_weights for r in requests])
     out = engine.forward(first.layer, x, ids, w, apply_router_weight_on_input=first.apply_router_weight_on_input,
                          output_mode=first.output_mode)
-    return _split(out, requests)
+    return out
 
 
 __all__ = ["BATCH_PATHS", "BatchOutput", "BatchWorker", "ComputeWorker", "ForwardEngine", "running_loop", "warm_up_sizes"]

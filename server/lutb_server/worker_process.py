@@ -17,12 +17,14 @@ receiver threads lost 1-3 ms a batch to them under load (bench/results/2026-12-0
 Tensors travel through a :class:`~lutb_server.shared_arena.SharedArena` (shared memory the
 serving process creates and hands to the child as a file descriptor): the serving process copies
 a batch's inputs into a span of it and names the span where the child writes the outputs; the
-socket carries only :class:`~lutb_server.shared_arena.Slot` descriptors. A batch that does not fit
+socket carries only :class:`~lutb_server.shared_arena.Slot` descriptors (as plain ``(offset, dtype,
+shape)`` tuples: cheaper to pickle), and the child's worker writes each batch's output straight from
+its pinned staging into the batch's output slot. A batch that does not fit
 the arena's free room (or any batch when ``arena_bytes`` is 0, or off Linux) travels inline, as
 ``lutb.v1.Tensor`` messages made by the wire codec, :mod:`lutb_client.codec`.
 
-Frames on one Unix stream socket, each an 8-byte little-endian length and a pickle; a tensor is a
-``Slot`` or a codec message:
+Frames on one Unix stream socket, each an 8-byte little-endian length and a pickle (the child reads a
+batch's frame in one ``recv``); a tensor is a slot tuple or a codec message:
 
 - parent -> child, before any frame: one byte, ``A`` with the arena's descriptor attached
   (``socket.send_fds``) or ``N`` for none;
@@ -72,7 +74,7 @@ from lutb_client.codec import decode_tensor, encode_tensor
 from lutb_server.engine import PreparedRequest
 from lutb_server.errors import Unavailable
 from lutb_server.metrics import torch_gpu_memory
-from lutb_server.shared_arena import SharedArena, Slot, arena_supported
+from lutb_server.shared_arena import SharedArena, Slot, arena_supported, dtype_name
 from lutb_server.worker import BatchOutput, running_loop
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ DEFAULT_ARENA_BYTES = 64 << 20
 :func:`lutb_server.app.arena_bytes`)."""
 
 _HEADER = 8  # bytes of a frame's length prefix
+_JOIN_BYTES = 64 << 10  # frames up to this size are written as one buffer (header and body joined)
+_RECV_BYTES = 64 << 10  # what the compute process asks of a socket per read
 
 
 class ComputeWorkerGone(Unavailable):
@@ -116,18 +120,18 @@ class WorkerSpec:
 # -- framing ---------------------------------------------------------------------------------------
 
 
-def _frame(message: object) -> memoryview:
-    """``message`` pickled behind its 8-byte length: one buffer, one write."""
-    buf = io.BytesIO()
-    buf.write(bytes(_HEADER))
-    pickle.dump(message, buf, protocol=pickle.HIGHEST_PROTOCOL)
-    view = buf.getbuffer()
-    view[:_HEADER] = (len(view) - _HEADER).to_bytes(_HEADER, "little")
-    return view
+def _frame(message: object) -> list[bytes]:
+    """``message`` pickled behind its 8-byte length, as the buffers to write in order: one for a small
+    message (a batch's slots, an answer: header and body joined, one write), header and body apart for
+    a large one (an inline tensor: its bytes are not copied again to join them)."""
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    header = len(body).to_bytes(_HEADER, "little")
+    return [header + body] if len(body) <= _JOIN_BYTES else [header, body]
 
 
 def _send(sock: socket.socket, message: object) -> None:
-    sock.sendall(_frame(message))
+    for part in _frame(message):
+        sock.sendall(part)
 
 
 def _recv_exactly(sock: socket.socket, size: int) -> bytearray:
@@ -199,6 +203,7 @@ class _Connection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.arena: SharedArena | None = None
+        self._buf = bytearray()  # bytes received and not yet taken as a message
 
     def fileno(self) -> int:  # for select
         return self.sock.fileno()
@@ -211,20 +216,52 @@ class _Connection:
         if kind == b"A" and fds:
             self.arena = SharedArena.attach(fds[0])
 
-    def tensor(self, item: Any) -> torch.Tensor:
-        """A request tensor: a view of this connection's arena, or decoded from its inline message."""
-        return self.arena.view(item) if isinstance(item, Slot) and self.arena is not None else decode_tensor(item)
+    def _frame_end(self) -> int:
+        """Where the first buffered frame ends (0: its header is not in yet)."""
+        buf = self._buf
+        return _HEADER + int.from_bytes(buf[:_HEADER], "little") if len(buf) >= _HEADER else 0
 
-    def answer(self, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, out_slot: Slot | None,
+    @property
+    def buffered(self) -> bool:
+        """Whether a whole message is in already (so :meth:`receive` will not block; select cannot tell)."""
+        end = self._frame_end()
+        return 0 < end <= len(self._buf)
+
+    def receive(self) -> Any:
+        """The next message (blocking): one read of up to :data:`_RECV_BYTES` for a batch's frame, where a
+        header read and a body read took two. EOFError when the serving process closed the socket."""
+        buf = self._buf
+        while True:
+            end = self._frame_end()
+            if 0 < end <= len(buf):
+                with memoryview(buf) as view, view[_HEADER:end] as body:
+                    message = pickle.loads(body)
+                del buf[:end]
+                return message
+            chunk = self.sock.recv(max(_RECV_BYTES, end - len(buf)))
+            if not chunk:
+                raise EOFError("the socket closed mid-frame" if buf else "the socket closed")
+            buf += chunk
+
+    def tensor(self, item: Any) -> torch.Tensor:
+        """A request tensor: a view of this connection's arena (``item`` a slot), or decoded from its inline message."""
+        return self.arena.view(item) if isinstance(item, tuple) and self.arena is not None else decode_tensor(item)
+
+    def destination(self, slot: Slot | None, request: PreparedRequest) -> torch.Tensor | None:
+        """Where the request's output goes: the view of ``slot`` in this connection's arena, when it holds exactly
+        that output; None (send it inline) otherwise."""
+        if slot is None or self.arena is None or list(slot[2]) != request.output_shape or slot[1] != dtype_name(request.x.dtype):
+            return None
+        return self.arena.view(slot)
+
+    def answer(self, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, written: bool,
                memory: tuple[int, int]) -> None:
-        """Send ``output``: this batch's part of ``call`` (the merged call that ran it), or, with ``call`` None, its exception."""
+        """Send ``output``: this batch's part of ``call`` (the merged call that ran it; ``written``: it is in the
+        batch's output slot already), or, with ``call`` None, its exception."""
         if call is None:
             message = (job, _picklable(output), 0.0, 0, "", memory)  # type: ignore[arg-type]
-        elif out_slot is not None and self.arena is not None and out_slot.fits(output):
-            self.arena.view(out_slot).copy_(output)
-            message = (job, None, call.seconds, call.call_tokens, call.path, memory)
         else:
-            message = (job, encode_tensor(output), call.seconds, call.call_tokens, call.path, memory)
+            message = (job, None if written else encode_tensor(output), call.seconds, call.call_tokens, call.path, memory)  # type: ignore[arg-type]
         _send(self.sock, message)
 
 
@@ -273,8 +310,12 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
     waiting, open_ = list(connections), []  # before and after the handshake; front ends start in any order
     while waiting or open_:
         batches: list[_Batch] = []
-        readable = open_ if len(open_) == 1 and not waiting else select.select(waiting + open_, [], [])[0]
-        for c in readable:
+        buffered = [c for c in open_ if c.buffered]  # a whole message in already: select would not report it
+        if buffered:
+            readable = buffered + [c for c in select.select(waiting + open_, [], [], 0)[0] if c not in buffered]
+        else:
+            readable = open_ if len(open_) == 1 and not waiting else select.select(waiting + open_, [], [])[0]
+        for c in readable:  # one message from each: a serving process has one batch in flight
             if c in waiting:
                 waiting.remove(c)
                 try:
@@ -285,7 +326,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                     log.warning("a serving process left before its handshake (%s)", exc)
                 continue
             try:
-                message = _recv(c.sock)
+                message = c.receive()
             except (EOFError, OSError):
                 message = None  # that serving process is gone
             if message is None:
@@ -294,16 +335,18 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
             job, (layer, x, ids, w, on_input, mode), out_slot = message
             try:  # a batch arrives concatenated: one request
                 request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode)
+                destination = c.destination(out_slot, request)
             except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
-                _answer(c, job, exc, None, out_slot, memory)
+                _answer(c, job, exc, None, False, memory)
                 continue
-            batches.append((c, job, request, out_slot))
+            batches.append((c, job, request, destination))
         _run_merged(worker, batches, memory, spec.max_batch_tokens)
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
             memory, memory_read = _gpu_memory(device), time.monotonic()
 
 
-_Batch = tuple[_Connection, int, PreparedRequest, "Slot | None"]
+_Batch = tuple[_Connection, int, PreparedRequest, "torch.Tensor | None"]
+"""A batch in the compute process: its connection, job, request, and where its output goes (None: inline)."""
 
 
 def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[list[int]]:
@@ -323,12 +366,16 @@ def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[l
 
 
 def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max_tokens: int) -> None:
-    """Run ``batches`` (one per serving process at most), merged by :func:`merge_groups`, and answer each."""
+    """Run ``batches`` (one per serving process at most), merged by :func:`merge_groups`, and answer each.
+
+    Outputs are written by the worker straight into their serving processes' output slots
+    (``ComputeWorker.run(..., into=)``: one copy out of the pinned staging); a batch without one is sent inline.
+    """
     for indexes in merge_groups([request for _, _, request, _ in batches], max_tokens):
         group = [batches[i] for i in indexes]
         call: BatchOutput | None
         try:
-            call = worker.run([request for _, _, request, _ in group])
+            call = worker.run([request for _, _, request, _ in group], [destination for *_, destination in group])
             outputs: list[torch.Tensor | BaseException] = list(call.outputs)
         except Exception as exc:  # noqa: BLE001 - alone, each batch gets its own result or error
             if len(group) > 1:
@@ -336,14 +383,14 @@ def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max
                     _run_merged(worker, [batch], memory, max_tokens)
                 continue
             call, outputs = None, [exc]
-        for (c, job, _, out_slot), output in zip(group, outputs):
-            _answer(c, job, output, call, out_slot, memory)
+        for (c, job, _, destination), output in zip(group, outputs):
+            _answer(c, job, output, call, destination is not None, memory)
 
 
-def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, out_slot: Slot | None,
+def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, written: bool,
             memory: tuple[int, int]) -> None:
     try:
-        c.answer(job, output, call, out_slot, memory)
+        c.answer(job, output, call, written, memory)
     except OSError:
         pass  # that serving process is gone; its socket reads EOF next round
 
@@ -505,7 +552,7 @@ class ProcessComputeWorker:
             assert self._arena is not None
             for parts, slot in zip(inputs, slots):
                 _concat(parts, self._arena.view(slot))
-            x, ids, w, out = slots
+            x, ids, w, out = (tuple(slot) for slot in slots)  # plain tuples pickle ~3x cheaper than Slots
         else:
             self.inline_batches += 1
             x, ids, w = (encode_tensor(parts[0] if len(parts) == 1 else torch.cat(parts)) for parts in inputs)
@@ -569,7 +616,8 @@ class ProcessComputeWorker:
         if transport is None or transport.is_closing():
             self._fail_pending(ComputeWorkerGone("the compute process is gone (its socket is closed)"))
             return
-        transport.write(_frame(message))
+        for part in _frame(message):
+            transport.write(part)
 
     def _on_answer(self, message: Any) -> None:
         job, result, seconds, call_tokens, path, self._gpu_memory = message

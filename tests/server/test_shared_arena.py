@@ -90,8 +90,39 @@ def test_place_lays_out_a_span_it_takes(arena: SharedArena) -> None:
     shapes = [(torch.bfloat16, (3, 5)), (torch.int32, (3, 2)), (torch.float32, (0, 2))]
     slots = arena.place(shapes)
     assert slots is not None and [s.offset for s in slots] == [0, ALIGN, 2 * ALIGN] and arena.spans == 1
-    assert slots[0].fits(torch.zeros(3, 5, dtype=torch.bfloat16)) and not slots[0].fits(torch.zeros(3, 5))
-    assert not slots[1].fits(torch.zeros(2, 3, dtype=torch.int32))
+    assert [(s.dtype, s.shape) for s in slots] == [("bfloat16", (3, 5)), ("int32", (3, 2)), ("float32", (0, 2))]
     assert arena.place([(torch.uint8, (8 * ALIGN,))]) is None  # no room left for a whole ring
+    later = arena.place([(torch.float32, (2, 40)), (torch.uint8, (1,))])  # 320 bytes: two ALIGNs, then one
+    assert later is not None and [s.offset for s in later] == [3 * ALIGN, 5 * ALIGN] and arena.spans == 2
+    assert arena.place([(torch.uint8, (2 * ALIGN + 1,))]) is None  # 3 ALIGNs: only 2 left
     arena.release(slots[0].offset)
+    arena.release(later[0].offset)
     assert arena.spans == 0
+
+
+def test_a_plain_tuple_views_what_its_slot_views(arena: SharedArena) -> None:
+    """Slots cross the socket as plain ``(offset, dtype, shape)`` tuples."""
+    slot = Slot(2 * ALIGN, "int32", (3, 4))
+    t = torch.arange(12, dtype=torch.int32).view(3, 4)
+    arena.view(slot).copy_(t)
+    plain = arena.view(tuple(slot))
+    assert plain.data_ptr() == arena.view(slot).data_ptr() and torch.equal(plain, t)
+    with pytest.raises(ValueError, match="outside"):
+        arena.view((7 * ALIGN, "int32", (ALIGN,)))
+    with pytest.raises(ValueError, match="aligned"):
+        arena.view((2, "int32", (1,)))
+
+
+def test_views_of_one_shape_at_other_offsets_are_their_own(arena: SharedArena, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-shape arithmetic is cached; the offset is not, and the cache stays bounded."""
+    import lutb_server.shared_arena as shared_arena
+
+    a, b = arena.view(Slot(0, "float32", (2, 3))), arena.view(Slot(ALIGN, "float32", (2, 3)))
+    a.fill_(1.0)
+    b.fill_(2.0)
+    assert b.data_ptr() - a.data_ptr() == ALIGN and bool((a == 1.0).all()) and bool((b == 2.0).all())
+    assert a.stride() == (3, 1) and arena.view(Slot(0, "float32", (3, 2))).stride() == (2, 1)
+    monkeypatch.setattr(shared_arena, "_MAX_GEOMETRIES", 4)
+    for n in range(1, 12):
+        assert arena.view(Slot(0, "uint8", (n,))).shape == (n,)
+    assert len(arena._geometry) <= 4

@@ -105,6 +105,54 @@ def test_outputs_do_not_alias_the_staging_buffers(engine: ExpertEngine) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(("sizes", "k", "mode", "given"), [
+    ([5], 2, "combined", [True]),
+    ([3, 1, 7], 2, "combined", [True, False, True]),
+    ([2, 4], 3, "route_major", [False, True]),
+    ([0, 3], 2, "combined", [True, True]),
+    ([4, 2], 2, "combined", [False, False]),
+])
+def test_outputs_go_into_their_destinations(engine: ExpertEngine, sizes: list[int], k: int, mode: str,
+                                            given: list[bool]) -> None:
+    """``run(into=)`` writes each output into its destination (poisoned before) and hands that tensor back;
+    requests without one get tensors of their own, not views of anyone's destination."""
+    worker = ComputeWorker(engine)
+    requests = _requests(engine, sizes, k=k, mode=mode, seed=7 + sum(sizes))
+    into = [torch.full(r.output_shape, float("nan"), dtype=engine.model_dtype) if g else None for r, g in zip(requests, given)]
+    outputs = worker.run(requests, into).outputs
+    for got, want, dest in zip(outputs, _engine_pooled(engine, requests), into):
+        assert torch.equal(got, want)
+        if dest is not None:
+            assert got is dest
+        else:
+            assert all(other is None or got.data_ptr() != other.data_ptr() for other in into)
+    kept = [o.clone() for o in outputs]
+    worker.run(_requests(engine, sizes, k=k, mode=mode, seed=99), into)
+    for got, want, dest in zip(outputs, kept, into):
+        if dest is None:  # its own memory: the next batch does not overwrite it
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bad", ["count", "shape", "dtype", "broadcastable"])
+def test_wrong_destinations_are_refused_before_computing(engine: ExpertEngine, bad: str) -> None:
+    worker = ComputeWorker(engine)
+    requests = _requests(engine, [3, 2], seed=11)
+    h = engine.config.hidden_size
+    into: list[torch.Tensor | None] = [torch.full((3, h), 7.0, dtype=engine.model_dtype), None]
+    if bad == "count":
+        into.append(None)
+    elif bad == "shape":
+        into[1] = torch.zeros(2, h + 1, dtype=engine.model_dtype)
+    elif bad == "dtype":
+        into[1] = torch.zeros(2, h, dtype=torch.float64)
+    else:  # copy_ would broadcast one row into two silently
+        into[1] = torch.zeros(1, h, dtype=engine.model_dtype)
+    calls = worker.batches
+    with pytest.raises(ValueError, match="into"):
+        worker.run(requests, into)
+    assert worker.batches == calls and bool((into[0] == 7.0).all())  # nothing ran, nothing written
+
+
 def test_thread_submit_call_and_errors(engine: ExpertEngine) -> None:
     worker = ComputeWorker(engine).start()
     try:
@@ -231,6 +279,30 @@ def test_a_nonfinite_batch_fails_alone_on_the_gpu(tiny_checkpoint: Path, tokens:
         with pytest.raises(NonFiniteInputError):
             worker.run(bad)
         assert torch.equal(worker.run(good).outputs[0], want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [5, 100, 600], ids=["graph", "chunks", "eager"])  # graphs to 64, chunks to 512
+def test_outputs_go_into_their_destinations_on_the_gpu(tiny_checkpoint: Path, tokens: int) -> None:
+    """On the device the outputs are copied from the pinned staging straight into their destinations: equal to
+    the outputs of a run without them, and a request without a destination gets memory of its own (not the
+    pinned staging, which the next batch overwrites)."""
+    from lutb_kernels.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(tiny_checkpoint)
+    gpu_engine = ExpertEngine(ckpt, choose_backend("packed", ckpt.config, torch.device("cuda")), validate_tiles=False)
+    worker = ComputeWorker(gpu_engine, cuda_graph_max_tokens=64, cuda_graph_top_k=2)
+    requests = _requests(gpu_engine, [tokens, 3, tokens // 2], k=2, seed=tokens)
+    want = worker.run(requests).outputs
+    into = [torch.full(r.output_shape, float("nan"), dtype=gpu_engine.model_dtype) for r in requests]
+    into[1] = None
+    got = worker.run(requests, into).outputs
+    assert got[0] is into[0] and got[2] is into[2] and not got[1].is_pinned()
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    kept = got[1].clone()
+    worker.run(_requests(gpu_engine, [tokens, 3, tokens // 2], k=2, seed=tokens + 1), [None, None, None])
+    assert torch.equal(got[1], kept)
 
 
 def test_a_worker_that_cannot_use_its_device_fails_jobs_instead_of_hanging(engine: ExpertEngine,

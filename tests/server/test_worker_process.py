@@ -25,6 +25,7 @@ from lutb_server.engine import ExpertEngine, PreparedRequest
 from lutb_server.errors import to_status
 from lutb_server.testing import ServerThread, ServeProcess
 from lutb_server.worker import ComputeWorker
+from lutb_server.shared_arena import arena_supported
 from lutb_server.worker_process import DEFAULT_ARENA_BYTES, ComputeWorkerGone, ProcessComputeWorker, WorkerSpec, spawn_compute_process
 
 
@@ -76,6 +77,82 @@ def test_tensors_cross_the_pipe_unchanged(dtype: torch.dtype, shape: tuple[int, 
     if back.numel():
         back.view(-1)[0] = 1  # writable, and not the original's memory
         assert back.data_ptr() != t.data_ptr()
+
+
+def _connection_pair():  # noqa: ANN202
+    import socket
+
+    from lutb_server.worker_process import _Connection
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return ours, _Connection(theirs)
+
+
+# messages sent back to back (their frames coalesce in the child's reads): small, empty, one larger than a read
+FRAME_CASES = {
+    "one small": [("batch", 1, (0, "bfloat16", (16, 2048)))],
+    "two in one read": [("batch", 1), None],  # a batch and the stop right behind it
+    "large between small": [1, b"\x5a" * (200 << 10), 2],
+    "many": list(range(50)),
+}
+
+
+@pytest.mark.parametrize("messages", FRAME_CASES.values(), ids=FRAME_CASES.keys())
+def test_the_child_reads_each_frame_whole_however_reads_split_them(messages: list[object]) -> None:
+    from lutb_server.worker_process import _frame
+
+    ours, conn = _connection_pair()
+    try:
+        wire = b"".join(part for m in messages for part in _frame(m))
+        with ThreadPoolExecutor(1) as pool:  # drip-fed in odd pieces, so headers and bodies straddle reads
+            sent = pool.submit(lambda: [ours.sendall(wire[i:i + 7777]) for i in range(0, len(wire), 7777)])
+            got = [conn.receive() for _ in messages]
+            sent.result(10)
+        assert got == messages and not conn.buffered
+        ours.sendall(b"".join(part for m in messages[:2] for part in _frame(m)))
+        assert conn.receive() == messages[0]
+        if len(messages) > 1:  # the next one came in with the first read: select cannot see it, buffered says so
+            deadline = time.monotonic() + 5
+            while not conn.buffered and time.monotonic() < deadline:
+                conn._buf += conn.sock.recv(1 << 20)
+            assert conn.buffered and conn.receive() == messages[1]
+        ours.sendall(_frame(("half",))[0][:5])
+        ours.close()
+        with pytest.raises(EOFError, match="mid-frame"):
+            conn.receive()
+    finally:
+        conn.sock.close()
+
+
+def test_the_child_sees_a_closed_socket_as_eof() -> None:
+    ours, conn = _connection_pair()
+    ours.close()
+    with pytest.raises(EOFError, match="closed"):
+        conn.receive()
+    conn.sock.close()
+
+
+@pytest.mark.skipif(not arena_supported(), reason="needs os.memfd_create (Linux)")
+def test_an_output_slot_is_used_only_when_it_holds_exactly_the_output(tiny_checkpoint: Path) -> None:
+    from lutb_server.shared_arena import SharedArena
+
+    _, conn = _connection_pair()
+    conn.arena = SharedArena.create(1 << 20)
+    try:
+        engine, _ = _engines(tiny_checkpoint)
+        (request,) = _requests(engine, 0, (3,), seed=0)
+        route_major = _requests(engine, 0, (3,), seed=0, output_mode="route_major")[0]
+        view = conn.destination((512, "bfloat16", (3, 128)), request)
+        assert view is not None and view.shape == (3, 128) and view.dtype == torch.bfloat16
+        assert conn.destination((512, "bfloat16", (3, 128)), route_major) is None  # [3, 2, 128] wanted
+        assert conn.destination((512, "float32", (3, 128)), request) is None
+        assert conn.destination(None, request) is None
+        conn.arena, arena = None, conn.arena  # inline transport: no arena, no destination
+        assert conn.destination((512, "bfloat16", (3, 128)), request) is None
+        conn.arena = arena
+    finally:
+        conn.arena.close()
+        conn.sock.close()
 
 
 def test_outputs_equal_the_thread_worker(process_worker: ProcessComputeWorker, tiny_checkpoint: Path) -> None:
