@@ -93,11 +93,6 @@ class ServerSettings(BaseSettings):
         "keeps gRPC, validation and batching, and its event loop no longer holds up the compute's GIL hand-overs: "
         "faster with several concurrent callers, ~0.3 ms slower for a lone one on an H200)",
     )
-    compute_poll_us: int = Field(
-        2000, ge=0, le=1_000_000, description="with compute_worker = process: after answering, the compute process polls "
-        "for the next batch for this long, in microseconds, before it sleeps, so a batch that arrives meanwhile starts "
-        "without the wake-up of a sleeping process (spends up to one CPU core while traffic lasts; 0: sleep at once)",
-    )
     front_ends: int = Field(
         1, ge=1, le=64, description="serving processes (needs compute_worker = process when > 1): each its own event "
         "loop and gRPC server on the same port (SO_REUSEPORT: the kernel spreads client connections over them), all "

@@ -115,9 +115,6 @@ class WorkerSpec:
     ``max_batch_tokens``); 0: no limit."""
     intra_op_threads: int = 0
     gil_switch_interval_us: int = 0
-    poll_us: int = 0
-    """After each round of batches, how long the child polls its sockets before it sleeps in ``select``
-    (the server's ``compute_poll_us``; 0: sleeps at once)."""
 
 
 # -- framing ---------------------------------------------------------------------------------------
@@ -311,14 +308,13 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 pass
         return
     waiting, open_ = list(connections), []  # before and after the handshake; front ends start in any order
-    poll_until = 0.0  # time.monotonic() until which the loop polls for the next batch instead of sleeping
     while waiting or open_:
         batches: list[_Batch] = []
         buffered = [c for c in open_ if c.buffered]  # a whole message in already: select would not report it
         if buffered:
             readable = buffered + [c for c in select.select(waiting + open_, [], [], 0)[0] if c not in buffered]
         else:
-            readable = _readable(waiting + open_, poll_until)
+            readable = open_ if len(open_) == 1 and not waiting else select.select(waiting + open_, [], [])[0]
         for c in readable:  # one message from each: a serving process has one batch in flight
             if c in waiting:
                 waiting.remove(c)
@@ -347,25 +343,6 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
         _run_merged(worker, batches, memory, spec.max_batch_tokens)
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
             memory, memory_read = _gpu_memory(device), time.monotonic()
-        if batches:
-            poll_until = time.monotonic() + spec.poll_us / 1e6
-
-
-def _readable(connections: list[_Connection], poll_until: float) -> list[_Connection]:
-    """The connections with something to read: polled without sleeping until ``poll_until`` (``time.monotonic()``),
-    then waited for.
-
-    Why poll: a process asleep in ``select`` takes a wake-up to see its next batch (scheduler and, on a VM, an
-    interrupt to an idle core); polling after a round keeps the compute process on its core while batches keep
-    coming. One connection is waited for in its own ``recv`` (no ``select`` call once polling is over).
-    """
-    while time.monotonic() < poll_until:
-        ready = select.select(connections, [], [], 0)[0]
-        if ready:
-            return ready
-    if len(connections) == 1:
-        return connections
-    return select.select(connections, [], [])[0]
 
 
 _Batch = tuple[_Connection, int, PreparedRequest, "torch.Tensor | None"]

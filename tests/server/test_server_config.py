@@ -266,20 +266,6 @@ def test_warm_up_covers_the_largest_batch_the_worker_can_get(batch: int, per_req
     assert (spec.warm_up_tokens, spec.max_batch_tokens) == (want, batch)
 
 
-def test_the_compute_process_polls_as_configured() -> None:
-    from types import SimpleNamespace
-
-    from lutb_server.app import worker_spec
-
-    plan = SimpleNamespace(checkpoint=SimpleNamespace(path=Path("/ckpt")),
-                           backend=SimpleNamespace(name="packed", device=torch.device("cuda:0")))
-    assert worker_spec(plan, ServerSettings()).poll_us == ServerSettings().compute_poll_us == 2000  # type: ignore[arg-type]
-    assert worker_spec(plan, ServerSettings(compute_poll_us=0)).poll_us == 0  # type: ignore[arg-type]
-    for bad in (-1, 2_000_000):
-        with pytest.raises(ValueError, match="compute_poll_us"):
-            ServerSettings(compute_poll_us=bad)
-
-
 def test_a_backend_of_ones_own_by_import_path() -> None:
     """``package.module:Class`` names a LayerExperts subclass outside the registry; bad paths are refused with why."""
     from lutb_server.testing import SleepExperts

@@ -132,37 +132,6 @@ def test_the_child_sees_a_closed_socket_as_eof() -> None:
     conn.sock.close()
 
 
-def test_the_child_polls_for_batches_then_sleeps() -> None:
-    """After a round the child polls (a batch arriving then is seen at once); past the window it sleeps in select,
-    spending no CPU until a batch comes."""
-    import threading
-
-    from lutb_server.worker_process import _readable
-
-    (a, conn_a), (b, conn_b) = _connection_pair(), _connection_pair()
-    try:
-        def send_later(sock, delay: float) -> threading.Thread:  # noqa: ANN001
-            t = threading.Timer(delay, lambda: sock.sendall(b"x"))
-            t.start()
-            return t
-
-        sender = send_later(b, 0.05)
-        start = time.monotonic()
-        assert _readable([conn_a, conn_b], start + 5.0) == [conn_b]  # seen while polling
-        assert time.monotonic() - start < 4.0
-        sender.join()
-        conn_b.sock.recv(1)
-        sender = send_later(a, 0.6)
-        start, cpu = time.monotonic(), time.process_time()
-        assert _readable([conn_a, conn_b], start + 0.05) == [conn_a]  # seen after sleeping
-        wall, spent = time.monotonic() - start, time.process_time() - cpu
-        assert wall >= 0.5 and spent < 0.35, (wall, spent)  # polled 0.05 s, then slept (polling all along: ~0.6 s)
-        sender.join()
-    finally:
-        for sock in (a, b, conn_a.sock, conn_b.sock):
-            sock.close()
-
-
 @pytest.mark.skipif(not arena_supported(), reason="needs os.memfd_create (Linux)")
 def test_an_output_slot_is_used_only_when_it_holds_exactly_the_output(tiny_checkpoint: Path) -> None:
     from lutb_server.shared_arena import SharedArena
