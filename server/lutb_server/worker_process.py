@@ -52,7 +52,6 @@ If the child dies, every pending and later batch fails with :class:`ComputeWorke
 from __future__ import annotations
 
 import asyncio
-import io
 import itertools
 import logging
 import multiprocessing as mp
