@@ -66,12 +66,14 @@ def cells(report: dict) -> dict[Cell, dict]:
 
 
 def table(new: list[dict], old: list[dict]) -> tuple[str, list[dict]]:
-    """Markdown table per cell: each run's p50 and tokens/s, the means' ratios, batches and compute (medians)."""
+    """Markdown table per cell: each run's p50 and tokens/s, the means' ratios, tokens/s new / old of each pair
+    (new run i against old run i: the two ran back to back, so machine drift between pairs cancels), batches and
+    compute (medians)."""
     new_cells, old_cells = [cells(r) for r in new], [cells(r) for r in old]
     keys = sorted(set.intersection(*(set(c) for c in new_cells + old_cells)))
     lines = ["| shape | wire | api | C | T | p50 us new (runs) | old (runs) | new / old | tok/s new (runs) | old (runs) | new / old "
-             "| batch new / old | compute us new / old |",
-             "|" + "|".join("---" for _ in range(13)) + "|"]
+             "| tok/s new / old by pair | batch new / old | compute us new / old |",
+             "|" + "|".join("---" for _ in range(14)) + "|"]
     data = []
 
     def runs(values: list[float]) -> str:
@@ -87,13 +89,16 @@ def table(new: list[dict], old: list[dict]) -> tuple[str, list[dict]]:
         tps = ([s["tokens_per_s"] for s in n], [s["tokens_per_s"] for s in o])
         p50_ratio = statistics.mean(p50[0]) / statistics.mean(p50[1])
         tps_ratio = statistics.mean(tps[0]) / statistics.mean(tps[1])
+        by_pair = [a / b for a, b in zip(*tps)]
         batch = (fig([s.get("batch_tokens_p50") for s in n]), fig([s.get("batch_tokens_p50") for s in o]))
         compute = (fig([s.get("server_compute_us_p50") for s in n]), fig([s.get("server_compute_us_p50") for s in o]))
         lines.append(f"| {' | '.join(str(k) for k in key)} | {runs(p50[0])} | {runs(p50[1])} | {p50_ratio:.2f} "
-                     f"| {runs(tps[0])} | {runs(tps[1])} | {tps_ratio:.2f} | {batch[0]} / {batch[1]} | {compute[0]} / {compute[1]} |")
+                     f"| {runs(tps[0])} | {runs(tps[1])} | {tps_ratio:.2f} | {' / '.join(f'{r:.2f}' for r in by_pair)} "
+                     f"| {batch[0]} / {batch[1]} | {compute[0]} / {compute[1]} |")
         data.append({"cell": dict(zip(("shape", "wire", "api", "concurrency", "tokens"), key)),
                      "new_p50_us": p50[0], "old_p50_us": p50[1], "new_tokens_per_s": tps[0], "old_tokens_per_s": tps[1],
                      "p50_new_over_old": p50_ratio, "tokens_per_s_new_over_old": tps_ratio,
+                     "tokens_per_s_new_over_old_by_pair": by_pair,
                      "new_batch_tokens_p50": [s.get("batch_tokens_p50") for s in n],
                      "old_batch_tokens_p50": [s.get("batch_tokens_p50") for s in o]})
     return "\n".join(lines), data

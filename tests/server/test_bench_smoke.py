@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -166,6 +167,28 @@ def test_ab_serving_smoke(tmp_path: Path) -> None:
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| smoke | bf16 | stream | 1 | 4 |")
 
 
+def test_ab_serving_table_gives_each_pairs_ratio() -> None:
+    """Pair i is new run i against old run i (they ran back to back); the means' ratio hides which pairs won."""
+    spec = importlib.util.spec_from_file_location("lutb_bench_ab_serving", ROOT / "bench" / "ab_serving.py")
+    assert spec is not None and spec.loader is not None
+    ab_serving = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec.loader.exec_module(ab_serving)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def report(p50: float, tps: float) -> dict:
+        return {"rows": [{"shape": "s", "wire": "bf16", "api": "stream", "concurrency": 64, "tokens": 16,
+                          "server": {"p50_us": p50, "tokens_per_s": tps, "batch_tokens_p50": 240}}]}
+
+    text, (row,) = ab_serving.table([report(900, 120.0), report(1000, 90.0)], [report(1000, 100.0), report(1000, 100.0)])
+    assert row["tokens_per_s_new_over_old_by_pair"] == pytest.approx([1.2, 0.9])
+    assert row["tokens_per_s_new_over_old"] == pytest.approx(1.05) and row["p50_new_over_old"] == pytest.approx(0.95)
+    assert text.splitlines()[-1].startswith("| s | bf16 | stream | 64 | 16 | 900 / 1000 | 1000 / 1000 | 0.95 | 120 / 90 | 100 / 100 "
+                                             "| 1.05 | 1.20 / 0.90 | 240 / 240 | - / - |")
+
+
 def test_serving_overhead_bench_on_a_compute_process(tmp_path: Path) -> None:
     """bench/serving_overhead.py --compute-worker process --api stream: the fake backend runs in the compute process
     (it is a backend by import path, timed from the environment), and the CPU counted includes that process."""
@@ -184,7 +207,6 @@ def test_ab_series_starts_no_pair_the_budget_cannot_finish(tmp_path: Path, monke
     """bench/ab_trees.run_ab (shared by ab_serving.py): with 20 s runs and a 100 s budget, two pairs run (80 s);
     a third would be cut short by the budget, so it does not start."""
     import argparse
-    import importlib.util
     import types
 
     spec = importlib.util.spec_from_file_location("lutb_bench_ab_trees", ROOT / "bench" / "ab_trees.py")
@@ -211,7 +233,6 @@ def test_py_spy_summary_splits_samples_by_process(monkeypatch: pytest.MonkeyPatc
     """bench/serving.summarize_py_spy: each sample goes to its innermost process (command lines holding quotes and
     ';' included), processes are named by their stacks, functions lose their line numbers, native frames known
     only by address are pooled per library, and shares are of that process's samples."""
-    import importlib.util
 
     spec = importlib.util.spec_from_file_location("lutb_bench_serving", ROOT / "bench" / "serving.py")
     assert spec is not None and spec.loader is not None
