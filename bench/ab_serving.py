@@ -5,8 +5,10 @@ tree (old), run alternately on one machine, then one table of latency and tokens
 For a change to the server itself (scheduler, worker, CUDA graphs) that cannot be switched at run
 time. Each tree runs its own ``bench/serving.py`` from its own directory with its own packages first
 on ``PYTHONPATH``; runs are interleaved (new, old, new, old, ...) so that clock or machine drift
-cannot pose as a gain. Only the server's own figures are compared (p50, p99, tokens/s, the batch
-formed, the worker's compute): the two trees' benches may measure their echo floor differently.
+cannot pose as a gain; the table gives each pair's tokens/s ratio (new run i over old run i, back to
+back), the figure to read when machines or runs drift. Only the server's own figures are compared
+(p50, tokens/s, the batch formed, the worker's compute): the two trees' benches may measure their echo
+floor differently.
 The old tree is made on the development machine and carried to the device::
 
     rm -rf ab_old && mkdir ab_old && git archive <rev> | tar -x -C ab_old   # ab_old/ is git-ignored locally
