@@ -228,7 +228,8 @@ class _Connection:
 
     def receive(self) -> Any:
         """The next message (blocking): one read of up to :data:`_RECV_BYTES` for a batch's frame, where a
-        header read and a body read took two. EOFError when the serving process closed the socket."""
+        header read and a body read took two; a larger frame (an inline tensor) is read into memory of its
+        own size. EOFError when the serving process closed the socket."""
         buf = self._buf
         while True:
             end = self._frame_end()
@@ -237,10 +238,28 @@ class _Connection:
                     message = pickle.loads(body)
                 del buf[:end]
                 return message
-            chunk = self.sock.recv(max(_RECV_BYTES, end - len(buf)))
+            if end - len(buf) > _RECV_BYTES:
+                return self._receive_large(end)
+            chunk = self.sock.recv(_RECV_BYTES)
             if not chunk:
                 raise EOFError("the socket closed mid-frame" if buf else "the socket closed")
             buf += chunk
+
+    def _receive_large(self, end: int) -> Any:
+        """The rest of a frame of ``end`` bytes whose start is buffered: read in place (``recv_into``), no
+        chunk allocated and appended per read."""
+        frame = bytearray(end)
+        got = len(self._buf)
+        frame[:got] = self._buf
+        self._buf = bytearray()  # nothing beyond the frame is read: each read stops at its end
+        with memoryview(frame) as view:
+            while got < end:
+                n = self.sock.recv_into(view[got:])
+                if n == 0:
+                    raise EOFError("the socket closed mid-frame")
+                got += n
+            with view[_HEADER:] as body:
+                return pickle.loads(body)
 
     def tensor(self, item: Any) -> torch.Tensor:
         """A request tensor: a view of this connection's arena (``item`` a slot), or decoded from its inline message."""

@@ -132,6 +132,21 @@ def test_the_child_sees_a_closed_socket_as_eof() -> None:
     conn.sock.close()
 
 
+def test_a_large_frame_cut_short_is_eof_mid_frame() -> None:
+    """A frame larger than one read (an inline tensor) is read in place; the socket closing inside it is an error."""
+    from lutb_server.worker_process import _frame
+
+    ours, conn = _connection_pair()
+    try:
+        header, body = _frame(b"\x01" * (1 << 20))
+        ours.sendall(header + body[: 100 << 10])  # within the socket buffer: nobody reads yet
+        ours.close()
+        with pytest.raises(EOFError, match="mid-frame"):
+            conn.receive()
+    finally:
+        conn.sock.close()
+
+
 @pytest.mark.skipif(not arena_supported(), reason="needs os.memfd_create (Linux)")
 def test_an_output_slot_is_used_only_when_it_holds_exactly_the_output(tiny_checkpoint: Path) -> None:
     from lutb_server.shared_arena import SharedArena
