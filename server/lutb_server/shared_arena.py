@@ -47,10 +47,7 @@ class Slot(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        n = getattr(torch, self.dtype).itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return _nbytes(getattr(torch, self.dtype), self.shape)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -130,7 +127,7 @@ class SharedArena:
     def place(self, tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[Slot] | None:
         """Take one span for ``tensors`` (dtype, shape) and lay them out in it (:func:`layout`); None
         when the ring has no room now. Release it with ``release(slots[0].offset)``."""
-        start = self.take(sum(_aligned(max(_nbytes(dtype, shape), 1)) for dtype, shape in tensors))
+        start = self.take(sum(_span(dtype, shape) for dtype, shape in tensors))
         return None if start is None else layout(start, tensors)[0]
 
     def release(self, start: int) -> None:
@@ -188,7 +185,7 @@ def layout(start: int, tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> tu
     slots, offset = [], start
     for dtype, shape in tensors:
         slots.append(Slot(offset, dtype_name(dtype), tuple(int(s) for s in shape)))
-        offset += _aligned(max(_nbytes(dtype, shape), 1))
+        offset += _span(dtype, shape)
     return slots, offset - start
 
 
@@ -197,6 +194,11 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+def _span(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor takes in the arena: its own, at least one, rounded up to :data:`ALIGN`."""
+    return _aligned(max(_nbytes(dtype, shape), 1))
 
 
 __all__ = ["ALIGN", "SharedArena", "Slot", "arena_supported", "dtype_name", "layout"]
