@@ -25,7 +25,7 @@ import socket
 import sys
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -38,6 +38,7 @@ from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_client.allocator import tune_malloc
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_server.backends import BackendChoice, choose_backend, compute_capability, resolve_device
+from lutb_server.cpu_placement import set_compute_cpu_aside
 from lutb_server.engine import ExpertEngine
 from lutb_server.front_ends import FrontEnds
 from lutb_server.interceptors import Gate, GateInterceptor, MetricsInterceptor
@@ -272,6 +273,9 @@ class ExpertServer:
             loader = functools.partial(load_engine, plan, s)
         elif s.compute_worker == "process":
             raise ValueError("compute_worker = 'process' loads the checkpoint in the compute process; it takes no engine_loader")
+        compute_cpu = None
+        if s.compute_worker == "process" and self._compute_connection is None:  # front end 0 starts the processes
+            compute_cpu = set_compute_cpu_aside(s.compute_cpu)  # before this process starts threads: they inherit it
         shared_port = s.front_ends > 1 or self._compute_connection is not None
         if s.front_ends > 1 and s.port:
             _check_port_free(s.host, s.port)  # SO_REUSEPORT would let us share a port someone else holds
@@ -320,7 +324,7 @@ class ExpertServer:
             if s.compute_worker == "process":
                 assert plan is not None  # an engine_loader was refused above
                 loop = asyncio.get_running_loop()
-                spec = worker_spec(plan, s)
+                spec = replace(worker_spec(plan, s), compute_cpu=compute_cpu)
                 connection, process = self._compute_connection, None
                 if connection is None and s.front_ends > 1:
                     process, connections = spawn_compute_process(spec, s.front_ends)

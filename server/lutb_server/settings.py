@@ -99,6 +99,12 @@ class ServerSettings(BaseSettings):
         "feeding one compute process that merges their concurrent batches; metrics_port serves all of their metrics "
         "(label front_end; front end k listens on loopback metrics_port + k for it)",
     )
+    compute_cpu: str = Field(
+        "none", description="with compute_worker = process: a CPU of the compute process's own, which the serving "
+        "processes never use (its one thread feeds the GPU for all of them; a front end woken onto its CPU would "
+        "preempt it): a CPU number, auto (the highest CPU the server may use, when it may use at least 3), or none "
+        "(the kernel places every process)",
+    )
     event_loop: EventLoopKind = Field(
         "uvloop", description="the serving processes' asyncio event loop: uvloop (where installed, else asyncio's own; "
         "less server CPU per request) or asyncio (asyncio's own loop even where uvloop is installed)",
@@ -112,6 +118,8 @@ class ServerSettings(BaseSettings):
     def _front_ends_need_the_compute_process(self) -> ServerSettings:
         if self.front_ends > 1 and self.compute_worker != "process":
             raise ValueError(f"front_ends = {self.front_ends} needs compute_worker = process (one compute process serves them all)")
+        if self.compute_cpu != "none" and self.compute_worker != "process":
+            raise ValueError(f"compute_cpu = {self.compute_cpu} needs compute_worker = process (the CPU is the compute process's)")
         if self.metrics_port and self.metrics_port + self.front_ends - 1 > 65535:  # front end k listens on metrics_port + k
             raise ValueError(f"metrics_port = {self.metrics_port} leaves no port for front ends 1..{self.front_ends - 1} "
                              f"(metrics_port + k, at most 65535)")
@@ -123,6 +131,14 @@ class ServerSettings(BaseSettings):
         if value not in BUILTIN_BACKENDS and not _BACKEND_PATH.match(value):
             raise ValueError(f"backend must be one of {', '.join(BUILTIN_BACKENDS)} or package.module:Class, got {value!r}")
         return value
+
+    @field_validator("compute_cpu", mode="before")
+    @classmethod
+    def _check_compute_cpu(cls, value: object) -> str:
+        text = str(value).strip().lower()
+        if text not in ("none", "auto") and not text.isdigit():
+            raise ValueError(f"compute_cpu must be none, auto or a CPU number, got {value!r}")
+        return str(int(text)) if text.isdigit() else text
 
     @field_validator("device")
     @classmethod

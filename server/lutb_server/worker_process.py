@@ -114,6 +114,8 @@ class WorkerSpec:
     ``max_batch_tokens``); 0: no limit."""
     intra_op_threads: int = 0
     gil_switch_interval_us: int = 0
+    compute_cpu: int | None = None
+    """The CPU the child pins itself to (``lutb_server.cpu_placement``); None: wherever the kernel places it."""
 
 
 # -- framing ---------------------------------------------------------------------------------------
@@ -295,6 +297,11 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [compute]: %(message)s")
     connections = [_Connection(sock) for sock in socks]
     try:
+        if spec.compute_cpu is not None:  # before CUDA and torch start threads of their own: they inherit it
+            from lutb_server.cpu_placement import pin_process
+
+            pin_process({spec.compute_cpu})
+            log.info("pinned to CPU %d", spec.compute_cpu)
         from lutb_client.allocator import tune_malloc
         from lutb_kernels.checkpoint import Checkpoint
         from lutb_server.app import apply_gil_switch_interval, apply_intra_op_threads, settle_gc

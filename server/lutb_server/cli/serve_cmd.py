@@ -78,11 +78,13 @@ def run(args: argparse.Namespace) -> int:
     from lutb_kernels.errors import LutBError
     from lutb_server import event_loop
     from lutb_server.app import serve
+    from lutb_server.cpu_placement import allowed_cpus, choose_compute_cpu
     from lutb_server.errors import BackendUnavailableError
 
     log = logging.getLogger("lutb_server.serve")
     try:
         settings = settings_from_args(args)
+        choose_compute_cpu(settings.compute_cpu, allowed_cpus())  # a CPU this process may not use: refused here
     except (ValidationError, ValueError) as exc:
         print(f"lutb serve: invalid settings: {exc}", file=sys.stderr)
         return EXIT_STARTUP_ERROR
