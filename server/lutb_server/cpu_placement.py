@@ -58,11 +58,17 @@ def pin_process(cpus: set[int]) -> None:
     Raises:
         OSError: the kernel refused (e.g. none of ``cpus`` is in the process's cgroup).
     """
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
+    done: set[str] = set()
+    while True:  # again until no thread is new: one started meanwhile by a thread not yet moved kept the old CPUs
+        tids = set(os.listdir("/proc/self/task")) - done
+        if not tids:
+            return
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
+        done |= tids
 
 
 def set_compute_cpu_aside(setting: str) -> int | None:
