@@ -2,10 +2,10 @@
 
 Why: with ``compute_worker = process`` one thread of one process, the compute process's, feeds the
 GPU for every front end, and under load it is the server's busiest thread. It wakes a front end for
-every answer, and a woken front end may be placed on the compute process's own CPU and preempt it
-(the kernel favours the waker's CPU for a socket's wake-ups, and every CPU is busy under load). With a
-CPU of its own, which the serving processes (and the threads and processes they start) never use,
-that cannot happen.
+every answer, and when every CPU is busy a woken front end may run on the compute process's CPU and
+preempt it (bench/wake_preemption.py, bench/results/2026-12-05-wake-preemption-cpu.md). With a CPU of
+its own, which the serving processes (and the threads and processes they start) never use, that cannot
+happen.
 
 Off by default (``none``): the kernel places every process. In a container whose CPUs are shared
 with other workloads, a CPU set aside here is still shared with them; with Kubernetes' static CPU

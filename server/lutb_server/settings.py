@@ -115,7 +115,7 @@ class ServerSettings(BaseSettings):
     config: Path | None = Field(None, description="YAML file of settings (keys are these names with underscores)")
 
     @model_validator(mode="after")
-    def _front_ends_need_the_compute_process(self) -> ServerSettings:
+    def _process_settings_need_the_compute_process(self) -> ServerSettings:
         if self.front_ends > 1 and self.compute_worker != "process":
             raise ValueError(f"front_ends = {self.front_ends} needs compute_worker = process (one compute process serves them all)")
         if self.compute_cpu != "none" and self.compute_worker != "process":
