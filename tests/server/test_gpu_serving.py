@@ -141,7 +141,8 @@ def test_compute_process_serves_like_the_thread(checkpoint: Path, reference: Ref
 
 def test_front_ends_share_one_compute_process_on_the_gpu(checkpoint: Path, reference: ReferenceExperts) -> None:
     """``lutb serve --front-ends 2``: right answers through either front end, and only the compute process holds a
-    CUDA context (the front ends validate and batch on the CPU; a context each would cost GPU memory)."""
+    CUDA context (the front ends validate and batch on the CPU; a context each would cost GPU memory). With
+    ``--compute-cpu auto`` (a CPU of its own where the machine has 3 or more): CUDA runs in the pinned process."""
     import re
     import subprocess
 
@@ -149,7 +150,7 @@ def test_front_ends_share_one_compute_process_on_the_gpu(checkpoint: Path, refer
 
     serving = ServeProcess("--checkpoint", str(checkpoint), "--backend", "packed", "--device", "cuda", "--compute-worker",
                            "process", "--front-ends", "2", "--no-validate-checkpoint", "--cuda-graph-max-tokens", "64",
-                           "--cuda-graph-top-k", "4").wait_ready(300)
+                           "--cuda-graph-top-k", "4", "--compute-cpu", "auto").wait_ready(300)
     try:
         for seed in range(8):  # own connection each: the kernel spreads them over the front ends
             x, ids, w = _batch(1 + 7 * seed, 4, seed=seed + 500)
