@@ -16,6 +16,13 @@ The old tree is made on the development machine and carried to the device::
     python3 bench/ab_serving.py --old ab_old --out $OUT/ab --pairs 2 -- --work-dir /tmp/ckpt --shapes qwen3-30b-a3b \\
         --wires bf16 --concurrency 1,8,64 --tokens 16 --duration-s 1.5 --warmup-s 0.3 --inproc-s 0.3
 
+A setting's A/B in one tree (a server setting read from ``LUTB_*``, which the bench does not set itself)::
+
+    python3 bench/ab_serving.py --old . --new-env LUTB_COMPUTE_CPU=auto --out $OUT/ab --pairs 2 -- ...
+
+``--new-env`` / ``--old-env KEY=VALUE`` (repeatable) add environment variables to one side's runs; a tree
+whose settings lack the variable ignores it, so the same flag also A/Bs a setting against a tree without it.
+
 Give both trees one ``--work-dir`` so that the checkpoint is made once. Every run's ``serving.json``
 lands in ``OUT/new1``, ``OUT/old1``, ...; ``OUT/ab_serving.json`` holds the table's numbers. A run
 that fails or overruns ``--budget-s`` ends the series (pairs already complete are reported).
@@ -30,6 +37,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ab_trees import run_ab  # noqa: E402 - the sibling script's interleaved new/old series
@@ -40,9 +48,21 @@ PACKAGES = ("kernels", "client", "server")
 Cell = tuple[str, str, str, int, int]  # shape, wire, api, concurrency, tokens
 
 
-def run_once(tree: Path, out: Path, bench_args: list[str], timeout_s: float) -> dict | None:
-    """``tree``'s ``bench/serving.py --out out *bench_args``, run from ``tree`` with its packages first; its report or None."""
-    env = dict(os.environ)
+class Side(NamedTuple):
+    """One side of the A/B: a whole tree, and environment variables its runs get on top of this process's."""
+
+    tree: Path
+    env: dict[str, str]
+
+    def __str__(self) -> str:
+        return " ".join([str(self.tree), *(f"{k}={v}" for k, v in self.env.items())])
+
+
+def run_once(side: Side, out: Path, bench_args: list[str], timeout_s: float) -> dict | None:
+    """``side.tree``'s ``bench/serving.py --out out *bench_args``, run from that tree with its packages first and
+    ``side.env`` in its environment; its report or None."""
+    tree = side.tree
+    env = {**os.environ, **side.env}
     ours = {(ROOT / p).resolve() for p in PACKAGES}
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() not in ours and p not in PACKAGES]
     env["PYTHONPATH"] = os.pathsep.join([str(tree / p) for p in PACKAGES] + rest)
@@ -112,15 +132,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--pairs", type=int, default=2, help="new/old pairs, interleaved")
     p.add_argument("--budget-s", type=float, default=540.0, help="no run starts after this many seconds; a run is stopped there")
+    p.add_argument("--new-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable of the new side's runs (repeatable)")
+    p.add_argument("--old-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable of the old side's runs (repeatable)")
     p.add_argument("bench_args", nargs="*", help="arguments for both trees' bench/serving.py, after --")
     args = p.parse_args(argv)
+    envs = {}
+    for side in ("new", "old"):
+        pairs = getattr(args, f"{side}_env")
+        bad = [item for item in pairs if "=" not in item or not item.split("=", 1)[0]]
+        if bad:
+            p.error(f"--{side}-env takes KEY=VALUE, got {', '.join(bad)}")
+        envs[side] = dict(item.split("=", 1) for item in pairs)
     old_tree = args.old.resolve()
     missing = [d for d in ("bench/serving.py", *PACKAGES) if not (old_tree / d).exists()]
     if missing:
         p.error(f"{args.old} is not a whole tree: no {', '.join(missing)}")
     if args.pairs < 1:
         p.error("--pairs must be >= 1")
-    return run_ab("ab_serving", {"new": ROOT, "old": old_tree}, run_once, table, args, "server figures only")
+    if old_tree == ROOT and envs["new"] == envs["old"]:
+        p.error("--old is this tree: give the sides different --new-env / --old-env")
+    sides = {"new": Side(ROOT, envs["new"]), "old": Side(old_tree, envs["old"])}
+    return run_ab("ab_serving", sides, run_once, table, args, "server figures only")
 
 
 if __name__ == "__main__":

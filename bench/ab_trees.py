@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,11 +62,12 @@ def packed_rows(results: dict) -> dict[tuple[str, int], tuple[float, float]]:
     return rows
 
 
-def run_ab(tag: str, trees: dict[str, Path], run_once: Callable[[Path, Path, list[str], float], dict | None],
+def run_ab(tag: str, trees: dict[str, Any], run_once: Callable[[Any, Path, list[str], float], dict | None],
            table: Callable[[list[dict], list[dict]], tuple[str, list[dict]]], args: argparse.Namespace, title: str) -> int:
     """The interleaved series: ``run_once(trees[name], args.out / f"{name}{i}", args.bench_args, seconds_left)`` for
     name = new then old, ``args.pairs`` times while ``args.budget_s`` lasts (a run that returns None ends it); then
     ``table`` of the complete pairs, printed under ``title`` and saved (with its numbers) as ``OUT/<tag>.json``.
+    ``trees[name]`` is whatever ``run_once`` takes (a path; ``ab_serving.py``: a tree and environment), shown with ``str``.
 
     A pair starts only if the budget left holds 1.1 times the longest pair so far: a pair cut short by the budget
     counts for nothing and would spend the device's time on a run the table leaves out."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -145,8 +146,6 @@ def test_serving_overhead_bench_smoke(tmp_path: Path) -> None:
 
 def test_ab_serving_smoke(tmp_path: Path) -> None:
     """bench/ab_serving.py: each tree's own bench/serving.py, interleaved, then one table of the server's figures."""
-    import shutil
-
     old = tmp_path / "old"
     for d in ("bench", "kernels", "client", "server"):
         shutil.copytree(ROOT / d, old / d, ignore=shutil.ignore_patterns("__pycache__", "results"))
@@ -187,6 +186,44 @@ def test_ab_serving_table_gives_each_pairs_ratio() -> None:
     assert row["tokens_per_s_new_over_old"] == pytest.approx(1.05) and row["p50_new_over_old"] == pytest.approx(0.95)
     assert text.splitlines()[-1].startswith("| s | bf16 | stream | 64 | 16 | 900 / 1000 | 1000 / 1000 | 0.95 | 120 / 90 | 100 / 100 "
                                              "| 1.05 | 1.20 / 0.90 | 240 / 240 | - / - |")
+
+
+STUB_SERVING = """
+import json, os, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+os.makedirs(out, exist_ok=True)
+server = {"p50_us": 1000.0, "tokens_per_s": float(os.environ.get("STUB_TOKENS_PER_S", "100")), "batch_tokens_p50": 16}
+row = {"shape": "s", "wire": "bf16", "api": "stream", "concurrency": 64, "tokens": 16, "server": server}
+json.dump({"rows": [row]}, open(os.path.join(out, "serving.json"), "w"))
+"""
+
+
+def test_ab_serving_gives_each_side_its_environment(tmp_path: Path) -> None:
+    """``--new-env`` / ``--old-env``: one tree A/B'd against itself, each side's runs with its own variables (here
+    a stub bench/serving.py that reports tokens/s from the environment); a tree A/B'd against itself with the
+    same environment is refused."""
+    tree = tmp_path / "tree"
+    for d in ("kernels", "client", "server"):
+        (tree / d).mkdir(parents=True)
+    (tree / "bench").mkdir()
+    (tree / "bench" / "serving.py").write_text(STUB_SERVING)
+    shutil.copy(ROOT / "bench" / "ab_serving.py", tree / "bench" / "ab_serving.py")
+    shutil.copy(ROOT / "bench" / "ab_trees.py", tree / "bench" / "ab_trees.py")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(tree / "bench" / "ab_serving.py"), "--old", str(tree), "--out", str(out),
+                           "--pairs", "1", "--new-env", "STUB_TOKENS_PER_S=150", "--old-env", "STUB_TOKENS_PER_S=100"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "ab_serving.json").read_text())
+    (row,) = report["rows"]
+    assert row["new_tokens_per_s"] == [150.0] and row["old_tokens_per_s"] == [100.0]
+    assert report["old_tree"] == f"{tree} STUB_TOKENS_PER_S=100"
+    same = subprocess.run([sys.executable, str(tree / "bench" / "ab_serving.py"), "--old", str(tree), "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert same.returncode == 2 and "give the sides different" in same.stderr
+    bad = subprocess.run([sys.executable, str(tree / "bench" / "ab_serving.py"), "--old", str(tree), "--out", str(out),
+                          "--new-env", "NOEQUALS"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
 
 
 def test_serving_overhead_bench_on_a_compute_process(tmp_path: Path) -> None:
