@@ -7,9 +7,10 @@ preempt it (bench/wake_preemption.py, bench/results/2026-12-05-wake-preemption-c
 its own, which the serving processes (and the threads and processes they start) never use, that cannot
 happen.
 
-Off by default (``none``): the kernel places every process. In a container whose CPUs are shared
-with other workloads, a CPU set aside here is still shared with them; with Kubernetes' static CPU
-manager policy (a Guaranteed pod with whole CPUs) the pod's CPUs are its own.
+Off by default (``none``): the kernel places every process. Where the server's CPUs are not its own,
+a CPU set aside here is still shared with other workloads, and two servers on one machine with ``auto``
+set the same CPU aside; with Kubernetes' static CPU manager policy (a Guaranteed pod with whole CPUs)
+the pod's CPUs are its own.
 """
 
 from __future__ import annotations
