@@ -38,7 +38,7 @@ from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_client.allocator import tune_malloc
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_server.backends import BackendChoice, choose_backend, compute_capability, resolve_device
-from lutb_server.cpu_placement import set_compute_cpu_aside
+from lutb_server.cpu_placement import CpuPlacement, set_compute_cpu_aside
 from lutb_server.engine import ExpertEngine
 from lutb_server.front_ends import FrontEnds
 from lutb_server.interceptors import Gate, GateInterceptor, MetricsInterceptor
@@ -249,6 +249,8 @@ class ExpertServer:
         self._compute_connection = compute_connection
         self.front_ends = FrontEnds()
         """Front ends 1..N-1, where this is front end 0 of several."""
+        self._cpu_placement = CpuPlacement(None)
+        """The CPU set aside for the compute process this server starts (``compute_cpu``)."""
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.failed = asyncio.Event()
@@ -273,9 +275,8 @@ class ExpertServer:
             loader = functools.partial(load_engine, plan, s)
         elif s.compute_worker == "process":
             raise ValueError("compute_worker = 'process' loads the checkpoint in the compute process; it takes no engine_loader")
-        compute_cpu = None
         if s.compute_worker == "process" and self._compute_connection is None:  # front end 0 starts the processes
-            compute_cpu = set_compute_cpu_aside(s.compute_cpu)  # before this process starts threads: they inherit it
+            self._cpu_placement = set_compute_cpu_aside(s.compute_cpu)  # before this process starts threads: they inherit it
         shared_port = s.front_ends > 1 or self._compute_connection is not None
         if s.front_ends > 1 and s.port:
             _check_port_free(s.host, s.port)  # SO_REUSEPORT would let us share a port someone else holds
@@ -324,7 +325,7 @@ class ExpertServer:
             if s.compute_worker == "process":
                 assert plan is not None  # an engine_loader was refused above
                 loop = asyncio.get_running_loop()
-                spec = replace(worker_spec(plan, s), compute_cpu=compute_cpu)
+                spec = replace(worker_spec(plan, s), compute_cpu=self._cpu_placement.cpu)
                 connection, process = self._compute_connection, None
                 if connection is None and s.front_ends > 1:
                     process, connections = spawn_compute_process(spec, s.front_ends)
@@ -404,6 +405,7 @@ class ExpertServer:
         if self.scheduler is not None:
             await self.scheduler.close()
         self.metrics.close()
+        self._cpu_placement.release()
         self._stopped.set()
         log.info("stopped")
 

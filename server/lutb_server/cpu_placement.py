@@ -7,21 +7,31 @@ preempt it (bench/wake_preemption.py, bench/results/2026-12-05-wake-preemption-c
 its own, which the serving processes (and the threads and processes they start) never use, that cannot
 happen.
 
+``auto`` takes the highest CPU that no other server on the machine has taken: each server holds an
+exclusive ``flock`` on ``<tmp>/lutb-compute-cpu-<N>.lock`` for the CPU it set aside, so servers started
+side by side (one per GPU) set different CPUs aside. Servers in separate containers do not see each
+other's locks (each has its own ``/tmp``).
+
 Off by default (``none``): the kernel places every process. Where the server's CPUs are not its own,
-a CPU set aside here is still shared with other workloads, and two servers on one machine with ``auto``
-set the same CPU aside; with Kubernetes' static CPU manager policy (a Guaranteed pod with whole CPUs)
-the pod's CPUs are its own.
+a CPU set aside here is still shared with other workloads; with Kubernetes' static CPU manager policy
+(a Guaranteed pod with whole CPUs) the pod's CPUs are its own.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import tempfile
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 AUTO_MIN_CPUS = 3
 """``auto`` sets a CPU aside only when the process may use at least this many: the serving side keeps two."""
+
+LOCK_NAME = "lutb-compute-cpu-{cpu}.lock"
+"""The lock file (in the temporary directory) of a CPU that a server's ``auto`` has set aside."""
 
 
 def allowed_cpus() -> set[int] | None:
@@ -29,11 +39,19 @@ def allowed_cpus() -> set[int] | None:
     return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
-def choose_compute_cpu(setting: str, allowed: set[int] | None) -> int | None:
-    """The compute process's CPU for ``setting`` (``none``, ``auto`` or a CPU number), given the ``allowed`` CPUs.
+def auto_candidates(allowed: set[int] | None) -> list[int]:
+    """The CPUs ``auto`` may set aside, the first choice first: the highest allowed ones, leaving the serving
+    processes two (none when fewer than :data:`AUTO_MIN_CPUS` are allowed)."""
+    if allowed is None or len(allowed) < AUTO_MIN_CPUS:
+        return []
+    return sorted(allowed, reverse=True)[: len(allowed) - 2]
 
-    ``none``: None. ``auto``: the highest allowed CPU when at least :data:`AUTO_MIN_CPUS` are allowed, else None.
-    A number: that CPU.
+
+def choose_compute_cpu(setting: str, allowed: set[int] | None) -> int | None:
+    """The compute process's CPU for ``setting`` (``none``, ``auto`` or a CPU number), given the ``allowed`` CPUs,
+    before any other server's claim: what :func:`set_compute_cpu_aside` starts from.
+
+    ``none``: None. ``auto``: the first of :func:`auto_candidates`, or None. A number: that CPU.
 
     Raises:
         ValueError: a number where CPU affinity is not supported, not among ``allowed``, or leaving the serving
@@ -42,7 +60,7 @@ def choose_compute_cpu(setting: str, allowed: set[int] | None) -> int | None:
     if setting == "none":
         return None
     if setting == "auto":
-        return max(allowed) if allowed is not None and len(allowed) >= AUTO_MIN_CPUS else None
+        return next(iter(auto_candidates(allowed)), None)
     cpu = int(setting)
     if allowed is None:
         raise ValueError(f"compute_cpu = {cpu}: this platform cannot pin processes to CPUs")
@@ -72,21 +90,63 @@ def pin_process(cpus: set[int]) -> None:
         done |= tids
 
 
-def set_compute_cpu_aside(setting: str) -> int | None:
-    """For the process that starts the compute process: choose its CPU (:func:`choose_compute_cpu`) and move this
-    process, and so the serving processes and threads it starts afterwards, off it. Returns the CPU (None: no
-    placement); the compute process pins itself to it (``WorkerSpec.compute_cpu``)."""
+class CpuPlacement:
+    """A CPU set aside for the compute process (:func:`set_compute_cpu_aside`), and the lock that claims it for
+    ``auto`` (held until :meth:`release`, or until this process ends)."""
+
+    def __init__(self, cpu: int | None, lock_fd: int | None = None) -> None:
+        self.cpu = cpu
+        self._lock_fd = lock_fd
+
+    def release(self) -> None:
+        """Give up the claim (another server's ``auto`` may then take the CPU); idempotent."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the only descriptor drops the flock
+            self._lock_fd = None
+
+
+def set_compute_cpu_aside(setting: str, lock_dir: Path | None = None) -> CpuPlacement:
+    """For the process that starts the compute process: choose its CPU and move this process, and so the serving
+    processes and threads it starts afterwards, off it. The compute process pins itself to ``.cpu``
+    (``WorkerSpec.compute_cpu``; None: no placement).
+
+    ``auto`` claims the first of :func:`auto_candidates` whose lock file in ``lock_dir`` (default: the temporary
+    directory) no other process holds; a number is taken as given.
+
+    Raises:
+        ValueError: as :func:`choose_compute_cpu`.
+    """
     allowed = allowed_cpus()
     cpu = choose_compute_cpu(setting, allowed)
+    lock_fd = None
+    if setting == "auto" and cpu is not None:
+        cpu, lock_fd = _claim_first(auto_candidates(allowed), lock_dir or Path(tempfile.gettempdir()))
     if cpu is None:
         if setting == "auto":
-            log.info("compute_cpu auto: %s CPU(s) allowed, fewer than %d: no CPU set aside",
-                     len(allowed) if allowed is not None else "unknown", AUTO_MIN_CPUS)
-        return None
+            log.info("compute_cpu auto: no CPU set aside (%s CPU(s) allowed, %d needed; or every candidate taken by "
+                     "another server)", len(allowed) if allowed is not None else "unknown", AUTO_MIN_CPUS)
+        return CpuPlacement(None)
     assert allowed is not None  # choose_compute_cpu returns a CPU only where affinity works
     pin_process(allowed - {cpu})
     log.info("CPU %d set aside for the compute process; the serving processes run on %s", cpu, _cpu_list(allowed - {cpu}))
-    return cpu
+    return CpuPlacement(cpu, lock_fd)
+
+
+def _claim_first(candidates: list[int], lock_dir: Path) -> tuple[int | None, int | None]:
+    """The first of ``candidates`` whose lock this process could take, and the lock's descriptor (kept open)."""
+    for cpu in candidates:
+        try:
+            fd = os.open(lock_dir / LOCK_NAME.format(cpu=cpu), os.O_CREAT | os.O_RDWR, 0o666)
+        except OSError as exc:  # an unwritable directory: no coordination, take the first choice
+            log.warning("compute_cpu auto: cannot open a lock in %s (%s); not coordinating with other servers", lock_dir, exc)
+            return cpu, None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another server holds it
+            os.close(fd)
+            continue
+        return cpu, fd
+    return None, None
 
 
 def _cpu_list(cpus: set[int]) -> str:
@@ -100,4 +160,5 @@ def _cpu_list(cpus: set[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-__all__ = ["AUTO_MIN_CPUS", "allowed_cpus", "choose_compute_cpu", "pin_process", "set_compute_cpu_aside"]
+__all__ = ["AUTO_MIN_CPUS", "CpuPlacement", "allowed_cpus", "auto_candidates", "choose_compute_cpu", "pin_process",
+           "set_compute_cpu_aside"]

@@ -102,7 +102,8 @@ class ServerSettings(BaseSettings):
     compute_cpu: str = Field(
         "none", description="with compute_worker = process: a CPU of the compute process's own, which the serving "
         "processes never use (its one thread feeds the GPU for all of them; a front end woken onto its CPU would "
-        "preempt it): a CPU number, auto (the highest CPU the server may use, when it may use at least 3), or none "
+        "preempt it): a CPU number, auto (the highest CPU the server may use that no other server on the machine has "
+        "claimed, leaving the serving processes two), or none "
         "(the kernel places every process)",
     )
     event_loop: EventLoopKind = Field(

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lutb_server.cpu_placement import _cpu_list, allowed_cpus, choose_compute_cpu, pin_process
+from lutb_server import cpu_placement
+from lutb_server.cpu_placement import _cpu_list, allowed_cpus, auto_candidates, choose_compute_cpu, pin_process
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
 
@@ -35,6 +36,36 @@ def test_choose_compute_cpu(setting: str, allowed: set[int] | None, want: int | 
             choose_compute_cpu(setting, allowed)
     else:
         assert choose_compute_cpu(setting, allowed) == want
+
+
+@pytest.mark.parametrize(("allowed", "want"), [
+    (None, []), ({0, 1}, []), ({0, 1, 2}, [2]), ({0, 1, 2, 3}, [3, 2]), ({4, 9, 2, 7, 1}, [9, 7, 4]),
+])
+def test_auto_leaves_the_serving_processes_two_cpus(allowed: set[int] | None, want: list[int]) -> None:
+    assert auto_candidates(allowed) == want
+
+
+def test_auto_claims_a_cpu_no_other_server_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Servers side by side (one per GPU) set different CPUs aside: each holds a lock on its CPU until it releases
+    it; when every candidate is taken, none is set aside. A number is taken as given, without a lock."""
+    pinned: list[set[int]] = []
+    monkeypatch.setattr(cpu_placement, "allowed_cpus", lambda: {0, 1, 2, 3, 4})
+    monkeypatch.setattr(cpu_placement, "pin_process", pinned.append)  # this test process stays where it is
+    first = cpu_placement.set_compute_cpu_aside("auto", tmp_path)
+    second = cpu_placement.set_compute_cpu_aside("auto", tmp_path)
+    third = cpu_placement.set_compute_cpu_aside("auto", tmp_path)
+    assert (first.cpu, second.cpu, third.cpu) == (4, 3, 2)
+    assert pinned == [{0, 1, 2, 3}, {0, 1, 2, 4}, {0, 1, 3, 4}]
+    assert cpu_placement.set_compute_cpu_aside("auto", tmp_path).cpu is None  # 0 and 1 stay with the serving side
+    second.release()
+    second.release()  # idempotent
+    again = cpu_placement.set_compute_cpu_aside("auto", tmp_path)
+    assert again.cpu == 3
+    assert cpu_placement.set_compute_cpu_aside("4", tmp_path).cpu == 4  # as given: no lock asked
+    assert cpu_placement.set_compute_cpu_aside("none", tmp_path).cpu is None
+    for placement in (first, third, again):
+        placement.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"lutb-compute-cpu-{c}.lock" for c in (2, 3, 4)]
 
 
 @pytest.mark.parametrize(("cpus", "text"), [({0}, "0"), ({0, 1, 2}, "0-2"), ({0, 1, 2, 5, 7, 8}, "0-2,5,7-8"), ({3, 1}, "1,3")])
