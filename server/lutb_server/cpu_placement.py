@@ -19,7 +19,6 @@ a CPU set aside here is still shared with other workloads; with Kubernetes' stat
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import tempfile
@@ -134,6 +133,8 @@ def set_compute_cpu_aside(setting: str, lock_dir: Path | None = None) -> CpuPlac
 
 def _claim_first(candidates: list[int], lock_dir: Path) -> tuple[int | None, int | None]:
     """The first of ``candidates`` whose lock this process could take, and the lock's descriptor (kept open)."""
+    import fcntl  # POSIX only, like CPU affinity: candidates are empty elsewhere
+
     for cpu in candidates:
         try:
             fd = os.open(lock_dir / LOCK_NAME.format(cpu=cpu), os.O_CREAT | os.O_RDWR, 0o666)
