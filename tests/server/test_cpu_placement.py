@@ -147,20 +147,24 @@ def _allowed_list(pid: int, tid: int | None = None) -> set[int]:
 
 @needs_affinity
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True, reason="needs 2 CPUs")
-def test_lutb_serve_sets_a_cpu_aside_for_the_compute_process(tiny_checkpoint: Path) -> None:
-    """`--compute-cpu N`: the compute process (every thread of it) runs on CPU N only; front end 0 and front end 1
-    (every thread of each) on the others."""
+@pytest.mark.parametrize("front_ends", [1, 2])
+def test_lutb_serve_sets_a_cpu_aside_for_the_compute_process(tiny_checkpoint: Path, front_ends: int) -> None:
+    """`--compute-cpu N`: the compute process (every thread of it) runs on CPU N only; the serving processes (every
+    thread of each) on the others. With one front end the compute process is started from a worker thread of the
+    serving process, with two from its main thread."""
     from lutb_server.testing import ServeProcess
 
     allowed = os.sched_getaffinity(0)
     cpu = max(allowed)
-    serving = ServeProcess("--checkpoint", str(tiny_checkpoint), "--compute-worker", "process", "--front-ends", "2",
-                           "--compute-cpu", str(cpu), "--no-validate-checkpoint").wait_ready()
+    serving = ServeProcess("--checkpoint", str(tiny_checkpoint), "--compute-worker", "process", "--front-ends",
+                           str(front_ends), "--compute-cpu", str(cpu), "--no-validate-checkpoint").wait_ready()
     try:
         compute = int(next(m for m in (re.search(r"compute process (\d+) ready", line) for line in serving.lines) if m).group(1))
-        front_end = int(next(m for m in (re.search(r"pids \[(\d+)\]", line) for line in serving.lines
-                                         if "front ends 1-1 started" in line) if m).group(1))
-        for pid, want in ((compute, {cpu}), (serving.pid, allowed - {cpu}), (front_end, allowed - {cpu})):
+        serving_pids = [serving.pid]
+        if front_ends > 1:
+            serving_pids.append(int(next(m for m in (re.search(r"pids \[(\d+)\]", line) for line in serving.lines
+                                                     if "front ends 1-1 started" in line) if m).group(1)))
+        for pid, want in ((compute, {cpu}), *((p, allowed - {cpu}) for p in serving_pids)):
             for tid in os.listdir(f"/proc/{pid}/task"):
                 assert _allowed_list(pid, int(tid)) == want, (pid, tid, want)
         assert any(f"CPU {cpu} set aside for the compute process" in line for line in serving.lines), "".join(serving.lines)
