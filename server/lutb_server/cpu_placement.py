@@ -49,7 +49,7 @@ def auto_candidates(allowed: set[int] | None) -> list[int]:
 
 def choose_compute_cpu(setting: str, allowed: set[int] | None) -> int | None:
     """The compute process's CPU for ``setting`` (``none``, ``auto`` or a CPU number), given the ``allowed`` CPUs,
-    before any other server's claim: what :func:`set_compute_cpu_aside` starts from.
+    before any other server's claim (``lutb serve`` checks its setting with it before starting anything).
 
     ``none``: None. ``auto``: the first of :func:`auto_candidates`, or None. A number: that CPU.
 
@@ -117,16 +117,17 @@ def set_compute_cpu_aside(setting: str, lock_dir: Path | None = None) -> CpuPlac
         ValueError: as :func:`choose_compute_cpu`.
     """
     allowed = allowed_cpus()
-    cpu = choose_compute_cpu(setting, allowed)
     lock_fd = None
-    if setting == "auto" and cpu is not None:
+    if setting == "auto":
         cpu, lock_fd = _claim_first(auto_candidates(allowed), lock_dir or Path(tempfile.gettempdir()))
+    else:
+        cpu = choose_compute_cpu(setting, allowed)
     if cpu is None:
         if setting == "auto":
             log.info("compute_cpu auto: no CPU set aside (%s CPU(s) allowed, %d needed; or every candidate taken by "
                      "another server)", len(allowed) if allowed is not None else "unknown", AUTO_MIN_CPUS)
         return CpuPlacement(None)
-    assert allowed is not None  # choose_compute_cpu returns a CPU only where affinity works
+    assert allowed is not None  # a CPU is chosen only where affinity works
     pin_process(allowed - {cpu})
     log.info("CPU %d set aside for the compute process; the serving processes run on %s", cpu, _cpu_list(allowed - {cpu}))
     return CpuPlacement(cpu, lock_fd)
