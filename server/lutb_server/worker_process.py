@@ -198,6 +198,10 @@ def _gpu_memory(device: torch.device) -> tuple[int, int]:
     return torch_gpu_memory(str(device))() if device.type == "cuda" else (0, 0)
 
 
+_Answer = tuple[int, "torch.Tensor | BaseException", bool]
+"""A batch's answer in the compute process: its job, its output (or exception), and whether the output is in its slot."""
+
+
 class _Connection:
     """The child's end of one serving process's socket, with that process's arena."""
 
@@ -274,15 +278,21 @@ class _Connection:
             return None
         return self.arena.view(slot)
 
-    def answer(self, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, written: bool,
-               memory: tuple[int, int]) -> None:
-        """Send ``output``: this batch's part of ``call`` (the merged call that ran it; ``written``: it is in the
-        batch's output slot already), or, with ``call`` None, its exception."""
-        if call is None:
-            message = (job, _picklable(output), 0.0, 0, "", memory)  # type: ignore[arg-type]
-        else:
-            message = (job, None if written else encode_tensor(output), call.seconds, call.call_tokens, call.path, memory)  # type: ignore[arg-type]
-        _send(self.sock, message)
+    def answer(self, answers: Sequence[_Answer], call: BatchOutput | None, memory: tuple[int, int]) -> None:
+        """Send the answers of this connection's batches that ``call`` (the merged call) ran, in one write unless one
+        carries its output inline: per batch ``(job, output, written)``, ``output`` its part of the call
+        (``written``: in the batch's output slot already), or, with ``call`` None, its exception."""
+        parts: list[bytes] = []
+        for job, output, written in answers:
+            if call is None:
+                message = (job, _picklable(output), 0.0, 0, "", memory)  # type: ignore[arg-type]
+            else:
+                message = (job, None if written else encode_tensor(output), call.seconds, call.call_tokens, call.path, memory)  # type: ignore[arg-type]
+            parts += _frame(message)
+        if len(parts) > 1 and len(parts) == len(answers):  # all small (joined frames): one write, one wake-up
+            parts = [b"".join(parts)]
+        for part in parts:
+            self.sock.sendall(part)
 
 
 def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
@@ -340,7 +350,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
             readable = buffered + [c for c in select.select(waiting + open_, [], [], 0)[0] if c not in buffered]
         else:
             readable = open_ if len(open_) == 1 and not waiting else select.select(waiting + open_, [], [])[0]
-        for c in readable:  # one message from each: a serving process has one batch in flight
+        for c in readable:
             if c in waiting:
                 waiting.remove(c)
                 try:
@@ -350,21 +360,24 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 except (EOFError, OSError) as exc:
                     log.warning("a serving process left before its handshake (%s)", exc)
                 continue
-            try:
-                message = c.receive()
-            except (EOFError, OSError):
-                message = None  # that serving process is gone
-            if message is None:
-                open_.remove(c)
-                continue
-            job, (layer, x, ids, w, on_input, mode), out_slot = message
-            try:  # a batch arrives concatenated: one request
-                request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode)
-                destination = c.destination(out_slot, request)
-            except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
-                _answer(c, job, exc, None, False, memory)
-                continue
-            batches.append((c, job, request, destination))
+            while True:  # one read, then every whole message it brought (a serving process may have several batches in flight)
+                try:
+                    message = c.receive()
+                except (EOFError, OSError):
+                    message = None  # that serving process is gone
+                if message is None:
+                    open_.remove(c)
+                    break
+                job, (layer, x, ids, w, on_input, mode), out_slot = message
+                try:  # a batch arrives concatenated: one request
+                    request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode)
+                    destination = c.destination(out_slot, request)
+                except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
+                    _answer(c, [(job, exc, False)], None, memory)
+                else:
+                    batches.append((c, job, request, destination))
+                if not c.buffered:
+                    break
         _run_merged(worker, batches, memory, spec.max_batch_tokens)
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
             memory, memory_read = _gpu_memory(device), time.monotonic()
@@ -391,7 +404,8 @@ def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[l
 
 
 def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max_tokens: int) -> None:
-    """Run ``batches`` (one per serving process at most), merged by :func:`merge_groups`, and answer each.
+    """Run ``batches`` (in arrival order; a serving process may have several), merged by :func:`merge_groups`, and
+    answer each, a serving process's batches of one merged call in one write.
 
     Outputs are written by the worker straight into their serving processes' output slots
     (``ComputeWorker.run(..., into=)``: one copy out of the pinned staging); a batch without one is sent inline.
@@ -408,14 +422,16 @@ def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max
                     _run_merged(worker, [batch], memory, max_tokens)
                 continue
             call, outputs = None, [exc]
+        answers: dict[_Connection, list[_Answer]] = {}
         for (c, job, _, destination), output in zip(group, outputs):
-            _answer(c, job, output, call, destination is not None, memory)
+            answers.setdefault(c, []).append((job, output, destination is not None))
+        for c, items in answers.items():
+            _answer(c, items, call, memory)
 
 
-def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, written: bool,
-            memory: tuple[int, int]) -> None:
+def _answer(c: _Connection, answers: Sequence[_Answer], call: BatchOutput | None, memory: tuple[int, int]) -> None:
     try:
-        c.answer(job, output, call, written, memory)
+        c.answer(answers, call, memory)
     except OSError:
         pass  # that serving process is gone; its socket reads EOF next round
 
