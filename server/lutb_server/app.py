@@ -367,8 +367,9 @@ class ExpertServer:
             self.gate.state = "serving"
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("SERVING %s (%d layer(s), %s, backend %s on %s)", engine.checkpoint.path, len(engine.layer_ids),
-                 engine.content_hash[:19], engine.backend.name, engine.device)
+        log.info("SERVING %s (%d layer(s), %s, backend %s on %s; batches up to %d tokens, %d in flight, wait %d us)",
+                 engine.checkpoint.path, len(engine.layer_ids), engine.content_hash[:19], engine.backend.name, engine.device,
+                 scheduler.max_batch_tokens, scheduler.batches_in_flight, self.settings.max_wait_us)
 
     def _front_end_exited(self, error: Exception) -> None:
         """A front end exited (on the loop): unless draining anyway, out of service as for a dead compute process."""
