@@ -85,6 +85,11 @@ DEFAULT_ARENA_BYTES = 64 << 20
 """Shared memory for batches in flight when the caller does not size it (the server does:
 :func:`lutb_server.app.arena_bytes`)."""
 
+POLL_S = 0.002
+"""With a CPU of its own (``WorkerSpec.compute_cpu``), how long after a round of batches the compute process polls
+its sockets for the next batch instead of sleeping: a batch that finds it asleep waits for its wake-up. Bounded, so an
+idle server's compute process sleeps."""
+
 _HEADER = 8  # bytes of a frame's length prefix
 _JOIN_BYTES = 64 << 10  # frames up to this size are written as one buffer (header and body joined)
 _RECV_BYTES = 64 << 10  # what the compute process asks of a socket per read
@@ -115,7 +120,8 @@ class WorkerSpec:
     intra_op_threads: int = 0
     gil_switch_interval_us: int = 0
     compute_cpu: int | None = None
-    """The CPU the child pins itself to (``lutb_server.cpu_placement``); None: wherever the kernel places it."""
+    """The CPU the child pins itself to (``lutb_server.cpu_placement``); None: wherever the kernel places it.
+    On a CPU of its own the child polls its sockets for :data:`POLL_S` after each round before it sleeps."""
 
 
 # -- framing ---------------------------------------------------------------------------------------
@@ -343,13 +349,15 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 pass
         return
     waiting, open_ = list(connections), []  # before and after the handshake; front ends start in any order
+    poll_s = POLL_S if spec.compute_cpu is not None else 0.0  # polling costs nobody else a CPU only on one of its own
+    poll_until = 0.0  # time.monotonic() until which the loop polls for the next batch instead of sleeping
     while waiting or open_:
         batches: list[_Batch] = []
         buffered = [c for c in open_ if c.buffered]  # a whole message in already: select would not report it
         if buffered:
             readable = buffered + [c for c in select.select(waiting + open_, [], [], 0)[0] if c not in buffered]
         else:
-            readable = open_ if len(open_) == 1 and not waiting else select.select(waiting + open_, [], [])[0]
+            readable = _readable(waiting, open_, poll_until)
         for c in readable:
             if c in waiting:
                 waiting.remove(c)
@@ -381,6 +389,21 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
         _run_merged(worker, batches, memory, spec.max_batch_tokens)
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
             memory, memory_read = _gpu_memory(device), time.monotonic()
+        if batches and poll_s:
+            poll_until = time.monotonic() + poll_s
+
+
+def _readable(waiting: list[_Connection], open_: list[_Connection], poll_until: float) -> list[_Connection]:
+    """The connections with something to read: polled without sleeping until ``poll_until`` (``time.monotonic()``),
+    then waited for (a lone open connection in its own ``recv``, without a ``select`` call)."""
+    connections = waiting + open_
+    while time.monotonic() < poll_until:
+        ready = select.select(connections, [], [], 0)[0]
+        if ready:
+            return ready
+    if len(open_) == 1 and not waiting:
+        return open_
+    return select.select(connections, [], [])[0]
 
 
 _Batch = tuple[_Connection, int, PreparedRequest, "torch.Tensor | None"]

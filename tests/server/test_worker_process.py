@@ -596,3 +596,34 @@ def test_a_connections_answers_of_one_call_go_in_one_write() -> None:
     c.answer([(6, ValueError("bad batch"), False)], None, (0, 0))
     (message,) = _frames(b"".join(sock.writes))
     assert message[0] == 6 and isinstance(message[1], ValueError) and message[2:5] == (0.0, 0, "")
+
+
+def test_the_compute_process_polls_after_a_round_then_sleeps() -> None:
+    """``_readable``: until ``poll_until`` it polls (a batch written 20 ms later is seen while this thread spins on its
+    CPU: the CPU time it took is most of the wait); past it, it sleeps in ``select`` (almost no CPU time)."""
+    import socket as socket_
+    import threading
+
+    from lutb_server.worker_process import _Connection, _readable
+
+    pairs = [socket_.socketpair() for _ in range(2)]
+    try:
+        connections = [_Connection(ours) for ours, _ in pairs]
+        for poll_s, spins in ((0.5, True), (0.0, False)):
+            timer = threading.Timer(0.02, pairs[1][1].sendall, (b"x",))
+            start_cpu, start = time.thread_time(), time.monotonic()
+            timer.start()
+            ready = _readable([], connections, time.monotonic() + poll_s)
+            cpu, wall = time.thread_time() - start_cpu, time.monotonic() - start
+            assert ready == [connections[1]]
+            assert wall >= 0.015
+            if spins:
+                assert cpu >= 0.4 * wall, (cpu, wall)
+            else:
+                assert cpu < 0.25 * wall, (cpu, wall)
+            assert pairs[1][0].recv(1) == b"x"
+        assert _readable([], connections[:1], 0.0) == connections[:1]  # one connection: its own recv waits
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
