@@ -345,7 +345,7 @@ class ExpertServer:
                 await asyncio.wrap_future(worker.call(worker.warm_up, warm_up_limit(s)))  # compiles, before SERVING
                 weight_bytes, gpu_memory = engine.weight_bytes, None
             scheduler = BatchScheduler(
-                engine, max_batch_tokens=s.max_batch_tokens, max_wait_us=s.max_wait_us, batches_in_flight=s.batches_in_flight,
+                engine, max_batch_tokens=s.max_batch_tokens, max_wait_us=s.max_wait_us,
                 max_queue_requests=s.max_queue_requests, metrics=self.metrics, backend_name=engine.backend.name,
                 worker=worker,
             )
@@ -367,9 +367,8 @@ class ExpertServer:
             self.gate.state = "serving"
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("SERVING %s (%d layer(s), %s, backend %s on %s; batches up to %d tokens, %d in flight, wait %d us)",
-                 engine.checkpoint.path, len(engine.layer_ids), engine.content_hash[:19], engine.backend.name, engine.device,
-                 scheduler.max_batch_tokens, scheduler.batches_in_flight, self.settings.max_wait_us)
+        log.info("SERVING %s (%d layer(s), %s, backend %s on %s)", engine.checkpoint.path, len(engine.layer_ids),
+                 engine.content_hash[:19], engine.backend.name, engine.device)
 
     def _front_end_exited(self, error: Exception) -> None:
         """A front end exited (on the loop): unless draining anyway, out of service as for a dead compute process."""

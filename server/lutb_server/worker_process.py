@@ -85,11 +85,6 @@ DEFAULT_ARENA_BYTES = 64 << 20
 """Shared memory for batches in flight when the caller does not size it (the server does:
 :func:`lutb_server.app.arena_bytes`)."""
 
-POLL_S = 0.002
-"""With a CPU of its own (``WorkerSpec.compute_cpu``), how long after a round of batches the compute process polls
-its sockets for the next batch instead of sleeping: a batch that finds it asleep waits for its wake-up. Bounded, so an
-idle server's compute process sleeps."""
-
 _HEADER = 8  # bytes of a frame's length prefix
 _JOIN_BYTES = 64 << 10  # frames up to this size are written as one buffer (header and body joined)
 _RECV_BYTES = 64 << 10  # what the compute process asks of a socket per read
@@ -120,8 +115,7 @@ class WorkerSpec:
     intra_op_threads: int = 0
     gil_switch_interval_us: int = 0
     compute_cpu: int | None = None
-    """The CPU the child pins itself to (``lutb_server.cpu_placement``); None: wherever the kernel places it.
-    On a CPU of its own the child polls its sockets for :data:`POLL_S` after each round before it sleeps."""
+    """The CPU the child pins itself to (``lutb_server.cpu_placement``); None: wherever the kernel places it."""
 
 
 # -- framing ---------------------------------------------------------------------------------------
@@ -204,10 +198,6 @@ def _gpu_memory(device: torch.device) -> tuple[int, int]:
     return torch_gpu_memory(str(device))() if device.type == "cuda" else (0, 0)
 
 
-_Answer = tuple[int, "torch.Tensor | BaseException", bool]
-"""A batch's answer in the compute process: its job, its output (or exception), and whether the output is in its slot."""
-
-
 class _Connection:
     """The child's end of one serving process's socket, with that process's arena."""
 
@@ -284,21 +274,15 @@ class _Connection:
             return None
         return self.arena.view(slot)
 
-    def answer(self, answers: Sequence[_Answer], call: BatchOutput | None, memory: tuple[int, int]) -> None:
-        """Send the answers of this connection's batches that ``call`` (the merged call) ran, in one write unless one
-        carries its output inline: per batch ``(job, output, written)``, ``output`` its part of the call
-        (``written``: in the batch's output slot already), or, with ``call`` None, its exception."""
-        parts: list[bytes] = []
-        for job, output, written in answers:
-            if call is None:
-                message = (job, _picklable(output), 0.0, 0, "", memory)  # type: ignore[arg-type]
-            else:
-                message = (job, None if written else encode_tensor(output), call.seconds, call.call_tokens, call.path, memory)  # type: ignore[arg-type]
-            parts += _frame(message)
-        if len(parts) > 1 and len(parts) == len(answers):  # all small (joined frames): one write, one wake-up
-            parts = [b"".join(parts)]
-        for part in parts:
-            self.sock.sendall(part)
+    def answer(self, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, written: bool,
+               memory: tuple[int, int]) -> None:
+        """Send ``output``: this batch's part of ``call`` (the merged call that ran it; ``written``: it is in the
+        batch's output slot already), or, with ``call`` None, its exception."""
+        if call is None:
+            message = (job, _picklable(output), 0.0, 0, "", memory)  # type: ignore[arg-type]
+        else:
+            message = (job, None if written else encode_tensor(output), call.seconds, call.call_tokens, call.path, memory)  # type: ignore[arg-type]
+        _send(self.sock, message)
 
 
 def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
@@ -349,16 +333,14 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 pass
         return
     waiting, open_ = list(connections), []  # before and after the handshake; front ends start in any order
-    poll_s = POLL_S if spec.compute_cpu is not None else 0.0  # polling costs nobody else a CPU only on one of its own
-    poll_until = 0.0  # time.monotonic() until which the loop polls for the next batch instead of sleeping
     while waiting or open_:
         batches: list[_Batch] = []
         buffered = [c for c in open_ if c.buffered]  # a whole message in already: select would not report it
         if buffered:
             readable = buffered + [c for c in select.select(waiting + open_, [], [], 0)[0] if c not in buffered]
         else:
-            readable = _readable(waiting, open_, poll_until)
-        for c in readable:
+            readable = open_ if len(open_) == 1 and not waiting else select.select(waiting + open_, [], [])[0]
+        for c in readable:  # one message from each: a serving process has one batch in flight
             if c in waiting:
                 waiting.remove(c)
                 try:
@@ -368,42 +350,24 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 except (EOFError, OSError) as exc:
                     log.warning("a serving process left before its handshake (%s)", exc)
                 continue
-            while True:  # one read, then every whole message it brought (a serving process may have several batches in flight)
-                try:
-                    message = c.receive()
-                except (EOFError, OSError):
-                    message = None  # that serving process is gone
-                if message is None:
-                    open_.remove(c)
-                    break
-                job, (layer, x, ids, w, on_input, mode), out_slot = message
-                try:  # a batch arrives concatenated: one request
-                    request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode)
-                    destination = c.destination(out_slot, request)
-                except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
-                    _answer(c, [(job, exc, False)], None, memory)
-                else:
-                    batches.append((c, job, request, destination))
-                if not c.buffered:
-                    break
+            try:
+                message = c.receive()
+            except (EOFError, OSError):
+                message = None  # that serving process is gone
+            if message is None:
+                open_.remove(c)
+                continue
+            job, (layer, x, ids, w, on_input, mode), out_slot = message
+            try:  # a batch arrives concatenated: one request
+                request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode)
+                destination = c.destination(out_slot, request)
+            except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
+                _answer(c, job, exc, None, False, memory)
+                continue
+            batches.append((c, job, request, destination))
         _run_merged(worker, batches, memory, spec.max_batch_tokens)
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
             memory, memory_read = _gpu_memory(device), time.monotonic()
-        if batches and poll_s:
-            poll_until = time.monotonic() + poll_s
-
-
-def _readable(waiting: list[_Connection], open_: list[_Connection], poll_until: float) -> list[_Connection]:
-    """The connections with something to read: polled without sleeping until ``poll_until`` (``time.monotonic()``),
-    then waited for (a lone open connection in its own ``recv``, without a ``select`` call)."""
-    connections = waiting + open_
-    while time.monotonic() < poll_until:
-        ready = select.select(connections, [], [], 0)[0]
-        if ready:
-            return ready
-    if len(open_) == 1 and not waiting:
-        return open_
-    return select.select(connections, [], [])[0]
 
 
 _Batch = tuple[_Connection, int, PreparedRequest, "torch.Tensor | None"]
@@ -427,8 +391,7 @@ def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[l
 
 
 def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max_tokens: int) -> None:
-    """Run ``batches`` (in arrival order; a serving process may have several), merged by :func:`merge_groups`, and
-    answer each, a serving process's batches of one merged call in one write.
+    """Run ``batches`` (one per serving process at most), merged by :func:`merge_groups`, and answer each.
 
     Outputs are written by the worker straight into their serving processes' output slots
     (``ComputeWorker.run(..., into=)``: one copy out of the pinned staging); a batch without one is sent inline.
@@ -445,16 +408,14 @@ def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max
                     _run_merged(worker, [batch], memory, max_tokens)
                 continue
             call, outputs = None, [exc]
-        answers: dict[_Connection, list[_Answer]] = {}
         for (c, job, _, destination), output in zip(group, outputs):
-            answers.setdefault(c, []).append((job, output, destination is not None))
-        for c, items in answers.items():
-            _answer(c, items, call, memory)
+            _answer(c, job, output, call, destination is not None, memory)
 
 
-def _answer(c: _Connection, answers: Sequence[_Answer], call: BatchOutput | None, memory: tuple[int, int]) -> None:
+def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, written: bool,
+            memory: tuple[int, int]) -> None:
     try:
-        c.answer(answers, call, memory)
+        c.answer(job, output, call, written, memory)
     except OSError:
         pass  # that serving process is gone; its socket reads EOF next round
 
