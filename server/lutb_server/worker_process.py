@@ -333,6 +333,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 pass
         return
     waiting, open_ = list(connections), []  # before and after the handshake; front ends start in any order
+    received = 0  # batches received (for the summary at exit; worker.batches counts the calls that ran them)
     while waiting or open_:
         batches: list[_Batch] = []
         buffered = [c for c in open_ if c.buffered]  # a whole message in already: select would not report it
@@ -365,9 +366,12 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 _answer(c, job, exc, None, False, memory)
                 continue
             batches.append((c, job, request, destination))
+        received += len(batches)
         _run_merged(worker, batches, memory, spec.max_batch_tokens)
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
             memory, memory_read = _gpu_memory(device), time.monotonic()
+    log.info("done: %d experts call(s) ran %d batch(es) of %d serving process(es), %.2f a call",
+             worker.batches, received, len(connections), received / max(worker.batches, 1))
 
 
 _Batch = tuple[_Connection, int, PreparedRequest, "torch.Tensor | None"]

@@ -435,6 +435,8 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
         while any(_alive(pid) for pid in (*pids, child)):
             assert time.monotonic() < deadline, "a front end or the compute process outlived the server"
             time.sleep(0.05)
+        done = [line for line in serving.lines if "[compute]: done:" in line]  # its summary: batches per experts call
+        assert len(done) == 1 and re.search(r"\d+ experts call\(s\) ran 12 batch\(es\) of 2 serving process\(es\)", done[0]), done
         settled = [line for line in serving.lines if "start-up objects frozen" in line]  # each process, once started
         assert len(settled) == 3 and sum("[compute]" in line for line in settled) == 1, settled
         assert sum("[front end 1]" in line for line in settled) == 1, settled
