@@ -235,6 +235,11 @@ def make_requests(shape: dict[str, int], tokens: int, wire: str, *, dtype: Any, 
 # ----------------------------------------------------------------------------- load generator (separate processes)
 
 
+async def _close_all(channels: list[Any]) -> None:
+    for channel in channels:
+        await channel.close()
+
+
 async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
     import grpc
 
@@ -245,10 +250,16 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
     options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30),
                ("grpc.use_local_subchannel_pool", 1)]
     async with contextlib.AsyncExitStack() as stack:
-        channels = [await stack.enter_async_context(grpc.aio.insecure_channel(spec["target"], options=options))
-                    for _ in range(max(1, spec.get("connections", 1)))]
+        channels = [grpc.aio.insecure_channel(spec["target"], options=options) for _ in range(max(1, spec.get("connections", 1)))]
+        stack.push_async_callback(_close_all, channels)  # the list, as it stands after spreading
         for channel in channels:
             await asyncio.wait_for(channel.channel_ready(), 60)
+        front_ends: list[int] = []
+        if spec["kind"] == "expert":  # as lutb_client's clients do; the echo servers do not say which front end they are
+            from lutb_client.spread import spread_async
+
+            front_ends = await spread_async(channels, lambda: grpc.aio.insecure_channel(spec["target"], options=options),
+                                            timeout=60)
         stream = spec.get("api", "unary") == "stream"
         echo = spec["kind"] == "echo"
         method = ECHO_METHOD if echo else FORWARD_METHOD
@@ -338,7 +349,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
     return {"latencies": latencies, "tokens": done_tokens, "window_s": spec["duration_s"], "batch_tokens": batch_tokens,
             "answered": answered_all, "busy": busy,
             "measured_per_caller": measured_per_caller, "window_wall_start": window_wall, **server_times, "sizes": sizes,
-            "errors": errors[:5]}
+            "errors": errors[:5], "front_ends": front_ends}
 
 
 def _load_worker(conn: Any) -> None:
@@ -390,6 +401,7 @@ class LoadPool:
                                           "connections": connections})
         latencies = [v for p in parts for v in p["latencies"]]
         batch = [v for p in parts for v in p["batch_tokens"]]
+        fronts = [f for p in parts for f in p["front_ends"]]
 
         def median_of(key: str) -> float | None:  # a server-side timing, over every process's responses
             values = [float(v) for p in parts for v in p[key]]
@@ -415,6 +427,8 @@ class LoadPool:
             # fewer callers than the concurrency, or windows far apart, mean the cell did not load the server as asked
             "callers_measured": sum(1 for p in parts for n in p["measured_per_caller"] if n),
             "window_start_spread_s": max(p["window_wall_start"] for p in parts) - min(p["window_wall_start"] for p in parts),
+            # the load processes' connections per server front end, after spreading them (lutb_client.spread)
+            "connections_per_front_end": [fronts.count(k) for k in range(max(fronts) + 1)] if fronts else None,
         }
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ The result then equals sending the hidden states themselves, except with
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import queue
 import random
@@ -34,6 +35,7 @@ from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_client.codec import PROTO_TO_TORCH, CodecError, decode_tensor, encode_tensor
 from lutb_client.errors import ExpertServiceError, status_code
+from lutb_client.spread import spread, spread_async
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -114,16 +116,16 @@ def open_channel(
     return module.secure_channel(target, credentials, options) if credentials else module.insecure_channel(target, options)
 
 
-def _open_channels(target: str, connections: int, *, aio: bool, credentials: grpc.ChannelCredentials | None,
-                   max_message_bytes: int, channel_options: Sequence[tuple[str, Any]]) -> list[Any]:
-    """``connections`` channels to ``target``; more than one each get their own subchannel pool (gRPC
-    otherwise lets channels with equal arguments share one TCP connection)."""
+def _channel_opener(target: str, connections: int, *, aio: bool, credentials: grpc.ChannelCredentials | None,
+                    max_message_bytes: int, channel_options: Sequence[tuple[str, Any]]) -> Callable[[], Any]:
+    """What opens each of a client's ``connections`` channels to ``target``: with more than one, each on its own
+    subchannel pool (gRPC otherwise lets channels with equal arguments share one TCP connection)."""
     if connections < 1:
         raise ValueError(f"connections must be >= 1, got {connections}")
     if connections > 1:
         channel_options = [*channel_options, ("grpc.use_local_subchannel_pool", 1)]
-    return [open_channel(target, aio=aio, credentials=credentials, max_message_bytes=max_message_bytes,
-                         channel_options=channel_options) for _ in range(connections)]
+    return functools.partial(open_channel, target, aio=aio, credentials=credentials, max_message_bytes=max_message_bytes,
+                             channel_options=channel_options)
 
 
 class _HiddenWire:
@@ -205,11 +207,16 @@ class _Connections:
         self.timeout = _check_timeout(timeout)
         self._closed = False
         self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
-        self._channels = _open_channels(target, connections, aio=self._AIO, credentials=credentials,
-                                        max_message_bytes=max_message_bytes, channel_options=channel_options)
-        self._stubs = itertools.cycle([pb_grpc.ExpertServiceStub(c) for c in self._channels])
+        self._open_channel = _channel_opener(target, connections, aio=self._AIO, credentials=credentials,
+                                             max_message_bytes=max_message_bytes, channel_options=channel_options)
+        self._channels = [self._open_channel() for _ in range(connections)]
+        self._take_stubs()
         self._ids = itertools.count(1)
         self._wire = _HiddenWire(wire)
+
+    def _take_stubs(self) -> None:
+        """Calls and streams take the channels' stubs in turn from now on."""
+        self._stubs = itertools.cycle([pb_grpc.ExpertServiceStub(c) for c in self._channels])
 
     @property
     def _stub(self) -> pb_grpc.ExpertServiceStub:
@@ -235,7 +242,8 @@ class ExpertClient(_Connections):
         connections: TCP connections to open, each its own channel; calls and streams take
             them in turn (a retry takes the next). A server with several front ends on one port
             (``lutb serve --front-ends N``) spreads connections, not calls, over them: open at
-            least N to use them all from one client.
+            least N, and call :meth:`spread_connections` once before the first call, to use them all
+            evenly from one client.
     """
 
     def close(self) -> None:
@@ -270,6 +278,24 @@ class ExpertClient(_Connections):
                 raise error
             time.sleep(pause)
             attempt += 1
+
+    def spread_connections(self, *, timeout: float | None = None) -> list[int]:
+        """Spread this client's connections evenly over the server's front ends (:mod:`lutb_client.spread`):
+        a connection on a front end holding two more of them than another is replaced by a new one. Call it
+        before making calls (a replaced connection is closed, and calls on it with it). Returns the front end
+        each connection reached (all 0 where the server has one).
+
+        Raises:
+            ExpertServiceError: the server did not answer within ``timeout`` (default: the client's).
+        """
+        if self._closed:
+            raise _closed_error()
+        try:
+            fronts = spread(self._channels, self._open_channel, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as err:
+            raise ExpertServiceError.from_rpc_error(err) from None
+        self._take_stubs()
+        return fronts
 
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         """The server's ``ModelInfo`` (sizes, layers and experts held, dtype, backend, content hash)."""
@@ -517,6 +543,17 @@ class AsyncExpertClient(_Connections):
                 raise error
             await asyncio.sleep(pause)
             attempt += 1
+
+    async def spread_connections(self, *, timeout: float | None = None) -> list[int]:
+        """:meth:`ExpertClient.spread_connections`."""
+        if self._closed:
+            raise _closed_error()
+        try:
+            fronts = await spread_async(self._channels, self._open_channel, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as err:
+            raise ExpertServiceError.from_rpc_error(err) from None
+        self._take_stubs()
+        return fronts
 
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         """The server's ``ModelInfo``."""

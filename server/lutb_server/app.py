@@ -231,11 +231,14 @@ class ExpertServer:
             socket (from :func:`~lutb_server.worker_process.spawn_compute_process`). Its metrics
             then listen on loopback only (``metrics_port``, which front end 0 sets to its own
             + k): front end 0 serves them with its own, labelled ``front_end``.
+        front_end: ``(k, N)``: this server is front end k of N on its port (``ModelInfo`` says so, for
+            clients that spread their connections). None: front end 0 of ``settings.front_ends``.
     """
 
     def __init__(self, settings: ServerSettings, *, engine_loader: Callable[[], ExpertEngine] | None = None,
-                 compute_connection: socket.socket | None = None) -> None:
+                 compute_connection: socket.socket | None = None, front_end: tuple[int, int] | None = None) -> None:
         self.settings = settings
+        self.front_end = front_end if front_end is not None else (0, settings.front_ends)
         self.metrics = ServerMetrics(expert_metrics=settings.expert_metrics)
         self.gate = Gate()
         self.health = health.aio.HealthServicer()
@@ -362,7 +365,7 @@ class ExpertServer:
             dtype=engine.config.dtype, activation=engine.config.activation, content_hash=engine.content_hash,
             weight_bytes=weight_bytes, gpu_memory=gpu_memory,
         )
-        self.servicer.bind(engine, scheduler)
+        self.servicer.bind(engine, scheduler, front_end=self.front_end[0], front_ends=self.front_end[1])
         if self.gate.state == "loading":
             self.gate.state = "serving"
             for name in ("", SERVICE_NAME):
@@ -419,21 +422,22 @@ async def serve(
     on_ready: Callable[[ExpertServer], None] | None = None,
     engine_loader: Callable[[], ExpertEngine] | None = None,
     compute_connection: socket.socket | None = None,
+    front_end: tuple[int, int] | None = None,
 ) -> int:
     """Run a server until SIGTERM or SIGINT, then drain within ``settings.shutdown_grace_s``; returns 0.
 
     Returns 1 instead when the server stopped because it could no longer compute (its compute
     process died), so that a supervisor (Kubernetes) restarts it.
 
-    ``engine_loader`` and ``compute_connection`` are passed to :class:`ExpertServer` (benchmarks
-    serve fake backends with the first; front ends k > 0 run on the second).
+    ``engine_loader``, ``compute_connection`` and ``front_end`` are passed to :class:`ExpertServer` (benchmarks
+    serve fake backends with the first; front ends k > 0 run on the second and say which they are with the third).
     """
     log.info("%s", tune_malloc())  # this process moves large messages (lutb_client.allocator)
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
-    server = ExpertServer(settings, engine_loader=engine_loader, compute_connection=compute_connection)
+    server = ExpertServer(settings, engine_loader=engine_loader, compute_connection=compute_connection, front_end=front_end)
     starting = asyncio.create_task(server.start())
     stop_wait = asyncio.create_task(stop_requested.wait())
     failed_wait = asyncio.create_task(server.failed.wait())

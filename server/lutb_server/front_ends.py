@@ -52,7 +52,8 @@ class FrontEnds:
             own = settings.model_copy(update={"port": port, "front_ends": 1,
                                               "metrics_port": settings.metrics_port + k if settings.metrics_port else 0})
             ready = ctx.Event()
-            process = ctx.Process(target=front_end_main, args=(own.model_dump(), k, connection, ready, os.getpid()),
+            process = ctx.Process(target=front_end_main, args=(own.model_dump(), (k, settings.front_ends), connection, ready,
+                                                               os.getpid()),
                                   name=f"lutb-front-end-{k}", daemon=True)
             process.start()
             connection.close()
@@ -111,8 +112,8 @@ class FrontEnds:
         await asyncio.to_thread(join)
 
 
-def front_end_main(settings: dict, index: int, connection: socket.socket, ready: Any, parent: int) -> None:
-    """Front end ``index`` > 0 (a spawned process): serve until SIGTERM, set ``ready`` (a
+def front_end_main(settings: dict, front_end: tuple[int, int], connection: socket.socket, ready: Any, parent: int) -> None:
+    """Front end k > 0 of N (``front_end = (k, N)``; a spawned process): serve until SIGTERM, set ``ready`` (a
     multiprocessing Event) once SERVING, exit with :func:`~lutb_server.app.serve`'s code.
 
     It drains and exits when front end 0 (``parent``) dies, even by SIGKILL: otherwise it would
@@ -120,10 +121,12 @@ def front_end_main(settings: dict, index: int, connection: socket.socket, ready:
     """
     from lutb_server.app import serve  # app imports this module
 
+    index = front_end[0]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [front end {index}]: %(message)s")
     terminate_with_parent(parent)
-    front_end = ServerSettings(**settings)
-    sys.exit(event_loop.run(serve(front_end, compute_connection=connection, on_ready=lambda _: ready.set()), front_end.event_loop))
+    own = ServerSettings(**settings)
+    sys.exit(event_loop.run(serve(own, compute_connection=connection, front_end=front_end, on_ready=lambda _: ready.set()),
+                            own.event_loop))
 
 
 def terminate_with_parent(parent: int) -> None:

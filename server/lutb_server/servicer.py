@@ -34,8 +34,8 @@ RESPONSE_ENVELOPE_BYTES = 1024
 """Room left in a response message for everything but the output tensor's bytes (ids, status, timing)."""
 
 
-def build_model_info(engine: ExpertEngine, *, max_batch_tokens: int) -> pb.ModelInfo:
-    """The ``ModelInfo`` an engine serves."""
+def build_model_info(engine: ExpertEngine, *, max_batch_tokens: int, front_end: int = 0, front_ends: int = 1) -> pb.ModelInfo:
+    """The ``ModelInfo`` an engine serves from front end ``front_end`` of ``front_ends``."""
     config = engine.config
     return pb.ModelInfo(
         format=FORMAT,
@@ -54,6 +54,8 @@ def build_model_info(engine: ExpertEngine, *, max_batch_tokens: int) -> pb.Model
         content_hash=engine.content_hash,
         server_version=__version__,
         max_batch_tokens=max_batch_tokens,
+        front_end=front_end,
+        front_ends=front_ends,
     )
 
 
@@ -94,11 +96,12 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         if engine is not None and scheduler is not None:
             self.bind(engine, scheduler)
 
-    def bind(self, engine: ExpertEngine, scheduler: BatchScheduler) -> None:
-        """Serve ``engine``'s model through ``scheduler`` from now on."""
+    def bind(self, engine: ExpertEngine, scheduler: BatchScheduler, *, front_end: int = 0, front_ends: int = 1) -> None:
+        """Serve ``engine``'s model through ``scheduler`` from now on, as front end ``front_end`` of ``front_ends``."""
         self._engine = engine
         self._scheduler = scheduler
-        self._info = build_model_info(engine, max_batch_tokens=scheduler.max_batch_tokens)
+        self._info = build_model_info(engine, max_batch_tokens=scheduler.max_batch_tokens, front_end=front_end,
+                                      front_ends=front_ends)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         if self._info is None:

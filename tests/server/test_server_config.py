@@ -183,9 +183,11 @@ def test_demo_checkpoint_is_made_once_and_served(tmp_path: Path) -> None:
     assert ensure_demo_checkpoint(tmp_path) == path
     assert [f.stat().st_mtime_ns for f in sorted(path.glob("*.safetensors"))] == stamp  # cached, not remade
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
-    with ServerThread(demo_dir=tmp_path) as server, ExpertClient(server.address) as client:
+    with ServerThread(demo_dir=tmp_path) as server, ExpertClient(server.address, connections=3) as client:
         info = client.model_info()
+        assert client.spread_connections() == [0, 0, 0]  # one serving process: nothing to spread
     assert (info.hidden_size, info.num_experts, len(info.layers)) == (256, 8, 2)
+    assert (info.front_end, info.front_ends) == (0, 1)
 
 
 def test_intra_op_threads_default_to_one_on_cuda_only() -> None:

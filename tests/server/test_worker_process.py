@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import pickle
@@ -16,7 +17,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lutb_client import ExpertClient, ExpertServiceError
+from lutb_client import AsyncExpertClient, ExpertClient, ExpertServiceError
 from lutb_client.codec import decode_tensor, encode_tensor
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_kernels.experts import ReferenceExperts
@@ -423,13 +424,24 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
         child = _compute_pid(serving)
         gen = torch.Generator().manual_seed(3)
         with ExpertClient(serving.address, connections=12) as client:  # the kernel spreads connections over front ends
+            fronts = client.spread_connections()  # then the client evens them out: 6 on each
+            assert sorted(fronts) == [0] * 6 + [1] * 6, fronts
             for call in range(12):  # one call per connection, in turn
                 x = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
                 ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(3)]).to(torch.int32)
                 weights = torch.softmax(torch.randn(3, 2, generator=gen), dim=1)
                 assert torch.equal(client.forward(0, x, ids, weights), local.forward(x, ids, weights)), call
         counts = _forward_requests_by_front_end(metrics)
-        assert set(counts) == {"0", "1"} and sum(counts.values()) == 12 and min(counts.values()) > 0, counts
+        assert counts == {"0": 6, "1": 6}, counts
+
+        async def spread_async_client() -> tuple[list[int], list[int]]:
+            async with AsyncExpertClient(serving.address, connections=4) as aclient:
+                fronts = await aclient.spread_connections()
+                seen = [(await aclient.model_info()).front_end for _ in range(4)]  # calls take the connections in turn
+                return fronts, seen
+
+        fronts, seen = asyncio.run(spread_async_client())
+        assert sorted(fronts) == [0, 0, 1, 1] and seen == fronts, (fronts, seen)
         assert serving.stop(60) == 0, "".join(serving.lines)
         deadline = time.monotonic() + 10
         while any(_alive(pid) for pid in (*pids, child)):
