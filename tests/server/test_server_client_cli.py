@@ -22,6 +22,7 @@ def test_info(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
     assert _run(["info", server.address]) == 0
     out = capsys.readouterr().out
     assert "hidden_size             128" in out and "backend                 reference" in out and "0-7" in out
+    assert "front_end               0 of 1" in out
     assert _run(["info", server.address, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["content_hash"].startswith("sha256:")
@@ -29,6 +30,7 @@ def test_info(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
     assert info["hidden_size"] == 128 and info["num_experts"] == 8 and isinstance(info["max_batch_tokens"], int)
     assert info["format_version"] == 1 and info["dtype"] == "BFLOAT16" and [layer["layer"] for layer in info["layers"]] == [0, 1]
     assert info["layers"][0]["expert_ids"] == list(range(8))
+    assert (info["front_end"], info["front_ends"]) == (0, 1)
 
 
 def test_bench(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
