@@ -18,8 +18,8 @@ the load of many clients too. Servers that do not say (``front_ends`` 0 or 1) ar
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, NamedTuple
 
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
@@ -63,6 +63,70 @@ def _front_end(info: pb.ModelInfo) -> tuple[int, int]:
     return int(info.front_end), count
 
 
+class _Probe(NamedTuple):
+    """A step: ask ``channel`` which front end it reached (the reply: ``(front end, count)``)."""
+
+    channel: Any
+
+
+class _Close(NamedTuple):
+    """A step: close ``channel``."""
+
+    channel: Any
+
+
+def _steps(channels: list[Any], open_channel: Callable[[], Any], deadline: float) -> Generator[_Probe | _Close, Any, list[int]]:
+    """The spreading, free of I/O: yields the probes and closes to do (a failed probe is thrown back in), swaps
+    ``channels`` in place, returns each one's front end. :func:`spread` and :func:`spread_async` drive it."""
+    found = []
+    for channel in channels:
+        found.append((yield _Probe(channel)))
+    fronts, count = [f for f, _ in found], max(n for _, n in found)
+    if count <= 1 or len(channels) < 2:
+        return fronts
+    for _ in range(ATTEMPTS_PER_CONNECTION * len(channels)):
+        if is_even(fronts, count) or time.monotonic() >= deadline:
+            break
+        i, new = busiest(fronts, count), open_channel()
+        try:
+            f, _ = yield _Probe(new)
+        except Exception:  # noqa: BLE001 - a new connection that cannot be probed is not kept
+            yield _Close(new)
+            continue
+        if improves(fronts, count, i, f):
+            yield _Close(channels[i])
+            channels[i], fronts[i] = new, f
+        else:
+            yield _Close(new)
+    return fronts
+
+
+class _Run:
+    """Drives :func:`_steps`: the caller does each step it gets, setting ``reply`` (a probe's answer) or ``error``."""
+
+    def __init__(self, steps: Generator[_Probe | _Close, Any, list[int]]) -> None:
+        self._steps = steps
+        self.reply: Any = None
+        self.error: Exception | None = None
+        self.result: list[int] = []
+
+    def next_step(self) -> _Probe | _Close | None:
+        """The next step, given the last one's reply or error; None when done (``result`` then holds the front ends)."""
+        try:
+            step = self._steps.throw(self.error) if self.error is not None else self._steps.send(self.reply)
+        except StopIteration as done:
+            self.result = done.value
+            return None
+        self.reply, self.error = None, None
+        return step
+
+
+def _probe_call(channel: Any, deadline: float) -> Any:
+    """The ``GetModelInfo`` call of a probe (its result, or its awaitable on a ``grpc.aio`` channel)."""
+    stub = pb_grpc.ExpertServiceStub(channel)
+    return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=max(deadline - time.monotonic(), 0.0), wait_for_ready=True)
+
+
 def spread(channels: list[Any], open_channel: Callable[[], Any], *, timeout: float) -> list[int]:
     """Spread ``channels`` (``grpc`` channels to one server) over its front ends, in place.
 
@@ -78,61 +142,28 @@ def spread(channels: list[Any], open_channel: Callable[[], Any], *, timeout: flo
         grpc.RpcError: a probe of one of ``channels`` failed (a probe of a new channel that fails just drops it).
     """
     deadline = time.monotonic() + timeout
-
-    def probe(channel: Any) -> tuple[int, int]:
-        stub = pb_grpc.ExpertServiceStub(channel)
-        remaining = max(deadline - time.monotonic(), 0.0)
-        return _front_end(stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=remaining, wait_for_ready=True))
-
-    found = [probe(c) for c in channels]
-    fronts, count = [f for f, _ in found], max(n for _, n in found)
-    if count <= 1 or len(channels) < 2:
-        return fronts
-    for _ in range(ATTEMPTS_PER_CONNECTION * len(channels)):
-        if is_even(fronts, count) or time.monotonic() >= deadline:
-            break
-        i, new = busiest(fronts, count), open_channel()
+    run = _Run(_steps(channels, open_channel, deadline))
+    while (step := run.next_step()) is not None:
         try:
-            f, _ = probe(new)
-        except Exception:  # noqa: BLE001 - a new connection that cannot be probed is not kept
-            new.close()
-            continue
-        if improves(fronts, count, i, f):
-            channels[i].close()
-            channels[i], fronts[i] = new, f
-        else:
-            new.close()
-    return fronts
+            run.reply = _front_end(_probe_call(step.channel, deadline)) if isinstance(step, _Probe) else step.channel.close()
+        except Exception as exc:  # noqa: BLE001 - thrown back into the steps, which decide
+            run.error = exc
+    return run.result
 
 
 async def spread_async(channels: list[Any], open_channel: Callable[[], Any], *, timeout: float) -> list[int]:
     """:func:`spread` for ``grpc.aio`` channels (``open_channel`` returns one; closing is awaited)."""
     deadline = time.monotonic() + timeout
-
-    async def probe(channel: Any) -> tuple[int, int]:
-        stub = pb_grpc.ExpertServiceStub(channel)
-        remaining = max(deadline - time.monotonic(), 0.0)
-        return _front_end(await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=remaining, wait_for_ready=True))
-
-    found = [await probe(c) for c in channels]
-    fronts, count = [f for f, _ in found], max(n for _, n in found)
-    if count <= 1 or len(channels) < 2:
-        return fronts
-    for _ in range(ATTEMPTS_PER_CONNECTION * len(channels)):
-        if is_even(fronts, count) or time.monotonic() >= deadline:
-            break
-        i, new = busiest(fronts, count), open_channel()
+    run = _Run(_steps(channels, open_channel, deadline))
+    while (step := run.next_step()) is not None:
         try:
-            f, _ = await probe(new)
-        except Exception:  # noqa: BLE001 - a new connection that cannot be probed is not kept
-            await new.close()
-            continue
-        if improves(fronts, count, i, f):
-            await channels[i].close()
-            channels[i], fronts[i] = new, f
-        else:
-            await new.close()
-    return fronts
+            if isinstance(step, _Probe):
+                run.reply = _front_end(await _probe_call(step.channel, deadline))
+            else:
+                await step.channel.close()
+        except Exception as exc:  # noqa: BLE001 - thrown back into the steps, which decide
+            run.error = exc
+    return run.result
 
 
 __all__ = ["ATTEMPTS_PER_CONNECTION", "busiest", "improves", "is_even", "loads", "spread", "spread_async"]

@@ -13,7 +13,8 @@ from lutb_client.spread import ATTEMPTS_PER_CONNECTION, busiest, improves, is_ev
 
 
 class _Channel:
-    """A channel whose every unary call answers ``ModelInfo(front_end, front_ends)``; ``aio``: awaitably."""
+    """A channel whose every unary call answers ``ModelInfo(front_end, front_ends)`` (raises with a negative
+    ``front_end``); ``aio``: awaitably."""
 
     def __init__(self, front_end: int, front_ends: int, *, aio: bool = False) -> None:
         self.front_end, self.front_ends, self.aio, self.closed = front_end, front_ends, aio, False
@@ -21,6 +22,8 @@ class _Channel:
     def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
         def call(request: Any, **kw: Any) -> Any:
             assert not self.closed and kw.get("wait_for_ready") and kw["timeout"] > 0
+            if self.front_end < 0:
+                raise RuntimeError("connection refused")  # what a failed probe raises, as far as spread cares
             info = pb.ModelInfo(front_end=self.front_end, front_ends=self.front_ends)
             if not self.aio:
                 return info
@@ -83,6 +86,7 @@ SPREAD_CASES = {
     "one front end": ([0, 0, 0], 1, [], [0, 0, 0], 0),
     "a server that does not say": ([0, 0, 0], 0, [], [0, 0, 0], 0),
     "one connection": ([2], 4, [], [2], 0),
+    "a new connection that cannot be probed is dropped": ([0, 0], 2, [-1, 1], [0, 1], 2),
 }
 
 
@@ -111,3 +115,27 @@ def test_spread_gives_up_after_its_attempts() -> None:
     opened: list[_Channel] = []
     fronts = spread(channels, _opener([], 2, opened), timeout=5)
     assert fronts == [0, 0, 0, 0] and len(opened) == ATTEMPTS_PER_CONNECTION * 4 and all(c.closed for c in opened)
+
+
+def test_a_held_connection_that_cannot_be_probed_fails_the_spread() -> None:
+    channels = [_Channel(0, 2), _Channel(-1, 2)]
+    with pytest.raises(RuntimeError, match="refused"):
+        spread(channels, _opener([1], 2, []), timeout=5)
+    with pytest.raises(RuntimeError, match="refused"):
+        asyncio.run(spread_async([_Channel(0, 2, aio=True), _Channel(-1, 2, aio=True)], _opener([1], 2, [], aio=True), timeout=5))
+
+
+def test_clients_report_an_unreachable_server_as_their_error() -> None:
+    from lutb_client import AsyncExpertClient, ExpertClient, ExpertServiceError
+    from lutb_server.testing import free_port
+
+    target = f"127.0.0.1:{free_port()}"
+    with ExpertClient(target, connections=2) as client, pytest.raises(ExpertServiceError):
+        client.spread_connections(timeout=0.3)
+
+    async def spread_async_client() -> None:
+        async with AsyncExpertClient(target, connections=2) as aclient:
+            await aclient.spread_connections(timeout=0.3)
+
+    with pytest.raises(ExpertServiceError):
+        asyncio.run(spread_async_client())
