@@ -456,6 +456,28 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
         serving.kill()
 
 
+def test_lutb_bench_uses_every_front_end(tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``lutb bench`` opens one connection per front end by default and evens them out: unary calls taking the
+    connections in turn reach both front ends equally."""
+    import argparse
+
+    from lutb_server.cli import client_cmds
+
+    metrics = _two_free_ports()
+    serving = ServeProcess("--checkpoint", str(tiny_checkpoint), "--compute-worker", "process", "--front-ends", "2",
+                           "--metrics-port", str(metrics), "--no-validate-checkpoint").wait_ready()
+    try:
+        parser = argparse.ArgumentParser(prog="lutb")
+        client_cmds.register(parser.add_subparsers(required=True))
+        args = parser.parse_args(["bench", serving.address, "--count", "8", "--concurrency", "1", "--tokens", "2"])
+        assert args.run(args) == 0
+        out = capsys.readouterr().out
+        assert re.search(r"connections: 2, on front end\(s\) (0 1|1 0) of 2", out), out
+        assert _forward_requests_by_front_end(metrics) == {"0": 4, "1": 4}
+    finally:
+        serving.kill()
+
+
 def test_lutb_serve_exits_1_when_a_front_end_dies(tiny_checkpoint: Path) -> None:
     serving = ServeProcess("--checkpoint", str(tiny_checkpoint), "--compute-worker", "process", "--front-ends", "2",
                            "--no-validate-checkpoint").wait_ready()

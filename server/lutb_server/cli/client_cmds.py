@@ -38,6 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--count", type=positive_int, default=None, help="requests to send (default: 200)")
     group.add_argument("--duration", type=positive_float, default=None, help="seconds to run instead of a count")
     bench.add_argument("--stream", action="store_true", help="send over ForwardStream sessions instead of unary calls")
+    bench.add_argument("--connections", type=positive_int, default=None,
+                       help="TCP connections, evened out over the server's front ends (default: one per front end)")
     bench.add_argument("--timeout", type=positive_float, default=60.0, help="deadline of each call in seconds (default: 60)")
     bench.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     bench.set_defaults(run=run_bench)
@@ -156,7 +158,12 @@ async def _bench(args: argparse.Namespace) -> int:
     from lutb_client.errors import ExpertServiceError
 
     count = args.count if args.count is not None or args.duration is not None else 200
-    async with AsyncExpertClient(args.target, timeout=args.timeout) as client:
+    connections = args.connections
+    if connections is None:  # one per front end: the kernel hands each a front end, calls stay on theirs
+        async with AsyncExpertClient(args.target, timeout=args.timeout) as probe:
+            connections = max(1, (await probe.model_info()).front_ends)
+    async with AsyncExpertClient(args.target, timeout=args.timeout, connections=connections) as client:
+        fronts = await client.spread_connections()
         info = await client.model_info()
         layer = args.layer if args.layer is not None else info.layers[0].layer
         dtype = _model_dtype(info)
@@ -212,6 +219,7 @@ async def _bench(args: argparse.Namespace) -> int:
     print(f"target {args.target}  layer {layer}  backend {info.backend} on {info.device}  "
           f"{'stream' if args.stream else 'unary'}  concurrency {args.concurrency}  tokens/request {args.tokens}  "
           f"top-k {min(args.topk, info.num_experts)}")
+    print(f"connections: {connections}, on front end(s) {' '.join(str(f) for f in fronts)} of {max(1, info.front_ends)}")
     print(f"requests: {ok} ok" + "".join(f", {n} {code}" for code, n in sorted(errors.items())) + f" in {elapsed:.2f}s")
     print(f"latency ms: p50 {_percentile(lat, 50) * 1e3:.2f}  p90 {_percentile(lat, 90) * 1e3:.2f}  "
           f"p99 {_percentile(lat, 99) * 1e3:.2f}")
