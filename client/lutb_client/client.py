@@ -116,7 +116,7 @@ def open_channel(
     return module.secure_channel(target, credentials, options) if credentials else module.insecure_channel(target, options)
 
 
-def _channel_opener(target: str, connections: int, *, aio: bool, credentials: grpc.ChannelCredentials | None,
+def channel_opener(target: str, connections: int, *, aio: bool, credentials: grpc.ChannelCredentials | None,
                     max_message_bytes: int, channel_options: Sequence[tuple[str, Any]]) -> Callable[[], Any]:
     """What opens each of a client's ``connections`` channels to ``target``: with more than one, each on its own
     subchannel pool (gRPC otherwise lets channels with equal arguments share one TCP connection)."""
@@ -207,7 +207,7 @@ class _Connections:
         self.timeout = _check_timeout(timeout)
         self._closed = False
         self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
-        self._open_channel = _channel_opener(target, connections, aio=self._AIO, credentials=credentials,
+        self._open_channel = channel_opener(target, connections, aio=self._AIO, credentials=credentials,
                                              max_message_bytes=max_message_bytes, channel_options=channel_options)
         self._channels = [self._open_channel() for _ in range(connections)]
         self._take_stubs()

@@ -74,11 +74,12 @@ from lutb_client.client import (
     AsyncForwardStream,
     ForwardStream,
     build_request,
-    open_channel,
+    channel_opener,
     parse_response,
 )
 from lutb_client.codec import dtype_name, to_torch_dtype
 from lutb_client.errors import ExpertServiceError, status_code
+from lutb_client.spread import spread, spread_async
 
 FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 TRANSPORTS = ("stream", "unary")
@@ -627,7 +628,7 @@ class _ShardedCore:
     """The stream type of a lane (``ForwardStream`` or ``AsyncForwardStream``)."""
 
     def __init__(self, targets: Sequence[str], timeout: float, attempt_timeout: float | None, down_s: float,
-                 wire: str, transport: str) -> None:
+                 wire: str, transport: str, connections: int = 1) -> None:
         if wire not in WIRES:
             raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")
         if transport not in TRANSPORTS:
@@ -640,8 +641,15 @@ class _ShardedCore:
         if len(set(targets)) != len(targets):
             raise ValueError(f"duplicate targets in {targets}")
         self.targets = targets
-        self._lanes: list[Any] = [None] * len(targets)  # per shard: its open stream (transport "stream")
+        if connections < 1:
+            raise ValueError(f"connections must be >= 1, got {connections}")
+        self.connections = connections
+        self._lanes: list[list[Any]] = [[None] * connections for _ in targets]
+        """Per shard, per connection: its open stream (transport "stream")."""
+        self._turns = [itertools.count() for _ in targets]  # per shard: which connection the next sub-request takes
         self._lanes_lock = threading.Lock()
+        self._channels: list[list[Any]] = []  # per shard, per connection (made by the subclass)
+        self._stubs: list[list[pb_grpc.ExpertServiceStub]] = []
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
         self.down_s = down_s
@@ -752,31 +760,46 @@ class _ShardedCore:
 
     # -- lanes (transport "stream") ----------------------------------------------------------
 
+    def _open_stubs(self) -> None:
+        """Stubs of the channels as they are now (after spreading them)."""
+        self._stubs = [[pb_grpc.ExpertServiceStub(c) for c in channels] for channels in self._channels]
+
+    def _turn(self, shard: int) -> int:
+        """The connection to ``shard`` that the next sub-request takes (they take them in turn)."""
+        return next(self._turns[shard]) % self.connections
+
+    def _unary_stub(self, shard: int) -> pb_grpc.ExpertServiceStub:
+        return self._stubs[shard][self._turn(shard)]
+
     def _lane(self, shard: int) -> Any:
-        """The shard's open stream, (re)opened when missing or broken (any thread, or the event loop)."""
+        """The next of the shard's open streams, (re)opened when missing or broken (any thread, or the event loop)."""
         with self._lanes_lock:
-            lane = self._lanes[shard]
+            k = self._turn(shard)
+            lane = self._lanes[shard][k]
             if lane is None or lane.broken:
                 if lane is not None:
                     lane.cancel()
-                lane = self._lanes[shard] = self._stream_class(
-                    self._stubs[shard], timeout=None, max_in_flight=LANE_MAX_IN_FLIGHT, ids=self._ids)
+                lane = self._lanes[shard][k] = self._stream_class(
+                    self._stubs[shard][k], timeout=None, max_in_flight=LANE_MAX_IN_FLIGHT, ids=self._ids)
             return lane
 
     def _drop_lane(self, shard: int, lane: Any) -> None:
-        """Cancel ``lane`` if it is still the shard's: a shard that let an attempt time out gets a fresh stream
+        """Cancel ``lane`` if it is still one of the shard's: a shard that let an attempt time out gets a fresh stream
         next time, so unanswered messages cannot pile up on a stuck one (their slots are bounded)."""
         with self._lanes_lock:
-            if self._lanes[shard] is lane:
-                self._lanes[shard] = None
-                lane.cancel()
+            lanes = self._lanes[shard]
+            for k, open_lane in enumerate(lanes):
+                if open_lane is lane:
+                    lanes[k] = None
+                    lane.cancel()
 
     def _cancel_lanes(self) -> None:
         with self._lanes_lock:
-            for lane in self._lanes:
-                if lane is not None:
-                    lane.cancel()
-            self._lanes = [None] * len(self._lanes)
+            for lanes in self._lanes:
+                for lane in lanes:
+                    if lane is not None:
+                        lane.cancel()
+            self._lanes = [[None] * self.connections for _ in self._lanes]
 
     def _lane_broke(self, shard: int, err: ExpertServiceError) -> ExpertServiceError:
         """A broken stream's error as a sub-request outcome: the shard is unreachable as far as this call goes."""
@@ -856,6 +879,10 @@ class ShardedExpertClient(_ShardedCore):
             order, so a small call waits for a large one sent before it on the same shard: a
             process mixing prefill-sized and decode-sized forwards should use one client each,
             or ``"unary"``.
+        connections: TCP connections to each shard, evened out over its front ends (``lutb serve
+            --front-ends N``: :mod:`lutb_client.spread`) when connecting; sub-requests to a shard take
+            them in turn, each connection its own stream. Give each shard at least as many as its
+            server has front ends, or one client uses one front end per shard.
 
     Raises:
         ExpertServiceError: a shard did not answer ``GetModelInfo`` (its target named), or the
@@ -877,16 +904,23 @@ class ShardedExpertClient(_ShardedCore):
         channel_options: Sequence[tuple[str, Any]] = (),
         wire: str = "native",
         transport: str = "stream",
+        connections: int = 1,
     ) -> None:
-        super().__init__(targets, timeout, attempt_timeout, down_s, wire, transport)
-        self._channels = [
-            open_channel(t, aio=False, credentials=credentials, max_message_bytes=max_message_bytes,
-                         channel_options=channel_options)
-            for t in self.targets
-        ]
-        self._stubs = [pb_grpc.ExpertServiceStub(c) for c in self._channels]
+        super().__init__(targets, timeout, attempt_timeout, down_s, wire, transport, connections)
+        self._openers = [channel_opener(t, connections, aio=False, credentials=credentials, max_message_bytes=max_message_bytes,
+                                        channel_options=channel_options) for t in self.targets]
+        self._channels = [[opener() for _ in range(connections)] for opener in self._openers]
+        self._open_stubs()
         try:
             self.refresh(timeout=connect_timeout)
+            if connections > 1:
+                deadline = time.monotonic() + connect_timeout
+                for target, channels, opener in zip(self.targets, self._channels, self._openers):
+                    try:
+                        spread(channels, opener, timeout=max(deadline - time.monotonic(), 0.0))
+                    except grpc.RpcError as err:
+                        raise _info_error(target, err) from None
+                self._open_stubs()
         except BaseException:
             self.close()
             raise
@@ -928,7 +962,8 @@ class ShardedExpertClient(_ShardedCore):
 
     def refresh(self, *, timeout: float = 30.0) -> None:
         """Ask every shard for its ``ModelInfo`` again (all in parallel) and rebuild the placement."""
-        futures = [stub.GetModelInfo.future(pb.GetModelInfoRequest(), timeout=timeout, wait_for_ready=True) for stub in self._stubs]
+        futures = [stubs[0].GetModelInfo.future(pb.GetModelInfoRequest(), timeout=timeout, wait_for_ready=True)
+                   for stubs in self._stubs]
         infos = []
         for target, future in zip(self.targets, futures):
             try:
@@ -941,8 +976,9 @@ class ShardedExpertClient(_ShardedCore):
 
     def close(self) -> None:
         self._cancel_lanes()
-        for channel in self._channels:
-            channel.close()
+        for channels in self._channels:
+            for channel in channels:
+                channel.close()
 
     def __enter__(self) -> ShardedExpertClient:
         return self
@@ -983,7 +1019,7 @@ class ShardedExpertClient(_ShardedCore):
                 continue
             sent = []
             for sub, request in round_:
-                future = self._stubs[sub.shard].Forward.future(request, timeout=attempt)
+                future = self._unary_stub(sub.shard).Forward.future(request, timeout=attempt)
                 future.add_done_callback(self._on_done(sub, self._sent(sub)))
                 sent.append((sub, future))
             try:
@@ -1054,22 +1090,30 @@ class AsyncShardedExpertClient(_ShardedCore):
         channel_options: Sequence[tuple[str, Any]] = (),
         wire: str = "native",
         transport: str = "stream",
+        connections: int = 1,
     ) -> None:
-        super().__init__(targets, timeout, attempt_timeout, down_s, wire, transport)
+        super().__init__(targets, timeout, attempt_timeout, down_s, wire, transport, connections)
         self.connect_timeout = connect_timeout
-        self._channels = [
-            open_channel(t, aio=True, credentials=credentials, max_message_bytes=max_message_bytes,
-                         channel_options=channel_options)
-            for t in self.targets
-        ]
-        self._stubs = [pb_grpc.ExpertServiceStub(c) for c in self._channels]
+        self._openers = [channel_opener(t, connections, aio=True, credentials=credentials, max_message_bytes=max_message_bytes,
+                                        channel_options=channel_options) for t in self.targets]
+        self._channels = [[opener() for _ in range(connections)] for opener in self._openers]
+        self._open_stubs()
         self._connect_lock = asyncio.Lock()
 
     async def connect(self) -> None:
-        """Ask the shards for their ``ModelInfo`` unless already done."""
+        """Ask the shards for their ``ModelInfo`` and spread the connections to each over its front ends, unless
+        already done."""
         async with self._connect_lock:
             if self._topology is None:
+                deadline = time.monotonic() + self.connect_timeout
                 await self.refresh(timeout=self.connect_timeout)
+                if self.connections > 1:
+                    for target, channels, opener in zip(self.targets, self._channels, self._openers):
+                        try:
+                            await spread_async(channels, opener, timeout=max(deadline - time.monotonic(), 0.0))
+                        except grpc.RpcError as err:
+                            raise _info_error(target, err) from None
+                    self._open_stubs()
 
     async def refresh(self, *, timeout: float = 30.0) -> None:
         """Ask every shard for its ``ModelInfo`` again and rebuild the placement."""
@@ -1080,13 +1124,14 @@ class AsyncShardedExpertClient(_ShardedCore):
             except grpc.RpcError as err:
                 raise _info_error(target, err) from None
 
-        infos = await asyncio.gather(*(one(t, s) for t, s in zip(self.targets, self._stubs)))
+        infos = await asyncio.gather(*(one(t, stubs[0]) for t, stubs in zip(self.targets, self._stubs)))
         self._set_infos(infos)
 
     async def close(self) -> None:
         self._cancel_lanes()
-        for channel in self._channels:
-            await channel.close()
+        for channels in self._channels:
+            for channel in channels:
+                await channel.close()
 
     async def __aenter__(self) -> AsyncShardedExpertClient:
         try:
@@ -1105,7 +1150,7 @@ class AsyncShardedExpertClient(_ShardedCore):
         lane = None
         try:
             if self.transport == "unary":
-                response = await self._stubs[sub.shard].Forward(request, timeout=timeout)
+                response = await self._unary_stub(sub.shard).Forward(request, timeout=timeout)
                 return response
             lane = self._lane(sub.shard)
             future = await asyncio.wait_for(lane.send(request), timeout)

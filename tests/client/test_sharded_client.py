@@ -220,6 +220,29 @@ def test_async_client_equals_the_single_server(cluster: Cluster) -> None:
         assert _rel(out, expected) <= 1e-5
 
 
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+def test_several_connections_per_shard_give_the_same_output(cluster: Cluster, transport: str) -> None:
+    """With ``connections=2`` sub-requests to a shard take its two connections in turn (each its own stream); the
+    outputs stay those of the single server."""
+    x, ids, w = _batch(40, 4, seed=13)
+    expected = _single(cluster, 0, x, ids, w)
+    with ShardedExpertClient(cluster.targets, connections=2, transport=transport) as client:
+        assert [len(channels) for channels in client._channels] == [2] * len(cluster.targets)
+        for _ in range(4):
+            assert _rel(client.forward(0, x, ids, w), expected) <= 1e-5
+        if transport == "stream":  # every shard got a sub-request per call: both of its lanes opened
+            assert all(lane is not None for lanes in client._lanes for lane in lanes)
+
+    async def go() -> torch.Tensor:
+        async with AsyncShardedExpertClient(cluster.targets, connections=2, transport=transport) as aclient:
+            outs = [await aclient.forward(0, x, ids, w) for _ in range(2)]
+            return outs[-1]
+
+    assert _rel(asyncio.run(go()), expected) <= 1e-5
+    with pytest.raises(ValueError, match="connections"):
+        ShardedExpertClient(cluster.targets, connections=0)
+
+
 def test_mxfp8_wire_equals_sending_the_dequantized_values(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each shard gets the e4m3 codes and scales of its own tokens; sums equal the native wire on QDQ(x)."""
     import lutb_client.sharded as sharded

@@ -17,7 +17,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lutb_client import AsyncExpertClient, ExpertClient, ExpertServiceError
+from lutb_client import AsyncExpertClient, ExpertClient, ExpertServiceError, ShardedExpertClient
+from lutb_client._proto.lutb.v1.expert_service_pb2 import GetModelInfoRequest
+from lutb_client._proto.lutb.v1.expert_service_pb2_grpc import ExpertServiceStub
 from lutb_client.codec import decode_tensor, encode_tensor
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_kernels.experts import ReferenceExperts
@@ -456,9 +458,9 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
         serving.kill()
 
 
-def test_lutb_bench_uses_every_front_end(tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_lutb_bench_and_the_sharded_client_use_every_front_end(tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``lutb bench`` opens one connection per front end by default and evens them out: unary calls taking the
-    connections in turn reach both front ends equally."""
+    connections in turn reach both front ends equally. So does a sharded client with two connections per shard."""
     import argparse
 
     from lutb_server.cli import client_cmds
@@ -474,6 +476,15 @@ def test_lutb_bench_uses_every_front_end(tiny_checkpoint: Path, capsys: pytest.C
         out = capsys.readouterr().out
         assert re.search(r"connections: 2, on front end\(s\) (0 1|1 0) of 2", out), out
         assert _forward_requests_by_front_end(metrics) == {"0": 4, "1": 4}
+        with ShardedExpertClient([serving.address], connections=2) as sharded:
+            fronts = [ExpertServiceStub(c).GetModelInfo(GetModelInfoRequest()).front_end for c in sharded._channels[0]]
+            assert sorted(fronts) == [0, 1]  # spread when it connected
+            gen = torch.Generator().manual_seed(5)
+            for _ in range(4):
+                x = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
+                ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(3)]).to(torch.int32)
+                sharded.forward(0, x, ids, torch.full((3, 2), 0.5))
+        assert _forward_requests_by_front_end(metrics) == {"0": 6, "1": 6}
     finally:
         serving.kill()
 
