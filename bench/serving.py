@@ -250,7 +250,10 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
     options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30),
                ("grpc.use_local_subchannel_pool", 1)]
     async with contextlib.AsyncExitStack() as stack:
-        channels = [grpc.aio.insecure_channel(spec["target"], options=options) for _ in range(max(1, spec.get("connections", 1)))]
+        def open_channel() -> Any:
+            return grpc.aio.insecure_channel(spec["target"], options=options)
+
+        channels = [open_channel() for _ in range(max(1, spec.get("connections", 1)))]
         stack.push_async_callback(_close_all, channels)  # the list, as it stands after spreading
         for channel in channels:
             await asyncio.wait_for(channel.channel_ready(), 60)
@@ -258,8 +261,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["kind"] == "expert":  # as lutb_client's clients do; the echo servers do not say which front end they are
             from lutb_client.spread import spread_async
 
-            front_ends = await spread_async(channels, lambda: grpc.aio.insecure_channel(spec["target"], options=options),
-                                            timeout=60)
+            front_ends = await spread_async(channels, open_channel, timeout=60)
         stream = spec.get("api", "unary") == "stream"
         echo = spec["kind"] == "echo"
         method = ECHO_METHOD if echo else FORWARD_METHOD
@@ -399,6 +401,8 @@ class LoadPool:
         parts = self.gather(concurrency, {"kind": kind, "target": target, "payloads": payloads, "tokens": tokens,
                                           "warmup_s": warmup_s, "duration_s": duration_s, "api": api,
                                           "connections": connections})
+        from lutb_client.spread import loads
+
         latencies = [v for p in parts for v in p["latencies"]]
         batch = [v for p in parts for v in p["batch_tokens"]]
         fronts = [f for p in parts for f in p["front_ends"]]
@@ -428,7 +432,7 @@ class LoadPool:
             "callers_measured": sum(1 for p in parts for n in p["measured_per_caller"] if n),
             "window_start_spread_s": max(p["window_wall_start"] for p in parts) - min(p["window_wall_start"] for p in parts),
             # the load processes' connections per server front end, after spreading them (lutb_client.spread)
-            "connections_per_front_end": [fronts.count(k) for k in range(max(fronts) + 1)] if fronts else None,
+            "connections_per_front_end": loads(fronts, max(fronts) + 1) if fronts else None,
         }
 
     def close(self) -> None:

@@ -117,7 +117,7 @@ def open_channel(
 
 
 def channel_opener(target: str, connections: int, *, aio: bool, credentials: grpc.ChannelCredentials | None,
-                    max_message_bytes: int, channel_options: Sequence[tuple[str, Any]]) -> Callable[[], Any]:
+                   max_message_bytes: int, channel_options: Sequence[tuple[str, Any]]) -> Callable[[], Any]:
     """What opens each of a client's ``connections`` channels to ``target``: with more than one, each on its own
     subchannel pool (gRPC otherwise lets channels with equal arguments share one TCP connection)."""
     if connections < 1:
@@ -208,7 +208,7 @@ class _Connections:
         self._closed = False
         self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
         self._open_channel = channel_opener(target, connections, aio=self._AIO, credentials=credentials,
-                                             max_message_bytes=max_message_bytes, channel_options=channel_options)
+                                            max_message_bytes=max_message_bytes, channel_options=channel_options)
         self._channels = [self._open_channel() for _ in range(connections)]
         self._take_stubs()
         self._ids = itertools.count(1)

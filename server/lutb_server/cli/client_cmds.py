@@ -158,13 +158,11 @@ async def _bench(args: argparse.Namespace) -> int:
     from lutb_client.errors import ExpertServiceError
 
     count = args.count if args.count is not None or args.duration is not None else 200
-    connections = args.connections
-    if connections is None:  # one per front end: the kernel hands each a front end, calls stay on theirs
-        async with AsyncExpertClient(args.target, timeout=args.timeout) as probe:
-            connections = max(1, (await probe.model_info()).front_ends)
+    async with AsyncExpertClient(args.target, timeout=args.timeout) as probe:
+        info = await probe.model_info()
+    connections = args.connections or max(1, info.front_ends)  # default one per front end: calls stay on theirs
     async with AsyncExpertClient(args.target, timeout=args.timeout, connections=connections) as client:
         fronts = await client.spread_connections()
-        info = await client.model_info()
         layer = args.layer if args.layer is not None else info.layers[0].layer
         dtype = _model_dtype(info)
         gen = torch.Generator().manual_seed(args.seed)
