@@ -778,6 +778,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         "cuda_graph_max_tokens": args.cuda_graph_max_tokens, "cuda_graph_top_k": shape["top_k"], "shutdown_grace_s": 5,
         "max_queue_requests": 4096, "gil_switch_interval_us": args.gil_switch_interval_us,
         "compute_worker": args.compute_worker, "front_ends": args.front_ends, "event_loop": args.event_loop,
+        "cpu_wakeup_latency_us": args.cpu_wakeup_latency_us,
     }
     profiler = Profiler(out, shape_name, native=args.profile == "native") if args.profile else None
     if profiler is not None and not profiler.py_spy:
@@ -999,6 +1000,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "that many connections")
     p.add_argument("--gil-switch-interval-us", type=int, default=0,
                    help="server setting (default 0: the server's default, 200 us on a CUDA device; 5000 is Python's)")
+    wakeup = os.environ.get("LUTB_CPU_WAKEUP_LATENCY_US") or None
+    p.add_argument("--cpu-wakeup-latency-us", type=int, default=int(wakeup) if wakeup is not None else None,
+                   help="the server's cpu_wakeup_latency_us (default: the LUTB_CPU_WAKEUP_LATENCY_US the server would "
+                        "read; unset: the machine's idle states); this process holds it too, for the whole run, so "
+                        "that the echo and in-process baselines run on the same machine state")
     p.add_argument("--echo-procs", type=int, default=0,
                    help="echo server processes on one port (the transport floor); 0: as many as --front-ends")
     p.add_argument("--load-procs", type=int, default=4, help="most load-generator processes")
@@ -1047,8 +1053,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parse_args(argv)
     from lutb_client.allocator import tune_malloc
+    from lutb_server.cpu_wakeup import hold_cpu_wakeup_latency
 
     args.malloc = tune_malloc()  # this process's; the server, echo and load processes each apply the same
+    wakeup = hold_cpu_wakeup_latency(args.cpu_wakeup_latency_us)  # the whole machine's, until this process ends
+    args.cpu_wakeup = wakeup.note
+    print(f"[bench] {wakeup.note}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops us: still stop the children
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

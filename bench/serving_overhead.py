@@ -137,7 +137,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
               "max_batch_tokens": args.max_batch_tokens, "max_queue_requests": 4096, "shutdown_grace_s": 2,
               "cuda_graph_max_tokens": 0, "intra_op_threads": args.intra_op_threads,
               "gil_switch_interval_us": args.switch_interval_us, "event_loop": args.event_loop,
-              "compute_worker": args.compute_worker, "front_ends": args.front_ends}
+              "compute_worker": args.compute_worker, "front_ends": args.front_ends,
+              "cpu_wakeup_latency_us": args.cpu_wakeup_latency_us}
     os.environ[SLEEP_EXPERTS_ENV] = f"{args.base_us},{args.per_token_us},{args.launches}"  # the server's and its children's
     server = _serving._spawn_child(["serve", json.dumps(config)], out / "server.log")
     echo = _serving._spawn_child(["echo", str(echo_port), args.event_loop], out / "echo.log")
@@ -235,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the server's gil_switch_interval_us (default 0: the server's default on a CPU device, Python's 5000)")
     p.add_argument("--compute-worker", default="thread", choices=("thread", "process"), help="server setting")
     p.add_argument("--front-ends", type=int, default=1, help="server setting (needs --compute-worker process)")
+    p.add_argument("--cpu-wakeup-latency-us", type=int, default=None,
+                   help="server setting cpu_wakeup_latency_us (default: unset, the machine's idle states); the server "
+                        "holds it while it runs, the echo's runs included")
     p.add_argument("--event-loop", default="uvloop", choices=get_args(EventLoopKind),
                    help="the server's and the echo server's event loop (the server setting event_loop)")
     p.add_argument("--api", default="unary", choices=("unary", "stream"),

@@ -39,6 +39,7 @@ from lutb_client.allocator import tune_malloc
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_server.backends import BackendChoice, choose_backend, compute_capability, resolve_device
 from lutb_server.cpu_placement import CpuPlacement, set_compute_cpu_aside
+from lutb_server.cpu_wakeup import CpuWakeupHold, hold_cpu_wakeup_latency
 from lutb_server.engine import ExpertEngine
 from lutb_server.front_ends import FrontEnds
 from lutb_server.interceptors import Gate, GateInterceptor, MetricsInterceptor
@@ -254,6 +255,8 @@ class ExpertServer:
         """Front ends 1..N-1, where this is front end 0 of several."""
         self._cpu_placement = CpuPlacement(None)
         """The CPU set aside for the compute process this server starts (``compute_cpu``)."""
+        self._cpu_wakeup = CpuWakeupHold(None, "")
+        """The machine's CPU wake-up bound this server holds (``cpu_wakeup_latency_us``; front end 0 only)."""
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.failed = asyncio.Event()
@@ -280,6 +283,9 @@ class ExpertServer:
             raise ValueError("compute_worker = 'process' loads the checkpoint in the compute process; it takes no engine_loader")
         if s.compute_worker == "process" and self._compute_connection is None:  # front end 0 starts the processes
             self._cpu_placement = set_compute_cpu_aside(s.compute_cpu)  # before this process starts threads: they inherit it
+        if self._compute_connection is None and s.cpu_wakeup_latency_us is not None:  # the whole machine's: one hold
+            self._cpu_wakeup = hold_cpu_wakeup_latency(s.cpu_wakeup_latency_us)
+            (log.info if self._cpu_wakeup.held else log.warning)("%s", self._cpu_wakeup.note)
         shared_port = s.front_ends > 1 or self._compute_connection is not None
         if s.front_ends > 1 and s.port:
             _check_port_free(s.host, s.port)  # SO_REUSEPORT would let us share a port someone else holds
@@ -409,6 +415,7 @@ class ExpertServer:
             await self.scheduler.close()
         self.metrics.close()
         self._cpu_placement.release()
+        self._cpu_wakeup.release()
         self._stopped.set()
         log.info("stopped")
 

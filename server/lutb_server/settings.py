@@ -106,6 +106,12 @@ class ServerSettings(BaseSettings):
         "claimed, leaving the serving processes two), or none "
         "(the kernel places every process)",
     )
+    cpu_wakeup_latency_us: int | None = Field(
+        None, ge=0, le=2**31 - 1, description="the longest wake-up an idle CPU of this machine may take while the server "
+        "runs, in microseconds (Linux's CPU latency QoS, /dev/cpu_dma_latency: needs root, and in a container the "
+        "device): 0 keeps idle CPUs polling, so the wake-ups on a lone request's path do not pay for deep idle states "
+        "(faster, at the price of power, for the whole machine); unset: the machine's idle states are left alone",
+    )
     event_loop: EventLoopKind = Field(
         "uvloop", description="the serving processes' asyncio event loop: uvloop (where installed, else asyncio's own; "
         "less server CPU per request) or asyncio (asyncio's own loop even where uvloop is installed)",
