@@ -61,7 +61,7 @@ SHAPES: dict[str, dict[str, int]] = {
 FORWARD_METHOD = "/lutb.v1.ExpertService/Forward"
 FORWARD_STREAM_METHOD = "/lutb.v1.ExpertService/ForwardStream"
 # the response Timing fields (lutb.v1.Timing) whose medians a cell reports as server_<field>_p50
-SERVER_TIMING_FIELDS = ("compute_us", "queue_us", "handoff_us", "prepare_us", "encode_us", "total_us")
+SERVER_TIMING_FIELDS = ("compute_us", "queue_us", "handoff_us", "wait_us", "prepare_us", "encode_us", "total_us")
 APIS = ("unary", "stream")
 ECHO_METHOD = "/bench.Echo/Echo"
 ECHO_STREAM_METHOD = "/bench.Echo/EchoStream"
@@ -894,7 +894,8 @@ def short_table(rows: list[Row]) -> str:
 
 TIME_SPLIT_NOTE = ("Medians in us, each column its own. server total: from the servicer receiving the request to its "
                    "response being ready; prepare: decode and validation; hand-off: the batch's trip to the compute worker "
-                   "and back to the event loop less compute (wake-ups, a compute process's messages); encode: the output "
+                   "and back to the event loop less compute (wake-ups, a compute process's messages), and of it (wait) the "
+                   "part before the call that ran the batch started; encode: the output "
                    "into the response; other: total - prepare - queue - compute - hand-off - encode (handing the request to "
                    "the scheduler, the loop turns that resume it); outside: the end-to-end p50 minus the server total (gRPC "
                    "on both sides, the transport, the load generator).")
@@ -902,16 +903,18 @@ TIME_SPLIT_NOTE = ("Medians in us, each column its own. server total: from the s
 
 def time_split_table(rows: list[Row]) -> str:
     """Where a request's time goes, from the responses' ``timing`` (see ``TIME_SPLIT_NOTE``)."""
-    head = ("| shape | wire | api | C | T | p50 us | server total | prepare | queue | compute | hand-off | encode | other "
-            "| outside | in-proc us |")
+    head = ("| shape | wire | api | C | T | p50 us | server total | prepare | queue | compute | hand-off (wait) | encode "
+            "| other | outside | in-proc us |")
     lines = [head, "|" + "|".join("---" for _ in range(15)) + "|"]
     for r in rows:
         parts = [r.server.get(f"server_{k}_us_p50") for k in ("prepare", "queue", "compute", "handoff", "encode")]
         total = r.server.get("server_total_us_p50")
         other = total - sum(parts) if total is not None and None not in parts else None
         outside = r.server["p50_us"] - total if total is not None else None
+        shown = [_fmt(v) for v in parts]
+        shown[3] += f" ({_fmt(r.server.get('server_wait_us_p50'))})"
         lines.append(f"| {r.shape} | {r.wire} | {r.api} | {r.concurrency} | {r.tokens} | {_fmt(r.server['p50_us'])} | {_fmt(total)} | "
-                     + " | ".join(_fmt(v) for v in parts)
+                     + " | ".join(shown)
                      + f" | {_fmt(other)} | {_fmt(outside)} | {_fmt(r.inproc.get('us'))} |")
     return "\n".join(lines)
 

@@ -75,5 +75,5 @@ def test_contract_names() -> None:
     assert request_fields == {"request_id", "layer", "hidden_states", "topk_ids", "topk_weights",
                               "apply_router_weight_on_input", "output_mode", "hidden_scales"}
     assert set(pb.Timing.DESCRIPTOR.fields_by_name) == {"queue_us", "compute_us", "total_us", "batch_tokens", "handoff_us",
-                                                      "prepare_us", "encode_us"}
+                                                      "prepare_us", "encode_us", "wait_us"}
     assert set(pb.ForwardResponse.DESCRIPTOR.fields_by_name) == {"request_id", "output", "timing", "status"}

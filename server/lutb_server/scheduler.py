@@ -70,6 +70,9 @@ class ForwardResult:
     compute_s: float
     handoff_s: float
     """The batch's trip to the worker and back to the event loop, less ``compute_s`` (wake-ups, IPC)."""
+    wait_s: float
+    """Of ``handoff_s``: from the hand-over to the start of the experts call that ran the batch (the worker's
+    wake-up; with a compute process the message and the wait behind the call running when it arrived)."""
     batch_tokens: int
     """Tokens of the experts call that ran the request (see :attr:`~lutb_server.worker.BatchOutput.call_tokens`)."""
     batch_requests: int
@@ -368,12 +371,13 @@ class BatchScheduler:
                     single = await asyncio.wrap_future(self.worker.submit([item.request]))
                     (output,), compute_s, call_tokens = single.outputs, single.seconds, single.call_tokens
                     handoff_s = time.monotonic() - sent - compute_s
+                    wait_s = _wait(single, sent, handoff_s)
                 except asyncio.CancelledError:
                     raise
                 except Exception as single_exc:  # noqa: BLE001 - handed to that request
                     _fail(item, single_exc)
                 else:
-                    self._finish(item, output, started, compute_s, handoff_s, call_tokens, 1)
+                    self._finish(item, output, started, compute_s, handoff_s, wait_s, call_tokens, 1)
                     self._record_call(item.request.layer, compute_s, call_tokens, 1, item.request.tokens, single.path)
         finally:
             if self._running is running:
@@ -384,8 +388,9 @@ class BatchScheduler:
         """Hand out a batch's results; ``started``/``returned``: ``time.monotonic()`` when it went to the worker and
         when its end reached the loop."""
         handoff_s = returned - started - result.seconds
+        wait_s = _wait(result, started, handoff_s)
         for item, output in zip(batch, result.outputs):
-            self._finish(item, output, started, result.seconds, handoff_s, result.call_tokens, len(batch))
+            self._finish(item, output, started, result.seconds, handoff_s, wait_s, result.call_tokens, len(batch))
         self._record_call(batch[0].request.layer, result.seconds, result.call_tokens, len(batch),
                           sum(item.request.tokens for item in batch), result.path)
 
@@ -413,17 +418,25 @@ class BatchScheduler:
             )
         return m
 
-    def _finish(self, item: _Item, output: torch.Tensor, started: float, compute_s: float, handoff_s: float, tokens: int,
-                requests: int) -> None:
+    def _finish(self, item: _Item, output: torch.Tensor, started: float, compute_s: float, handoff_s: float, wait_s: float,
+                tokens: int, requests: int) -> None:
         queue_s = started - item.enqueued
         if self._metrics is not None:
             self._layer_metrics(item.request.layer).queue_wait.observe(queue_s)
         if not item.future.done():
-            item.future.set_result(ForwardResult(output, queue_s, compute_s, max(0.0, handoff_s), tokens, requests))
+            item.future.set_result(ForwardResult(output, queue_s, compute_s, max(0.0, handoff_s), wait_s, tokens, requests))
 
     def _set_depth(self) -> None:
         if self._metrics is not None:
             self._metrics.queue_depth.set(len(self._pending))
+
+
+def _wait(result: BatchOutput, handed: float, handoff_s: float) -> float:
+    """Seconds from handing the batch over (``time.monotonic()`` ``handed``) to its call's start, within
+    ``0 .. handoff_s``; 0 when the worker did not say when the call started."""
+    if result.started is None:
+        return 0.0
+    return min(max(0.0, result.started - handed), max(0.0, handoff_s))
 
 
 def _fail(item: _Item, exc: BaseException) -> None:

@@ -217,6 +217,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         timing.queue_us = int(result.queue_s * 1e6)
         timing.compute_us = int(result.compute_s * 1e6)
         timing.handoff_us = int(result.handoff_s * 1e6)
+        timing.wait_us = int(result.wait_s * 1e6)
         timing.batch_tokens = result.batch_tokens
         timing.prepare_us = int((ready - received) * 1e6)
         timing.encode_us = int((done - encoding) * 1e6)

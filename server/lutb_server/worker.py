@@ -74,6 +74,9 @@ class BatchOutput(NamedTuple):
     path: str = "eager"
     """How the call ran: ``"graph"`` (one CUDA-graph replay), ``"chunks"`` (graph replays chunk by chunk) or
     ``"eager"`` (the backend called directly; always off CUDA graphs). See ``CudaGraphExperts.path_for``."""
+    started: float | None = None
+    """``time.monotonic()`` when the experts call began (one clock for every process of the machine, so a compute
+    process's reading compares with its serving process's); None where unknown."""
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:
@@ -332,7 +335,7 @@ class ComputeWorker:
             ValueError: ``into`` does not have one entry per request, or a destination's shape or dtype
                 differs from its output's (checked before the experts run).
         """
-        start = time.perf_counter()
+        began, start = time.monotonic(), time.perf_counter()
         if into is not None:
             _check_destinations(requests, into)
         path = "eager"
@@ -343,7 +346,7 @@ class ComputeWorker:
         else:
             outputs = self._run_cpu(requests, into)
         self.batches += 1
-        return BatchOutput(outputs, time.perf_counter() - start, sum(r.tokens for r in requests), path)
+        return BatchOutput(outputs, time.perf_counter() - start, sum(r.tokens for r in requests), path, began)
 
     def _gather(self, requests: list[PreparedRequest], buffers: _Buffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         first = requests[0]

@@ -33,11 +33,11 @@ batch's frame in one ``recv``); a tensor is a slot tuple or a codec message:
 - parent -> child: ``(job, (layer, x, topk_ids, topk_weights, apply_router_weight_on_input,
   output_mode), output_slot)`` per batch, its requests concatenated (they share the pool key), and
   ``output_slot`` where the child writes the batch's output (None: send it inline); ``None`` to stop;
-- child -> parent: ``(job, output, seconds, call_tokens, path, gpu_memory)`` or ``(job, exception, 0.0, 0,
-  "", gpu_memory)``, ``output`` None when it is in the output slot, else a codec message (the serving
+- child -> parent: ``(job, output, seconds, call_tokens, path, started, gpu_memory)`` or ``(job, exception, 0.0,
+  0, "", None, gpu_memory)``, ``output`` None when it is in the output slot, else a codec message (the serving
   process splits it back per request), ``call_tokens`` the tokens of the call that ran the batch
   (more than its own when merged with other front ends' batches), ``path`` how it ran
-  (:attr:`~lutb_server.worker.BatchOutput.path`);
+  (:attr:`~lutb_server.worker.BatchOutput.path`), ``started`` the call's ``time.monotonic()`` start;
   ``gpu_memory`` the child's ``(allocated, reserved)`` CUDA allocator bytes as last read (the
   child reads them at most every :data:`GPU_MEMORY_PERIOD_S`, after answering, off the batch's
   critical path: a reading builds two ``torch.cuda.memory_stats`` dictionaries).
@@ -279,9 +279,10 @@ class _Connection:
         """Send ``output``: this batch's part of ``call`` (the merged call that ran it; ``written``: it is in the
         batch's output slot already), or, with ``call`` None, its exception."""
         if call is None:
-            message = (job, _picklable(output), 0.0, 0, "", memory)  # type: ignore[arg-type]
+            message = (job, _picklable(output), 0.0, 0, "", None, memory)  # type: ignore[arg-type]
         else:
-            message = (job, None if written else encode_tensor(output), call.seconds, call.call_tokens, call.path, memory)  # type: ignore[arg-type]
+            message = (job, None if written else encode_tensor(output), call.seconds, call.call_tokens, call.path,  # type: ignore[arg-type]
+                       call.started, memory)
         _send(self.sock, message)
 
 
@@ -649,7 +650,7 @@ class ProcessComputeWorker:
             transport.write(part)
 
     def _on_answer(self, message: Any) -> None:
-        job, result, seconds, call_tokens, path, self._gpu_memory = message
+        job, result, seconds, call_tokens, path, started, self._gpu_memory = message
         with self._lock:
             entry = self._pending.pop(job, None)
         if entry is None:
@@ -671,7 +672,7 @@ class ProcessComputeWorker:
         else:
             self.batches += 1
             future.set_result(BatchOutput(list(torch.split(result, tokens)) if len(tokens) > 1 else [result], seconds,
-                                          call_tokens, path))
+                                          call_tokens, path, started))
 
     def _on_lost(self, exc: Exception | None) -> None:
         code = self._process.exitcode if self._process is not None else None

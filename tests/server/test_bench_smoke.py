@@ -40,6 +40,7 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
         s = r["server"]
         assert s["server_total_us_p50"] >= s["server_compute_us_p50"] and s["server_queue_us_p50"] >= 0
         assert s["server_handoff_us_p50"] >= 0 and s["server_prepare_us_p50"] > 0 and s["server_encode_us_p50"] >= 0
+        assert s["server_handoff_us_p50"] >= s["server_wait_us_p50"] >= 0  # each response's wait is part of its hand-off
         assert s["server_total_us_p50"] >= s["server_prepare_us_p50"]
         assert 0 < s["server_total_us_p50"] < s["p50_us"]
         # every caller answered inside its process's window; the windows' start times recorded
@@ -66,7 +67,7 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
     assert "## Who is busy" in (out / "serving.md").read_text()
     assert "| shape | wire | api | C | T |" in (out / "serving.md").read_text()
     assert "## Where the time goes" in (out / "serving.md").read_text()
-    assert "| prepare | queue | compute | hand-off | encode | other |" in (out / "serving.md").read_text()
+    assert "| prepare | queue | compute | hand-off (wait) | encode | other |" in (out / "serving.md").read_text()
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| smoke |")  # the short table comes last
 
 

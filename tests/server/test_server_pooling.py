@@ -8,13 +8,14 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import pytest
 import torch
 
 from lutb_client import ExpertClient
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_server.backends import BackendChoice
 from lutb_server.engine import ExpertEngine, PreparedRequest
-from lutb_server.scheduler import BatchScheduler
+from lutb_server.scheduler import BatchScheduler, ForwardResult
 from lutb_server.testing import SLEEP_EXPERTS_ENV, ServerThread, SleepExperts
 
 SLOW_DEVICE = "20000,0"
@@ -65,9 +66,9 @@ def test_next_batch_goes_to_the_worker_before_results_are_delivered() -> None:
             return x * 2
 
     class Recording(BatchScheduler):
-        def _finish(self, item, output, started, compute_s, handoff_s, tokens, requests):  # type: ignore[override]
+        def _finish(self, item, *args):  # type: ignore[override]
             events.append(("deliver", item.request.tokens))
-            super()._finish(item, output, started, compute_s, handoff_s, tokens, requests)
+            super()._finish(item, *args)
 
     def req(tokens: int) -> PreparedRequest:
         return PreparedRequest(0, torch.randn(tokens, 4), torch.zeros(tokens, 1, dtype=torch.int32), torch.ones(tokens, 1),
@@ -131,6 +132,48 @@ def test_handoff_is_the_workers_round_trip_less_compute() -> None:
         assert result.queue_s + result.compute_s + result.handoff_s <= elapsed
 
     asyncio.run(asyncio.wait_for(body(), 30))
+
+
+@pytest.mark.parametrize("late", ["on the way in", "on the way back"])
+def test_wait_is_the_handoff_before_the_call_started(late: str) -> None:
+    """``ForwardResult.wait_s`` splits the hand-off at the call's start: a batch that reaches the worker 80 ms after
+    the hand-over (injected) waits >= 80 ms; one whose result reaches the loop 80 ms late waits far less, and the
+    80 ms show in the rest of the hand-off."""
+    delay_s = 0.08
+
+    class Engine:
+        def forward(self, layer, x, topk_ids, topk_weights, *, apply_router_weight_on_input=False, output_mode="combined"):
+            time.sleep(0.01)
+            return x * 2
+
+    async def body() -> ForwardResult:
+        scheduler = BatchScheduler(Engine())
+        submit = scheduler.worker.submit
+
+        def delayed(requests):
+            late_future: Future = Future()
+            if late == "on the way in":
+                threading.Timer(delay_s, lambda: submit(requests).add_done_callback(
+                    lambda f: late_future.set_result(f.result()))).start()
+            else:
+                submit(requests).add_done_callback(
+                    lambda f: threading.Timer(delay_s, late_future.set_result, (f.result(),)).start())
+            return late_future
+
+        scheduler.worker.submit = delayed  # type: ignore[method-assign]
+        await scheduler.start()
+        try:
+            return await scheduler.submit(PreparedRequest(0, torch.randn(3, 4), torch.zeros(3, 1, dtype=torch.int32),
+                                                          torch.ones(3, 1), False, "combined"))
+        finally:
+            await scheduler.close()
+
+    result = asyncio.run(asyncio.wait_for(body(), 30))
+    assert 0.0 <= result.wait_s <= result.handoff_s
+    if late == "on the way in":
+        assert delay_s <= result.wait_s < delay_s + 0.5
+    else:
+        assert result.wait_s < delay_s / 2 and result.handoff_s - result.wait_s >= delay_s
 
 
 def test_a_stream_computes_up_to_its_window_of_requests_at_once(tiny_checkpoint, monkeypatch) -> None:

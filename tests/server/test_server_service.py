@@ -81,6 +81,7 @@ def test_concurrent_requests_are_pooled_and_match_unpooled(pooling_server: Serve
         assert not torch.isnan(result.output).any()
     assert max(r.timing.batch_tokens - b[0].shape[0] for r, b in zip(results, batches)) > 0, "nothing was pooled"
     assert all(r.timing.queue_us > 0 and r.timing.compute_us > 0 and r.timing.handoff_us >= 0 for r in results)
+    assert all(0 <= r.timing.wait_us <= r.timing.handoff_us for r in results)  # the hand-off's part before the call
     assert all(r.timing.prepare_us > 0 and r.timing.encode_us >= 0 for r in results)
     # preparing, the scheduler (queue + compute + hand-off) and encoding follow one another: within the server's time
     assert all(r.timing.total_us >= r.timing.prepare_us + r.timing.queue_us + r.timing.compute_us + r.timing.handoff_us

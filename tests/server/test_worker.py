@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -51,9 +52,11 @@ def _engine_pooled(engine: ExpertEngine, requests: list[PreparedRequest]) -> lis
 def test_results_unchanged(engine: ExpertEngine, sizes: list[int], k: int, mode: str, on_input: bool) -> None:
     worker = ComputeWorker(engine)
     requests = _requests(engine, sizes, k=k, mode=mode, on_input=on_input, seed=sum(sizes) + k)
-    outputs, seconds, call_tokens, path = worker.run(requests)
+    before = time.monotonic()
+    outputs, seconds, call_tokens, path, started = worker.run(requests)
     expected = _engine_pooled(engine, requests)
     assert seconds > 0 and len(outputs) == len(requests) and call_tokens == sum(sizes)
+    assert started is not None and before <= started <= time.monotonic() - seconds + 1e-3
     assert path == "eager"  # no CUDA graphs on the CPU
     for got, want, r in zip(outputs, expected, requests):
         assert got.dtype == engine.model_dtype and got.device.type == "cpu"

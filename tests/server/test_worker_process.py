@@ -184,9 +184,13 @@ def test_outputs_equal_the_thread_worker(process_worker: ProcessComputeWorker, t
     for layer, sizes, mode in cases:
         requests = _requests(catalog, layer, sizes, seed=layer * 10 + len(sizes), output_mode=mode)
         _poison_arena(process_worker)
-        got, seconds, call_tokens, path = process_worker.submit(requests).result(60)
+        handed = time.monotonic()
+        got, seconds, call_tokens, path, started = process_worker.submit(requests).result(60)
+        answered = time.monotonic()
         want = ComputeWorker(full).run(requests).outputs
         assert seconds > 0 and len(got) == len(sizes) and call_tokens == sum(sizes)
+        # the child's call start crosses the socket, on the clock the serving process reads (CLOCK_MONOTONIC)
+        assert started is not None and handed <= started and started + seconds <= answered + 1e-3
         assert path == "eager"  # the child's BatchOutput.path crosses the socket (no CUDA graphs on the CPU)
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
@@ -280,6 +284,7 @@ def test_server_on_a_compute_process(tiny_checkpoint: Path) -> None:
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE
     for result in results:
         assert result.timing.compute_us > 0
+        assert 0 < result.timing.wait_us <= result.timing.handoff_us  # the batch's message to the child takes time
         assert torch.equal(result.output, local.forward(x, ids, weights))
 
 

@@ -229,10 +229,12 @@ async def _bench(args: argparse.Namespace) -> int:
         queue = mean([r.timing.queue_us for r in results]) / 1e3
         compute = mean([r.timing.compute_us for r in results]) / 1e3
         handoff = mean([r.timing.handoff_us for r in results]) / 1e3
+        wait = mean([r.timing.wait_us for r in results]) / 1e3
         prepare = mean([r.timing.prepare_us for r in results]) / 1e3
         encode = mean([r.timing.encode_us for r in results]) / 1e3
         total = mean([r.timing.total_us for r in results]) / 1e3
         batch = mean([r.timing.batch_tokens for r in results])
         print(f"server (mean): prepare {prepare:.2f} ms  queue {queue:.2f} ms  compute {compute:.2f} ms  "
-              f"hand-off {handoff:.2f} ms  encode {encode:.2f} ms  total {total:.2f} ms  batch {batch:.1f} tokens")
+              f"hand-off {handoff:.2f} ms (to the call {wait:.2f})  encode {encode:.2f} ms  total {total:.2f} ms  "
+              f"batch {batch:.1f} tokens")
     return EXIT_OK if not errors else EXIT_ERROR

@@ -128,7 +128,7 @@ class ForwardRequest(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_weights: _Optional[_Union[Tensor, _Mapping]] = ..., apply_router_weight_on_input: _Optional[bool] = ..., output_mode: _Optional[_Union[OutputMode, str]] = ..., hidden_scales: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_us", "compute_us", "total_us", "batch_tokens", "handoff_us", "prepare_us", "encode_us")
+    __slots__ = ("queue_us", "compute_us", "total_us", "batch_tokens", "handoff_us", "prepare_us", "encode_us", "wait_us")
     QUEUE_US_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     TOTAL_US_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class Timing(_message.Message):
     HANDOFF_US_FIELD_NUMBER: _ClassVar[int]
     PREPARE_US_FIELD_NUMBER: _ClassVar[int]
     ENCODE_US_FIELD_NUMBER: _ClassVar[int]
+    WAIT_US_FIELD_NUMBER: _ClassVar[int]
     queue_us: int
     compute_us: int
     total_us: int
@@ -143,7 +144,8 @@ class Timing(_message.Message):
     handoff_us: int
     prepare_us: int
     encode_us: int
-    def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., total_us: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., handoff_us: _Optional[int] = ..., prepare_us: _Optional[int] = ..., encode_us: _Optional[int] = ...) -> None: ...
+    wait_us: int
+    def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., total_us: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., handoff_us: _Optional[int] = ..., prepare_us: _Optional[int] = ..., encode_us: _Optional[int] = ..., wait_us: _Optional[int] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("request_id", "output", "timing", "status")
