@@ -9,10 +9,10 @@ the request's next steps also run slower than warm. Linux's CPU latency QoS
 whose exit latency exceeds a bound, on every CPU, for as long as it keeps ``/dev/cpu_dma_latency``
 open with the bound written to it (a 32-bit number of microseconds); 0 leaves idle CPUs polling.
 
-What it gave on the 2-core development VM (guest idle driver ``haltpoll``; compute process, fake
-backend, streaming, 16 tokens): a lone caller's p50 1335-1447 us against 1744-1863 us in three
-interleaved pairs, its hand-off to the compute process 216-250 us against 336-386 us, and 8 callers
-1.12-1.16x the tokens/s (bench/results/2026-12-06-cpu-wakeup-cpu.md).
+What it gave on the 2-core development VM (guest idle driver ``haltpoll``; fake backend, 16 tokens):
+a lone caller's p50 1387-1405 us against 1653-1800 us (compute process, streaming, three interleaved
+pairs) and 1461-1471 against 1735-1973 us (thread worker, unary, two pairs), 8 streaming callers
+1.06-1.22x the tokens/s; the bare gRPC echo gained as much (bench/results/2026-12-06-cpu-wakeup-cpu.md).
 
 The price: idle CPUs poll instead of sleeping, which costs power (on a virtual machine, host CPU time),
 and the request holds for the whole machine, not only for the server's CPUs. Writing the device
@@ -28,12 +28,9 @@ nothing (bench/results/2026-12-06-cpu-wakeup-h200.md), and the hold's note says 
 
 from __future__ import annotations
 
-import logging
 import os
 import struct
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 DEVICE = Path("/dev/cpu_dma_latency")
 """The kernel's CPU latency QoS device."""
@@ -114,4 +111,4 @@ def hold_cpu_wakeup_latency(limit_us: int | None, device: Path | None = None) ->
     return CpuWakeupHold(limit_us, note, fd)
 
 
-__all__ = ["DEVICE", "MAX_LATENCY_US", "CpuWakeupHold", "hold_cpu_wakeup_latency"]
+__all__ = ["CPUIDLE_DRIVER", "DEVICE", "MAX_LATENCY_US", "CpuWakeupHold", "cpuidle_driver", "hold_cpu_wakeup_latency"]
