@@ -70,7 +70,7 @@ def run_load(pool: _serving.LoadPool, kind: str, target: str, payloads: list[byt
     """One measurement over the pool's processes (``bench/serving.py``'s load loop; ``api``: unary or stream).
 
     ``rows``: per request answered inside the window, ``(latency s, batch tokens, compute, queue, total, hand-off,
-    prepare, encode us)`` from the response's ``timing`` (zeros but the latency for the echo).
+    prepare, encode, wait us)`` from the response's ``timing`` (zeros but the latency for the echo).
     """
     parts = pool.gather(concurrency, {"kind": kind, "target": target, "payloads": payloads, "tokens": 0,
                                       "warmup_s": warmup_s, "duration_s": duration_s, "api": api, "connections": connections})
@@ -78,9 +78,9 @@ def run_load(pool: _serving.LoadPool, kind: str, target: str, payloads: list[byt
     for p in parts:  # the load loop appends a response's latency and its timing fields together: zip pairs them
         if kind == "expert":
             rows += zip(p["latencies"], p["batch_tokens"], p["compute_us"], p["queue_us"], p["total_us"],
-                        p["handoff_us"], p["prepare_us"], p["encode_us"])
+                        p["handoff_us"], p["prepare_us"], p["encode_us"], p["wait_us"])
         else:
-            rows += [(latency, 0, 0, 0, 0, 0, 0, 0) for latency in p["latencies"]]
+            rows += [(latency, 0, 0, 0, 0, 0, 0, 0, 0) for latency in p["latencies"]]
     return {"rows": rows, "answered": sum(p["answered"] for p in parts),
             "errors": [e for p in parts for e in p["errors"]][:5],
             "request_bytes": parts[0]["sizes"]["request"], "response_bytes": max(p["sizes"]["response"] for p in parts)}
@@ -181,6 +181,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                        "sleep_us": sleep_us(formed), "echo_p50_us": echo_p50,
                        "overhead_us": _median(overhead) - echo_p50, "handler_us": _median(handler),
                        "handoff_us": _median([float(r[5]) for r in res["rows"]]),
+                       "wait_us": _median([float(r[8]) for r in res["rows"]]),
                        "prepare_us": _median([float(r[6]) for r in res["rows"]]),
                        "encode_us": _median([float(r[7]) for r in res["rows"]]),
                        "compute_us_p50": _median([float(r[2]) for r in res["rows"]]),
@@ -207,13 +208,13 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| C | T | p50 us | p99 us | tok/s | batch p50 | batch mean | compute us | echo p50 us | overhead us | hand-off us "
-             "| handler us | prepare us | encode us | server CPU us/req | loop CPU us/req | echo CPU us/req | echo loop CPU us/req "
+    lines = ["| C | T | p50 us | p99 us | tok/s | batch p50 | batch mean | compute us | echo p50 us | overhead us "
+             "| hand-off (wait) us | handler us | prepare us | encode us | server CPU us/req | loop CPU us/req | echo CPU us/req | echo loop CPU us/req "
              "| ideal tok/s | tok/s / ideal |", "|" + "---|" * 20]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['tokens']} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['tokens_per_s']:.0f} "
                      f"| {r['batch_tokens_p50']:.0f} | {r['batch_tokens_mean']:.1f} | {r['compute_us_p50']:.0f} | {r['echo_p50_us']:.0f} "
-                     f"| {r['overhead_us']:.0f} | {r['handoff_us']:.0f} | {r['handler_us']:.0f} | {r['prepare_us']:.0f} "
+                     f"| {r['overhead_us']:.0f} | {r['handoff_us']:.0f} ({r['wait_us']:.0f}) | {r['handler_us']:.0f} | {r['prepare_us']:.0f} "
                      f"| {r['encode_us']:.0f} | {r['cpu_us_per_request']:.0f} | {r['thread_cpu_us_per_request'].get('main', 0)} "
                      f"| {r['echo_cpu_us_per_request']:.0f} | {r['echo_main_cpu_us_per_request']:.0f} "
                      f"| {r['ideal_tokens_per_s']:.0f} | {r['ratio']:.0%} |")
