@@ -104,6 +104,11 @@ class ServerMetrics:
             "lutb_compute_seconds", "Duration of one experts call (a pooled batch)", ["backend", "layer"],
             buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.handoff = Histogram(
+            "lutb_handoff_seconds", "A batch's trip to the compute worker and back, less compute, in two parts: to_call "
+            "(hand-over to the start of the experts call that ran it) and back (the call's end to the event loop taking "
+            "the result)", ["backend", "layer", "part"], buckets=LATENCY_BUCKETS, registry=r,
+        )
         self.batch_tokens = Histogram(
             "lutb_batch_tokens", "Tokens per experts call", ["backend", "layer"], buckets=TOKEN_BUCKETS, registry=r
         )

@@ -82,6 +82,10 @@ class ForwardResult:
 class _LayerMetrics(NamedTuple):
     queue_wait: Any
     compute: Any
+    to_call: Any
+    """``lutb_handoff_seconds{part="to_call"}``."""
+    back: Any
+    """``lutb_handoff_seconds{part="back"}``."""
     batch_tokens: Any
     batch_requests: Any
     tokens: Any
@@ -378,7 +382,8 @@ class BatchScheduler:
                     _fail(item, single_exc)
                 else:
                     self._finish(item, output, started, compute_s, handoff_s, wait_s, call_tokens, 1)
-                    self._record_call(item.request.layer, compute_s, call_tokens, 1, item.request.tokens, single.path)
+                    self._record_call(item.request.layer, compute_s, call_tokens, 1, item.request.tokens, single.path,
+                                      handoff_s, wait_s)
         finally:
             if self._running is running:
                 self._running = None
@@ -392,13 +397,17 @@ class BatchScheduler:
         for item, output in zip(batch, result.outputs):
             self._finish(item, output, started, result.seconds, handoff_s, wait_s, result.call_tokens, len(batch))
         self._record_call(batch[0].request.layer, result.seconds, result.call_tokens, len(batch),
-                          sum(item.request.tokens for item in batch), result.path)
+                          sum(item.request.tokens for item in batch), result.path, handoff_s, wait_s)
 
-    def _record_call(self, layer: int, seconds: float, call_tokens: int, requests: int, tokens: int, path: str) -> None:
-        """Metrics of one experts call that answered ``requests`` requests of ``tokens`` tokens (``path``: how it ran)."""
+    def _record_call(self, layer: int, seconds: float, call_tokens: int, requests: int, tokens: int, path: str,
+                     handoff_s: float, wait_s: float) -> None:
+        """Metrics of one experts call that answered ``requests`` requests of ``tokens`` tokens (``path``: how it ran;
+        ``handoff_s``, ``wait_s``: this batch's hand-off and its part before the call, as in :class:`ForwardResult`)."""
         if self._metrics is not None:
             m = self._layer_metrics(layer)
             m.compute.observe(seconds)
+            m.to_call.observe(wait_s)
+            m.back.observe(max(0.0, handoff_s - wait_s))
             m.batch_tokens.observe(call_tokens)
             m.batch_requests.observe(requests)
             m.tokens.inc(tokens)
@@ -412,7 +421,8 @@ class BatchScheduler:
             labels = (self._backend, str(layer))
             metrics = self._metrics
             m = self._by_layer[layer] = _LayerMetrics(
-                metrics.queue_wait.labels(*labels), metrics.compute.labels(*labels), metrics.batch_tokens.labels(*labels),
+                metrics.queue_wait.labels(*labels), metrics.compute.labels(*labels), metrics.handoff.labels(*labels, "to_call"),
+                metrics.handoff.labels(*labels, "back"), metrics.batch_tokens.labels(*labels),
                 metrics.batch_requests.labels(*labels), metrics.tokens.labels(*labels),
                 {path: metrics.batches.labels(*labels, path) for path in BATCH_PATHS},
             )

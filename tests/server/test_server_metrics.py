@@ -74,6 +74,9 @@ def test_metrics_count_the_calls(tiny_checkpoint: Path) -> None:
     assert _get(samples, "lutb_batches_total", backend="reference", layer="0", path="graph") == 0  # series exist from the start
     assert _get(samples, "lutb_batches_total", backend="reference", layer="0", path="chunks") == 0
     assert _get(samples, "lutb_compute_seconds_count", backend="reference", layer="1") >= 1
+    for part in ("to_call", "back"):  # one observation per batch (4 sequential calls on layer 0), each part of its hand-off
+        assert _get(samples, "lutb_handoff_seconds_count", backend="reference", layer="0", part=part) == 4
+        assert _get(samples, "lutb_handoff_seconds_sum", backend="reference", layer="0", part=part) > 0
     assert _get(samples, "lutb_queue_wait_seconds_count", backend="reference", layer="0") == 4
     assert _get(samples, "lutb_queue_wait_seconds_count", backend="reference", layer="1") == 3
     assert _get(samples, "lutb_queue_depth") == 0
