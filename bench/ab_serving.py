@@ -83,27 +83,33 @@ def run_once(side: Side, out: Path, bench_args: list[str], timeout_s: float) -> 
 
 
 def cells(report: dict) -> dict[Cell, dict]:
-    """The server's figures of each cell of one run."""
-    return {(r["shape"], r["wire"], r["api"], r["concurrency"], r["tokens"]): r["server"] for r in report["rows"]}
+    """The server's figures of each cell of one run, with ``ratio``: its tokens/s over the in-process tokens/s at the
+    batch it formed (issue 5's C=64 figure; None where the report has no in-process figure)."""
+    out = {}
+    for r in report["rows"]:
+        inproc = (r.get("inproc") or {}).get("tokens_per_s")
+        ratio = r["server"]["tokens_per_s"] / inproc if inproc else None
+        out[(r["shape"], r["wire"], r["api"], r["concurrency"], r["tokens"])] = {**r["server"], "ratio": ratio}
+    return out
 
 
 def table(new: list[dict], old: list[dict]) -> tuple[str, list[dict]]:
     """Markdown table per cell: each run's p50 and tokens/s, the means' ratios, tokens/s new / old of each pair
-    (new run i against old run i: the two ran back to back, so machine drift between pairs cancels), batches and
-    compute (medians)."""
+    (new run i against old run i: the two ran back to back, so machine drift between pairs cancels), batches,
+    compute, the hand-off's wait (``timing.wait_us``) and the ratio to the in-process rate (medians)."""
     new_cells, old_cells = [cells(r) for r in new], [cells(r) for r in old]
     keys = sorted(set.intersection(*(set(c) for c in new_cells + old_cells)))
     lines = ["| shape | wire | api | C | T | p50 us new (runs) | old (runs) | new / old | tok/s new (runs) | old (runs) | new / old "
-             "| tok/s new / old by pair | batch new / old | compute us new / old |",
-             "|" + "|".join("---" for _ in range(14)) + "|"]
+             "| tok/s new / old by pair | batch new / old | compute us new / old | wait us new / old | ratio new / old |",
+             "|" + "|".join("---" for _ in range(16)) + "|"]
     data = []
 
     def runs(values: list[float]) -> str:
         return " / ".join(f"{v:.0f}" for v in values)
 
-    def fig(values: list[float | None]) -> str:
+    def fig(values: list[float | None], digits: int = 0) -> str:
         known = [v for v in values if v is not None]
-        return f"{statistics.median(known):.0f}" if known else "-"
+        return f"{statistics.median(known):.{digits}f}" if known else "-"
 
     for key in keys:
         n, o = [c[key] for c in new_cells], [c[key] for c in old_cells]
@@ -114,15 +120,18 @@ def table(new: list[dict], old: list[dict]) -> tuple[str, list[dict]]:
         by_pair = [a / b for a, b in zip(*tps)]
         batch = (fig([s.get("batch_tokens_p50") for s in n]), fig([s.get("batch_tokens_p50") for s in o]))
         compute = (fig([s.get("server_compute_us_p50") for s in n]), fig([s.get("server_compute_us_p50") for s in o]))
+        wait = (fig([s.get("server_wait_us_p50") for s in n]), fig([s.get("server_wait_us_p50") for s in o]))
+        ratio = (fig([s["ratio"] for s in n], 2), fig([s["ratio"] for s in o], 2))
         lines.append(f"| {' | '.join(str(k) for k in key)} | {runs(p50[0])} | {runs(p50[1])} | {p50_ratio:.2f} "
                      f"| {runs(tps[0])} | {runs(tps[1])} | {tps_ratio:.2f} | {' / '.join(f'{r:.2f}' for r in by_pair)} "
-                     f"| {batch[0]} / {batch[1]} | {compute[0]} / {compute[1]} |")
+                     f"| {batch[0]} / {batch[1]} | {compute[0]} / {compute[1]} | {wait[0]} / {wait[1]} | {ratio[0]} / {ratio[1]} |")
         data.append({"cell": dict(zip(("shape", "wire", "api", "concurrency", "tokens"), key)),
                      "new_p50_us": p50[0], "old_p50_us": p50[1], "new_tokens_per_s": tps[0], "old_tokens_per_s": tps[1],
                      "p50_new_over_old": p50_ratio, "tokens_per_s_new_over_old": tps_ratio,
                      "tokens_per_s_new_over_old_by_pair": by_pair,
                      "new_batch_tokens_p50": [s.get("batch_tokens_p50") for s in n],
-                     "old_batch_tokens_p50": [s.get("batch_tokens_p50") for s in o]})
+                     "old_batch_tokens_p50": [s.get("batch_tokens_p50") for s in o],
+                     "new_ratio_to_in_process": [s["ratio"] for s in n], "old_ratio_to_in_process": [s["ratio"] for s in o]})
     return "\n".join(lines), data
 
 

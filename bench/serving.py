@@ -825,6 +825,9 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         _stop_child(server)
         if profiler is not None and not profiler.py_spy:
             info["profile"] = str(profiler.cprofile) if profiler.cprofile.exists() else None
+    merged = compute_process_calls(out / f"server-{shape_name}.log")
+    if merged is not None:
+        info["compute_process"] = merged
     cells = []
     for row in rows:
         formed = row.server["batch_tokens_p50"] or row.tokens
@@ -835,6 +838,23 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         _targets(row)
     info["saturation"] = _saturation(rows)
     return rows, info
+
+
+_COMPUTE_DONE = re.compile(r"\[compute\]: done: (\d+) experts call\(s\) ran (\d+) batch\(es\) of (\d+) serving process")
+
+
+def compute_process_calls(log: Path) -> dict[str, float] | None:
+    """From a server's log, the compute process's exit line (``--compute-worker process``): its experts calls, the
+    front-end batches they ran and the batches a call, over the server's whole run (warm-ups and every cell); None
+    where the log has no such line (a thread worker, or a server that did not stop cleanly)."""
+    try:
+        found = _COMPUTE_DONE.findall(log.read_text(errors="replace"))
+    except OSError:
+        return None
+    if not found:
+        return None
+    calls, batches, front_ends = (int(v) for v in found[-1])
+    return {"calls": calls, "batches": batches, "front_ends": front_ends, "batches_per_call": round(batches / max(calls, 1), 2)}
 
 
 def _targets(row: Row) -> None:

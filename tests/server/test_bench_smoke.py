@@ -178,15 +178,23 @@ def test_ab_serving_table_gives_each_pairs_ratio() -> None:
     finally:
         sys.path.remove(str(ROOT / "bench"))
 
-    def report(p50: float, tps: float) -> dict:
-        return {"rows": [{"shape": "s", "wire": "bf16", "api": "stream", "concurrency": 64, "tokens": 16,
-                          "server": {"p50_us": p50, "tokens_per_s": tps, "batch_tokens_p50": 240}}]}
+    def report(p50: float, tps: float, inproc: float | None = None, wait: float | None = None) -> dict:
+        server = {"p50_us": p50, "tokens_per_s": tps, "batch_tokens_p50": 240}
+        if wait is not None:  # trees before timing.wait_us have none
+            server["server_wait_us_p50"] = wait
+        return {"rows": [{"shape": "s", "wire": "bf16", "api": "stream", "concurrency": 64, "tokens": 16, "server": server,
+                          **({"inproc": {"tokens_per_s": inproc}} if inproc else {})}]}
 
     text, (row,) = ab_serving.table([report(900, 120.0), report(1000, 90.0)], [report(1000, 100.0), report(1000, 100.0)])
     assert row["tokens_per_s_new_over_old_by_pair"] == pytest.approx([1.2, 0.9])
     assert row["tokens_per_s_new_over_old"] == pytest.approx(1.05) and row["p50_new_over_old"] == pytest.approx(0.95)
-    assert text.splitlines()[-1].startswith("| s | bf16 | stream | 64 | 16 | 900 / 1000 | 1000 / 1000 | 0.95 | 120 / 90 | 100 / 100 "
-                                             "| 1.05 | 1.20 / 0.90 | 240 / 240 | - / - |")
+    assert text.splitlines()[-1] == ("| s | bf16 | stream | 64 | 16 | 900 / 1000 | 1000 / 1000 | 0.95 | 120 / 90 | 100 / 100 "
+                                     "| 1.05 | 1.20 / 0.90 | 240 / 240 | - / - | - / - | - / - |")
+    # with in-process figures and the hand-off's wait: each run's ratio to the in-process rate, medians shown
+    text, (row,) = ab_serving.table([report(900, 120.0, 200.0, 300), report(1000, 90.0, 300.0, 500)],
+                                    [report(1000, 100.0, 400.0, 900), report(1000, 100.0)])
+    assert row["new_ratio_to_in_process"] == pytest.approx([0.6, 0.3]) and row["old_ratio_to_in_process"] == [0.25, None]
+    assert text.splitlines()[-1].endswith("| 400 / 900 | 0.45 / 0.25 |")
 
 
 STUB_SERVING = """
@@ -299,3 +307,20 @@ def test_py_spy_summary_splits_samples_by_process(monkeypatch: pytest.MonkeyPatc
     assert " 90.00%  sync (torch.py)" in text and " 10.00%  _child_main (lutb_server/worker_process.py)" in text
     assert "100.00%  ? (libc.so.6)" in text
     assert "spawn_main" not in text.replace("front ends, compute process", "")  # no command line leaks into frames
+
+
+def test_compute_process_calls_read_from_the_server_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/serving.compute_process_calls: the compute process's exit line (the last one, if a log holds several), or
+    None for a log without one and for no log."""
+    spec = importlib.util.spec_from_file_location("lutb_bench_serving", ROOT / "bench" / "serving.py")
+    assert spec is not None and spec.loader is not None
+    serving = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, serving)
+    spec.loader.exec_module(serving)
+    log = tmp_path / "server.log"
+    done = "2026-12-06 05:23:32,075 INFO lutb_server.worker_process [compute]: done: {} experts call(s) ran {} batch(es) of 8 serving process(es), x a call\n"
+    log.write_text("[server] SERVING\n" + done.format(3, 4) + done.format(5466, 14824))
+    assert serving.compute_process_calls(log) == {"calls": 5466, "batches": 14824, "front_ends": 8, "batches_per_call": 2.71}
+    log.write_text("[server] SERVING\n[server] stopped\n")  # a thread worker's log
+    assert serving.compute_process_calls(log) is None
+    assert serving.compute_process_calls(tmp_path / "absent.log") is None
