@@ -334,8 +334,8 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                         if response.status.code:
                             errors.append(response.status.message)
                         batch_tokens.append(int(response.timing.batch_tokens))
-                        for field, values in server_times.items():
-                            values.append(int(getattr(response.timing, field)))
+                        for name, values in server_times.items():
+                            values.append(int(getattr(response.timing, name)))
                 sizes["response"] = len(raw)
             if duplex is not None:
                 await duplex.done_writing()
