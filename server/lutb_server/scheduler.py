@@ -374,8 +374,7 @@ class BatchScheduler:
                     sent = time.monotonic()
                     single = await asyncio.wrap_future(self.worker.submit([item.request]))
                     (output,), compute_s, call_tokens = single.outputs, single.seconds, single.call_tokens
-                    handoff_s = time.monotonic() - sent - compute_s
-                    wait_s = _wait(single, sent, handoff_s)
+                    handoff_s, wait_s = _handoff(single, sent, time.monotonic())
                 except asyncio.CancelledError:
                     raise
                 except Exception as single_exc:  # noqa: BLE001 - handed to that request
@@ -392,8 +391,7 @@ class BatchScheduler:
     def _complete(self, batch: list[_Item], started: float, returned: float, result: BatchOutput) -> None:
         """Hand out a batch's results; ``started``/``returned``: ``time.monotonic()`` when it went to the worker and
         when its end reached the loop."""
-        handoff_s = returned - started - result.seconds
-        wait_s = _wait(result, started, handoff_s)
+        handoff_s, wait_s = _handoff(result, started, returned)
         for item, output in zip(batch, result.outputs):
             self._finish(item, output, started, result.seconds, handoff_s, wait_s, result.call_tokens, len(batch))
         self._record_call(batch[0].request.layer, result.seconds, result.call_tokens, len(batch),
@@ -407,7 +405,7 @@ class BatchScheduler:
             m = self._layer_metrics(layer)
             m.compute.observe(seconds)
             m.to_call.observe(wait_s)
-            m.back.observe(max(0.0, handoff_s - wait_s))
+            m.back.observe(handoff_s - wait_s)
             m.batch_tokens.observe(call_tokens)
             m.batch_requests.observe(requests)
             m.tokens.inc(tokens)
@@ -434,19 +432,21 @@ class BatchScheduler:
         if self._metrics is not None:
             self._layer_metrics(item.request.layer).queue_wait.observe(queue_s)
         if not item.future.done():
-            item.future.set_result(ForwardResult(output, queue_s, compute_s, max(0.0, handoff_s), wait_s, tokens, requests))
+            item.future.set_result(ForwardResult(output, queue_s, compute_s, handoff_s, wait_s, tokens, requests))
 
     def _set_depth(self) -> None:
         if self._metrics is not None:
             self._metrics.queue_depth.set(len(self._pending))
 
 
-def _wait(result: BatchOutput, handed: float, handoff_s: float) -> float:
-    """Seconds from handing the batch over (``time.monotonic()`` ``handed``) to its call's start, within
-    ``0 .. handoff_s``; 0 when the worker did not say when the call started."""
+def _handoff(result: BatchOutput, handed: float, returned: float) -> tuple[float, float]:
+    """A batch's hand-off and its part before the call (``ForwardResult.handoff_s``, ``wait_s``), from the
+    ``time.monotonic()`` times it was handed to the worker and its result reached the loop: the hand-off at least 0,
+    the wait within ``0 .. hand-off`` (0 when the worker did not say when the call started)."""
+    handoff = max(0.0, returned - handed - result.seconds)
     if result.started is None:
-        return 0.0
-    return min(max(0.0, result.started - handed), max(0.0, handoff_s))
+        return handoff, 0.0
+    return handoff, min(max(0.0, result.started - handed), handoff)
 
 
 def _fail(item: _Item, exc: BaseException) -> None:
