@@ -148,6 +148,11 @@ class SharedArena:
 
     # -- tensors (both sides) -------------------------------------------------------------------
 
+    @property
+    def memory(self) -> torch.Tensor:
+        """The whole arena as one flat uint8 tensor (``[size]``; e.g. to page-lock it for device copies)."""
+        return self._bytes
+
     def view(self, slot: Slot | tuple[int, str, tuple[int, ...]]) -> torch.Tensor:
         """The tensor ``slot`` describes, as a view of the shared memory (writes are seen by both processes).
 

@@ -17,7 +17,10 @@ and awaits the returned ``concurrent.futures.Future``. On the worker thread, per
    4-byte flag), one stream synchronisation, then one host copy out of the pinned buffer:
    per request into the destination the caller gave (``run(..., into=)``: a compute process
    passes its serving processes' shared-memory output slots), else into the batch's own
-   result tensor, split into per-request views.
+   result tensor, split into per-request views. A destination inside memory registered with
+   :meth:`ComputeWorker.register_host_memory` (a compute process registers each serving
+   process's arena) is written by the device's copy engine instead, before the one
+   synchronisation: no pinned staging and no CPU copy for it.
 
 Few torch calls per batch: under load each one may hand the GIL to the event loop and wait
 to get it back (docs/serving.md, "The compute worker"), so staging views are cached per shape,
@@ -184,6 +187,8 @@ class ComputeWorker:
         self._host = _Buffers(torch.device("cpu"), pin=self.cuda)
         self._dev = _Buffers(self.device, pin=False)
         self._flag: tuple[torch.Tensor, torch.Tensor, Any] | None = None
+        self._registered: dict[int, int] = {}
+        """Host memory the device copies outputs into directly: start address -> end address."""
         self.batches = 0
         if hasattr(engine, "layer_experts") and hasattr(engine, "layer_ids"):
             self._experts = {layer: engine.layer_experts(layer) for layer in engine.layer_ids}
@@ -348,6 +353,53 @@ class ComputeWorker:
         self.batches += 1
         return BatchOutput(outputs, time.monotonic() - began, sum(r.tokens for r in requests), path, began)
 
+    def register_host_memory(self, memory: torch.Tensor) -> bool:
+        """Page-lock ``memory`` for the device's copy engine, so that :meth:`run` writes the outputs whose
+        destination lies inside it straight from the device (``cudaHostRegister``; no pinned staging, no CPU copy).
+
+        Args:
+            memory: a contiguous CPU tensor (a compute process passes each serving process's shared arena,
+                ``SharedArena.memory``); every page of it becomes resident and stays so until
+                :meth:`unregister_host_memory`.
+
+        Returns:
+            True when registered (or already), False off CUDA, for an empty tensor, or when the driver refuses;
+            outputs into it then go through the pinned staging as before.
+        """
+        start, nbytes = memory.data_ptr(), memory.numel() * memory.element_size()
+        if not self.cuda or nbytes == 0 or memory.device.type != "cpu" or not memory.is_contiguous():
+            return False
+        if start in self._registered:
+            return True
+        cudart = torch.cuda.cudart()
+        with torch.cuda.device(self.device):
+            err = int(cudart.cudaHostRegister(start, nbytes, 0))
+            if err != 0:
+                if hasattr(cudart, "cudaGetLastError"):
+                    cudart.cudaGetLastError()  # clear it: the runtime's sticky last error would surface in a later call
+                log.warning("cannot page-lock %.1f MB of host memory for device copies (cudaError %d); "
+                            "its outputs go through the pinned staging", nbytes / 1e6, err)
+                return False
+        self._registered[start] = start + nbytes
+        return True
+
+    def unregister_host_memory(self, memory: torch.Tensor) -> None:
+        """Undo :meth:`register_host_memory` (no-op for memory not registered); call it before ``memory`` is freed."""
+        start = memory.data_ptr()
+        if self._registered.pop(start, None) is not None:
+            with torch.cuda.device(self.device):
+                err = int(torch.cuda.cudart().cudaHostUnregister(start))
+            if err != 0:
+                log.warning("cudaHostUnregister failed (cudaError %d)", err)
+
+    def _by_dma(self, into: Sequence[torch.Tensor | None] | None) -> list[bool] | None:
+        """Per destination, whether it lies inside registered memory (the device writes it); None when none does."""
+        if into is None or not self._registered:
+            return None
+        spans = self._registered.items()
+        direct = [dest is not None and any(a <= dest.data_ptr() < b for a, b in spans) for dest in into]
+        return direct if any(direct) else None
+
     def _gather(self, requests: list[PreparedRequest], buffers: _Buffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         first = requests[0]
         tokens = sum(r.tokens for r in requests)
@@ -403,8 +455,15 @@ class ComputeWorker:
                     xd, idsd, wd, apply_router_weight_on_input=on_input, output_mode=mode, nonfinite=flag)
             else:
                 out = experts.forward(xd, idsd, wd, apply_router_weight_on_input=on_input, output_mode=mode)
-            out_h = self._host.get("out", out.shape, out.dtype)
-            out_h.copy_(out, non_blocking=True)
+            direct = self._by_dma(into)
+            if direct is not None:  # registered destinations: the copy engine writes them
+                for part, dest, dma in zip(_split(out, requests), into, direct):  # type: ignore[arg-type]
+                    if dma:
+                        dest.copy_(part, non_blocking=True)
+            out_h = None
+            if direct is None or not all(direct):
+                out_h = self._host.get("out", out.shape, out.dtype)
+                out_h.copy_(out, non_blocking=True)
             if unchecked:
                 flag_h.copy_(flag, non_blocking=True)
             self._stream.synchronize()
@@ -412,7 +471,9 @@ class ComputeWorker:
                 flag.zero_()  # on the worker's stream, ahead of the next batch; only a batch that set the flag pays for this
                 if tokens:
                     raise NonFiniteInputError("MXFP8 quantization met NaN or Inf (hidden states or activation output)")
-        return _deliver(out_h, requests, into, owned=False), path  # the pinned buffer is reused by the next batch
+        if out_h is None:
+            return list(into), path  # type: ignore[arg-type]
+        return _deliver(out_h, requests, into, owned=False, written=direct), path  # the pinned buffer is reused
 
     def _nonfinite_flag(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """The device NaN/Inf flag (zero between batches), its pinned host copy, and a numpy view of that copy
@@ -468,17 +529,19 @@ def _check_destinations(requests: list[PreparedRequest], into: Sequence[torch.Te
 
 
 def _deliver(out: torch.Tensor, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None, *,
-             owned: bool) -> list[torch.Tensor]:
-    """The batch's output ``out`` split per request: copied into ``into[i]`` where given, elsewhere a view of
-    ``out`` when ``owned`` (memory of its own), else a copy (one for the whole batch when nothing has a destination)."""
+             owned: bool, written: Sequence[bool] | None = None) -> list[torch.Tensor]:
+    """The batch's output ``out`` split per request: copied into ``into[i]`` where given (unless ``written[i]``:
+    it holds the output already), elsewhere a view of ``out`` when ``owned`` (memory of its own), else a copy (one
+    for the whole batch when nothing has a destination)."""
     if into is None or all(dest is None for dest in into):
         return _split(out if owned else out.clone(), requests)
     outputs = []
-    for part, dest in zip(_split(out, requests), into):
+    for i, (part, dest) in enumerate(zip(_split(out, requests), into)):
         if dest is None:
             outputs.append(part if owned else part.clone())
         else:
-            dest.copy_(part)
+            if written is None or not written[i]:
+                dest.copy_(part)
             outputs.append(dest)
     return outputs
 

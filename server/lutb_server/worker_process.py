@@ -18,8 +18,10 @@ Tensors travel through a :class:`~lutb_server.shared_arena.SharedArena` (shared 
 serving process creates and hands to the child as a file descriptor): the serving process copies
 a batch's inputs into a span of it and names the span where the child writes the outputs; the
 socket carries only :class:`~lutb_server.shared_arena.Slot` descriptors (as plain ``(offset, dtype,
-shape)`` tuples: cheaper to pickle), and the child's worker writes each batch's output straight from
-its pinned staging into the batch's output slot. A batch that does not fit
+shape)`` tuples: cheaper to pickle), and the child's worker writes each batch's output into the batch's
+output slot: on a GPU with the device's copy engine (the child page-locks each arena with
+``ComputeWorker.register_host_memory`` at the handshake), else from its pinned staging with one CPU
+copy. A batch that does not fit
 the arena's free room (or any batch when ``arena_bytes`` is 0, or off Linux) travels inline, as
 ``lutb.v1.Tensor`` messages made by the wire codec, :mod:`lutb_client.codec`.
 
@@ -347,6 +349,9 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 waiting.remove(c)
                 try:
                     c.handshake()
+                    if c.arena is not None and worker.register_host_memory(c.arena.memory):
+                        log.info("page-locked a serving process's arena (%.0f MB): the GPU copies its outputs there",
+                                 c.arena.size / 1e6)
                     _send(c.sock, ready)
                     open_.append(c)
                 except (EOFError, OSError) as exc:
@@ -358,6 +363,8 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 message = None  # that serving process is gone
             if message is None:
                 open_.remove(c)
+                if c.arena is not None:
+                    worker.unregister_host_memory(c.arena.memory)
                 continue
             job, (layer, x, ids, w, on_input, mode), out_slot = message
             try:  # a batch arrives concatenated: one request
@@ -399,7 +406,8 @@ def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max
     """Run ``batches`` (one per serving process at most), merged by :func:`merge_groups`, and answer each.
 
     Outputs are written by the worker straight into their serving processes' output slots
-    (``ComputeWorker.run(..., into=)``: one copy out of the pinned staging); a batch without one is sent inline.
+    (``ComputeWorker.run(..., into=)``: a device copy into the page-locked arena, or one copy out of the pinned
+    staging); a batch without one is sent inline.
     """
     for indexes in merge_groups([request for _, _, request, _ in batches], max_tokens):
         group = [batches[i] for i in indexes]

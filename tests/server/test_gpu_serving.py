@@ -140,9 +140,10 @@ def test_compute_process_serves_like_the_thread(checkpoint: Path, reference: Ref
 
 
 def test_front_ends_share_one_compute_process_on_the_gpu(checkpoint: Path, reference: ReferenceExperts) -> None:
-    """``lutb serve --front-ends 2``: right answers through either front end, and only the compute process holds a
-    CUDA context (the front ends validate and batch on the CPU; a context each would cost GPU memory). With
-    ``--compute-cpu auto`` (a CPU of its own where the machine has 3 or more): CUDA runs in the pinned process."""
+    """``lutb serve --front-ends 2``: right answers through either front end (their outputs copied by the GPU into
+    each front end's page-locked arena), and only the compute process holds a CUDA context (the front ends validate
+    and batch on the CPU; a context each would cost GPU memory). With ``--compute-cpu auto`` (a CPU of its own where
+    the machine has 3 or more): CUDA runs in the pinned process."""
     import re
     import subprocess
 
@@ -156,6 +157,7 @@ def test_front_ends_share_one_compute_process_on_the_gpu(checkpoint: Path, refer
             x, ids, w = _batch(1 + 7 * seed, 4, seed=seed + 500)
             with ExpertClient(serving.address, channel_options=[("grpc.use_local_subchannel_pool", 1)]) as client:
                 assert _rel_l2(client.forward(0, x, ids, w), reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2
+        assert sum("page-locked a serving process's arena" in line for line in serving.lines) == 2  # outputs by DMA
         compute = int(next(m for m in (re.search(r"compute process (\d+) ready", line) for line in serving.lines) if m).group(1))
         front_ends = [int(p) for p in re.search(r"pids \[([\d, ]+)\]", next(
             line for line in serving.lines if "front ends 1-1 started" in line)).group(1).split(",")]  # type: ignore[union-attr]

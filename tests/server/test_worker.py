@@ -308,6 +308,70 @@ def test_outputs_go_into_their_destinations_on_the_gpu(tiny_checkpoint: Path, to
     assert torch.equal(got[1], kept)
 
 
+def test_registering_host_memory_is_a_no_op_off_cuda(engine: ExpertEngine) -> None:
+    """Off CUDA nothing is page-locked and destinations inside the memory are still written (by the CPU)."""
+    worker = ComputeWorker(engine)
+    requests = _requests(engine, [3, 2], seed=13)
+    memory = torch.full((2 * 5 * engine.config.hidden_size,), float("nan"), dtype=engine.model_dtype)
+    assert worker.register_host_memory(memory) is False
+    worker.unregister_host_memory(memory)  # not registered: nothing to undo
+    into = [memory[:3 * engine.config.hidden_size].view(3, -1), None]
+    got = worker.run(requests, into).outputs
+    assert got[0] is into[0]
+    for g, w in zip(got, _engine_pooled(engine, requests)):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [5, 100, 600], ids=["graph", "chunks", "eager"])  # graphs to 64, chunks to 512
+def test_outputs_reach_registered_memory_by_dma(tiny_checkpoint: Path, tokens: int) -> None:
+    """Destinations inside a registered shared arena are written by the device's copy engine, others through the
+    staging, in any mix; nothing outside the destinations is written; after unregistering, the staging again."""
+    from lutb_kernels.checkpoint import Checkpoint
+    from lutb_server.shared_arena import SharedArena, dtype_name
+
+    ckpt = Checkpoint(tiny_checkpoint)
+    gpu_engine = ExpertEngine(ckpt, choose_backend("packed", ckpt.config, torch.device("cuda")), validate_tiles=False)
+    worker = ComputeWorker(gpu_engine, cuda_graph_max_tokens=64, cuda_graph_top_k=2)
+    requests = _requests(gpu_engine, [tokens, 3, tokens // 2 + 1, 7], k=2, seed=tokens)
+    want = worker.run(requests).outputs
+    arena = SharedArena.create(4 * sum(r.tokens for r in requests) * gpu_engine.config.hidden_size * 2 + (1 << 16))
+    try:
+        assert worker.register_host_memory(arena.memory) is True
+        assert worker.register_host_memory(arena.memory) is True  # twice: no second registration
+        assert arena.memory.is_pinned()
+        dtype = dtype_name(gpu_engine.model_dtype)
+
+        def slots(mask: list[str]) -> list[torch.Tensor | None]:
+            arena.memory.fill_(0xFF)  # bf16 NaN everywhere
+            into: list[torch.Tensor | None] = []
+            offset = 4096
+            for r, kind in zip(requests, mask):
+                if kind == "arena":
+                    into.append(arena.view((offset, dtype, tuple(r.output_shape))))
+                    offset += r.tokens * gpu_engine.config.hidden_size * 2 + 4096  # gaps stay poisoned
+                else:
+                    into.append(torch.full(r.output_shape, float("nan"), dtype=gpu_engine.model_dtype) if kind == "plain" else None)
+            return into
+
+        for mask in (["arena", "none", "arena", "plain"], ["arena"] * 4, ["plain", "arena", "none", "none"]):
+            into = slots(mask)
+            got = worker.run(requests, into).outputs
+            for g, w, dest in zip(got, want, into):
+                assert torch.equal(g, w)
+                assert dest is None or g is dest
+            arena_bytes = sum(d.numel() * 2 for d, k in zip(into, mask) if k == "arena")
+            assert int((arena.memory != 0xFF).sum()) <= arena_bytes  # nothing outside the slots was written
+        worker.unregister_host_memory(arena.memory)
+        assert not arena.memory.is_pinned()
+        into = slots(["arena", "none", "arena", "plain"])
+        for g, w in zip(worker.run(requests, into).outputs, want):  # through the pinned staging again
+            assert torch.equal(g, w)
+    finally:
+        worker.unregister_host_memory(arena.memory)
+        arena.close()
+
+
 def test_a_worker_that_cannot_use_its_device_fails_jobs_instead_of_hanging(engine: ExpertEngine,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(device: object) -> None:
