@@ -322,7 +322,8 @@ class ComputeWorker:
 
     # -- one batch ---------------------------------------------------------------------------
 
-    def run(self, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None = None) -> BatchOutput:
+    def run(self, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None = None, *,
+            overlap: Callable[[], None] | None = None) -> BatchOutput:
         """One experts call over ``requests`` (same pool key), outputs split back per request.
 
         Args:
@@ -332,6 +333,9 @@ class ComputeWorker:
                 ``BatchOutput.outputs``), or None for a tensor of its own. None: every output its own tensor.
                 On a CUDA device an output is copied once, from the pinned staging straight into its
                 destination (a compute process answers this way without a second copy).
+
+            overlap: called once while the call's device work runs (after it is queued, before the wait for it;
+                off CUDA before the call), e.g. a compute process reading the next batches meanwhile.
 
         Blocking; runs on the worker thread via :meth:`submit`, or on any single thread
         that owns the worker (tests, ``bench/serving.py``'s in-process baseline).
@@ -344,12 +348,15 @@ class ComputeWorker:
         if into is not None:
             _check_destinations(requests, into)
         path = "eager"
-        if self._experts is None:
-            outputs = _deliver(_generic_forward(self.engine, requests), requests, into, owned=True)
-        elif self.cuda:
-            outputs, path = self._run_cuda(requests, into)
+        if self.cuda and self._experts is not None:
+            outputs, path = self._run_cuda(requests, into, overlap)
         else:
-            outputs = self._run_cpu(requests, into)
+            if overlap is not None:
+                overlap()
+            if self._experts is None:
+                outputs = _deliver(_generic_forward(self.engine, requests), requests, into, owned=True)
+            else:
+                outputs = self._run_cpu(requests, into)
         self.batches += 1
         return BatchOutput(outputs, time.monotonic() - began, sum(r.tokens for r in requests), path, began)
 
@@ -428,7 +435,8 @@ class ComputeWorker:
                               output_mode=first.output_mode)
         return _deliver(out, requests, into, owned=True)
 
-    def _run_cuda(self, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None) -> tuple[list[torch.Tensor], str]:
+    def _run_cuda(self, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None,
+                  overlap: Callable[[], None] | None = None) -> tuple[list[torch.Tensor], str]:
         """The batch on the device: its per-request outputs, and how the experts ran it (``BatchOutput.path``)."""
         first = requests[0]
         experts = self._experts[first.layer]  # type: ignore[index]
@@ -466,6 +474,8 @@ class ComputeWorker:
                 out_h.copy_(out, non_blocking=True)
             if unchecked:
                 flag_h.copy_(flag, non_blocking=True)
+            if overlap is not None:  # while the device works
+                overlap()
             self._stream.synchronize()
             if unchecked and flag_np[0]:
                 flag.zero_()  # on the worker's stream, ahead of the next batch; only a batch that set the flag pays for this

@@ -47,6 +47,9 @@ batch's frame in one ``recv``); a tensor is a slot tuple or a codec message:
 One compute process can serve several serving processes (front ends, each its own event loop and
 gRPC server): :func:`spawn_compute_process` gives one socket per front end, and the child runs
 the batches that reach it together from several front ends as one call when they share a pool key.
+While a call runs on the device (after its work is queued, before the wait) the child reads the batches that
+have arrived meanwhile, the next call's, so reading and unpacking them is off the path between two calls
+(``ComputeWorker.run(..., overlap=)``; bench/results/2026-12-06-receive-during-call.md).
 
 If the child dies, every pending and later batch fails with :class:`ComputeWorkerGone`.
 """
@@ -337,10 +340,37 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
         return
     waiting, open_ = list(connections), []  # before and after the handshake; front ends start in any order
     received = 0  # batches received (for the summary at exit; worker.batches counts the calls that ran them)
+    ahead: list[_Batch] = []  # batches read, not yet run
+
+    def take(c: _Connection) -> None:
+        """Read ``c``'s next message: a batch goes to ``ahead``; EOF (or the stop) closes the connection."""
+        try:
+            message = c.receive()
+        except (EOFError, OSError):
+            message = None  # that serving process is gone
+        if message is None:
+            open_.remove(c)
+            if c.arena is not None:  # a batch of c's still in ``ahead`` runs with its output copied by the CPU
+                worker.unregister_host_memory(c.arena.memory)
+            return
+        job, (layer, x, ids, w, on_input, mode), out_slot = message
+        try:  # a batch arrives concatenated: one request
+            request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode)
+            destination = c.destination(out_slot, request)
+        except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
+            _answer(c, job, exc, None, False, memory)
+            return
+        ahead.append((c, job, request, destination))
+
+    def take_arrived() -> None:
+        """While a call runs on the device: read the batches that have arrived (never waits for one)."""
+        buffered = [c for c in open_ if c.buffered]
+        for c in buffered + [c for c in select.select(open_, [], [], 0)[0] if c not in buffered]:
+            take(c)
+
     while waiting or open_:
-        batches: list[_Batch] = []
         buffered = [c for c in open_ if c.buffered]  # a whole message in already: select would not report it
-        if buffered:
+        if buffered or ahead:
             readable = buffered + [c for c in select.select(waiting + open_, [], [], 0)[0] if c not in buffered]
         else:
             readable = open_ if len(open_) == 1 and not waiting else select.select(waiting + open_, [], [])[0]
@@ -357,25 +387,10 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 except (EOFError, OSError) as exc:
                     log.warning("a serving process left before its handshake (%s)", exc)
                 continue
-            try:
-                message = c.receive()
-            except (EOFError, OSError):
-                message = None  # that serving process is gone
-            if message is None:
-                open_.remove(c)
-                if c.arena is not None:
-                    worker.unregister_host_memory(c.arena.memory)
-                continue
-            job, (layer, x, ids, w, on_input, mode), out_slot = message
-            try:  # a batch arrives concatenated: one request
-                request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode)
-                destination = c.destination(out_slot, request)
-            except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
-                _answer(c, job, exc, None, False, memory)
-                continue
-            batches.append((c, job, request, destination))
+            take(c)
+        batches, ahead = ahead, []
         received += len(batches)
-        _run_merged(worker, batches, memory, spec.max_batch_tokens)
+        _run_merged(worker, batches, memory, spec.max_batch_tokens, during=take_arrived)
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
             memory, memory_read = _gpu_memory(device), time.monotonic()
     log.info("done: %d experts call(s) ran %d batch(es) of %d serving process(es), %.2f a call",
@@ -402,8 +417,10 @@ def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[l
     return groups
 
 
-def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max_tokens: int) -> None:
-    """Run ``batches`` (one per serving process at most), merged by :func:`merge_groups`, and answer each.
+def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max_tokens: int,
+                during: Callable[[], None] | None = None) -> None:
+    """Run ``batches`` (one per serving process at most), merged by :func:`merge_groups`, and answer each;
+    ``during`` runs while each call's device work runs (``ComputeWorker.run``'s ``overlap``).
 
     Outputs are written by the worker straight into their serving processes' output slots
     (``ComputeWorker.run(..., into=)``: a device copy into the page-locked arena, or one copy out of the pinned
@@ -413,12 +430,13 @@ def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max
         group = [batches[i] for i in indexes]
         call: BatchOutput | None
         try:
-            call = worker.run([request for _, _, request, _ in group], [destination for *_, destination in group])
+            call = worker.run([request for _, _, request, _ in group], [destination for *_, destination in group],
+                              overlap=during)
             outputs: list[torch.Tensor | BaseException] = list(call.outputs)
         except Exception as exc:  # noqa: BLE001 - alone, each batch gets its own result or error
             if len(group) > 1:
                 for batch in group:
-                    _run_merged(worker, [batch], memory, max_tokens)
+                    _run_merged(worker, [batch], memory, max_tokens, during)
                 continue
             call, outputs = None, [exc]
         for (c, job, _, destination), output in zip(group, outputs):

@@ -386,3 +386,34 @@ def test_a_worker_that_cannot_use_its_device_fails_jobs_instead_of_hanging(engin
             worker.call(lambda: 1).result(timeout=10)
     finally:
         worker.close(10)
+
+
+def test_overlap_runs_once_before_the_outputs_are_delivered(engine: ExpertEngine) -> None:
+    """``run(overlap=)``: called exactly once per call (off CUDA, before the experts run), and the outputs are the same."""
+    worker = ComputeWorker(engine)
+    requests = _requests(engine, [3, 2], k=2, mode="combined", on_input=False, seed=5)
+    calls: list[int] = []
+    got = worker.run(requests, overlap=lambda: calls.append(worker.batches))
+    assert calls == [0]  # before the call was counted
+    for a, b in zip(got.outputs, ComputeWorker(engine).run(requests).outputs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [5, 100, 600], ids=["graph", "chunks", "eager"])  # graphs to 64, chunks to 512
+def test_overlap_runs_while_the_device_works(tiny_checkpoint: Path, tokens: int) -> None:
+    """On the device ``overlap`` runs once, after the call is queued and before the worker waits for it: the
+    outputs' destinations are still poisoned when it runs, and the outputs equal a run without it."""
+    from lutb_kernels.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(tiny_checkpoint)
+    gpu_engine = ExpertEngine(ckpt, choose_backend("packed", ckpt.config, torch.device("cuda")), validate_tiles=False)
+    worker = ComputeWorker(gpu_engine, cuda_graph_max_tokens=64, cuda_graph_top_k=2)
+    requests = _requests(gpu_engine, [tokens, 3], k=2, seed=tokens + 7)
+    want = worker.run(requests).outputs
+    into = [torch.full(r.output_shape, float("nan"), dtype=gpu_engine.model_dtype) for r in requests]
+    seen: list[tuple[int, bool]] = []
+    got = worker.run(requests, into, overlap=lambda: seen.append((worker.batches, bool(into[0].isnan().all())))).outputs
+    assert seen == [(1, True)]  # once, before the call was counted; a pageable destination is written after the wait
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

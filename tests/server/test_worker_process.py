@@ -571,3 +571,38 @@ def test_front_ends_and_compute_process_go_when_the_server_is_killed(tiny_checkp
             time.sleep(0.05)
     finally:
         serving.kill()
+
+
+def test_the_next_batches_are_read_while_a_call_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_run_merged(during=)`` hands ``during`` to every ``ComputeWorker.run`` as its ``overlap`` (the child reads the
+    batches that arrived while a call runs on the device), the retry of a failed merged call included, and each
+    batch is answered after its call returns."""
+    from lutb_server import worker_process
+    from lutb_server.worker import BatchOutput
+
+    events: list[str] = []
+    monkeypatch.setattr(worker_process, "_answer",
+                        lambda c, job, output, call, written, memory: events.append(f"answer {job}"))
+
+    class Worker:
+        def run(self, requests, into, *, overlap=None):
+            events.append(f"call {len(requests)}")
+            if overlap is not None:
+                overlap()
+            if len(requests) > 1 and any(r.layer == 9 for r in requests):
+                raise ValueError("a bad batch in the merged call")
+            return BatchOutput([torch.zeros(r.tokens, 4) for r in requests], 0.001, sum(r.tokens for r in requests))
+
+    def batch(job: int, layer: int):
+        request = PreparedRequest(layer, torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
+                                  False, "combined")
+        return (f"front end {job}", job, request, None)
+
+    def during() -> None:
+        events.append("read")
+
+    worker_process._run_merged(Worker(), [batch(1, 0), batch(2, 0)], (0, 0), 0, during)
+    assert events == ["call 2", "read", "answer 1", "answer 2"]
+    events.clear()
+    worker_process._run_merged(Worker(), [batch(3, 9), batch(4, 9)], (0, 0), 0, during)  # fails merged, then alone
+    assert events == ["call 2", "read", "call 1", "read", "answer 3", "call 1", "read", "answer 4"]
