@@ -338,67 +338,115 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
             except OSError:
                 pass
         return
-    waiting, open_ = list(connections), []  # before and after the handshake; front ends start in any order
-    received = 0  # batches received (for the summary at exit; worker.batches counts the calls that ran them)
-    ahead: list[_Batch] = []  # batches read, not yet run
+    inbox = _Inbox(connections, worker, ready, memory)
+    while inbox:
+        inbox.read()
+        batches = inbox.pop()
+        _run_merged(worker, batches, memory, spec.max_batch_tokens, during=inbox.read_arrived)
+        inbox.release_closed()  # after the call that may have written their arenas
+        if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
+            memory, memory_read = _gpu_memory(device), time.monotonic()
+            inbox.memory = memory
+    inbox.release_closed()
+    log.info("done: %d experts call(s) ran %d batch(es) of %d serving process(es), %.2f a call",
+             worker.batches, inbox.received, len(connections), inbox.received / max(worker.batches, 1))
 
-    def take(c: _Connection) -> None:
-        """Read ``c``'s next message: a batch goes to ``ahead``; EOF (or the stop) closes the connection."""
+
+_Batch = tuple[_Connection, int, PreparedRequest, "torch.Tensor | None"]
+"""A batch in the compute process: its connection, job, request, and where its output goes (None: inline)."""
+
+
+class _Inbox:
+    """The compute process's reading of the serving processes' sockets: handshakes, the batches read and not yet
+    run (in arrival order), and the connections that are gone, whose arenas stay page-locked until no call of
+    theirs can still be writing there.
+
+    Each round: :meth:`read` (blocks while nothing is ready), :meth:`pop` the batches, run them with
+    :meth:`read_arrived` as the call's ``overlap`` (the next round's batches, read while the device works), then
+    :meth:`release_closed`. A serving process has one batch in flight, so one message is read per connection
+    at a time.
+    """
+
+    def __init__(self, connections: list[_Connection], worker: Any, ready: object, memory: tuple[int, int] = (0, 0)) -> None:
+        self.waiting = list(connections)  # before the handshake: front ends start in any order
+        self.open: list[_Connection] = []
+        self.ahead: list[_Batch] = []
+        self.closed: list[_Connection] = []
+        self.received = 0  # batches read (worker.batches counts the calls that ran them)
+        self.memory = memory  # the GPU memory figures an error answer carries (the loop updates them)
+        self._worker = worker
+        self._ready = ready
+
+    def __bool__(self) -> bool:
+        """Whether anything is left to do: a connection to serve or a batch to run."""
+        return bool(self.waiting or self.open or self.ahead)
+
+    def read(self) -> None:
+        """Shake hands with the serving processes that have connected, and read one message from each open
+        connection that has one; wait for one only when no batch is ready to run."""
+        buffered = [c for c in self.open if c.buffered]  # a whole message in already: select would not report it
+        if buffered or self.ahead:
+            readable = buffered + [c for c in select.select(self.waiting + self.open, [], [], 0)[0] if c not in buffered]
+        elif len(self.open) == 1 and not self.waiting:
+            readable = list(self.open)  # a lone serving process: its socket, blocking, without a select
+        else:
+            readable = select.select(self.waiting + self.open, [], [])[0]
+        for c in readable:
+            if c in self.waiting:
+                self._handshake(c)
+            else:
+                self._take(c)
+
+    def read_arrived(self) -> None:
+        """While a call runs on the device: read the batches that have arrived (never waits for one)."""
+        buffered = [c for c in self.open if c.buffered]
+        for c in buffered + [c for c in select.select(self.open, [], [], 0)[0] if c not in buffered]:
+            self._take(c)
+
+    def pop(self) -> list[_Batch]:
+        """The batches read so far, to run now."""
+        batches, self.ahead = self.ahead, []
+        return batches
+
+    def release_closed(self) -> None:
+        """Un-page-lock the arenas of connections that are gone and have no batch left to run."""
+        for c in [c for c in self.closed if all(batch[0] is not c for batch in self.ahead)]:
+            self.closed.remove(c)
+            if c.arena is not None:
+                self._worker.unregister_host_memory(c.arena.memory)
+
+    def _handshake(self, c: _Connection) -> None:
+        self.waiting.remove(c)
+        try:
+            c.handshake()
+            if c.arena is not None and self._worker.register_host_memory(c.arena.memory):
+                log.info("page-locked a serving process's arena (%.0f MB): the GPU copies its outputs there",
+                         c.arena.size / 1e6)
+            _send(c.sock, self._ready)
+            self.open.append(c)
+        except (EOFError, OSError) as exc:
+            log.warning("a serving process left before its handshake (%s)", exc)
+
+    def _take(self, c: _Connection) -> None:
+        """Read ``c``'s next message: a batch joins ``ahead``; EOF (or the stop) closes the connection. A batch read
+        before it still runs and is answered (a closing serving process waits for its answers)."""
         try:
             message = c.receive()
         except (EOFError, OSError):
             message = None  # that serving process is gone
         if message is None:
-            open_.remove(c)
-            if c.arena is not None:  # a batch of c's still in ``ahead`` runs with its output copied by the CPU
-                worker.unregister_host_memory(c.arena.memory)
+            self.open.remove(c)
+            self.closed.append(c)  # a call running now may still be copying into its arena
             return
         job, (layer, x, ids, w, on_input, mode), out_slot = message
         try:  # a batch arrives concatenated: one request
             request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode)
             destination = c.destination(out_slot, request)
         except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
-            _answer(c, job, exc, None, False, memory)
+            _answer(c, job, exc, None, False, self.memory)
             return
-        ahead.append((c, job, request, destination))
-
-    def take_arrived() -> None:
-        """While a call runs on the device: read the batches that have arrived (never waits for one)."""
-        buffered = [c for c in open_ if c.buffered]
-        for c in buffered + [c for c in select.select(open_, [], [], 0)[0] if c not in buffered]:
-            take(c)
-
-    while waiting or open_:
-        buffered = [c for c in open_ if c.buffered]  # a whole message in already: select would not report it
-        if buffered or ahead:
-            readable = buffered + [c for c in select.select(waiting + open_, [], [], 0)[0] if c not in buffered]
-        else:
-            readable = open_ if len(open_) == 1 and not waiting else select.select(waiting + open_, [], [])[0]
-        for c in readable:  # one message from each: a serving process has one batch in flight
-            if c in waiting:
-                waiting.remove(c)
-                try:
-                    c.handshake()
-                    if c.arena is not None and worker.register_host_memory(c.arena.memory):
-                        log.info("page-locked a serving process's arena (%.0f MB): the GPU copies its outputs there",
-                                 c.arena.size / 1e6)
-                    _send(c.sock, ready)
-                    open_.append(c)
-                except (EOFError, OSError) as exc:
-                    log.warning("a serving process left before its handshake (%s)", exc)
-                continue
-            take(c)
-        batches, ahead = ahead, []
-        received += len(batches)
-        _run_merged(worker, batches, memory, spec.max_batch_tokens, during=take_arrived)
-        if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
-            memory, memory_read = _gpu_memory(device), time.monotonic()
-    log.info("done: %d experts call(s) ran %d batch(es) of %d serving process(es), %.2f a call",
-             worker.batches, received, len(connections), received / max(worker.batches, 1))
-
-
-_Batch = tuple[_Connection, int, PreparedRequest, "torch.Tensor | None"]
-"""A batch in the compute process: its connection, job, request, and where its output goes (None: inline)."""
+        self.ahead.append((c, job, request, destination))
+        self.received += 1
 
 
 def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[list[int]]:

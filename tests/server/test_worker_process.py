@@ -606,3 +606,42 @@ def test_the_next_batches_are_read_while_a_call_runs(monkeypatch: pytest.MonkeyP
     events.clear()
     worker_process._run_merged(Worker(), [batch(3, 9), batch(4, 9)], (0, 0), 0, during)  # fails merged, then alone
     assert events == ["call 2", "read", "call 1", "read", "answer 3", "call 1", "read", "answer 4"]
+
+
+def test_a_closed_connections_arena_stays_page_locked_until_its_last_batch_ran() -> None:
+    """_Inbox: a batch and then the stop, both read while calls run (two calls of one round): the batch still runs
+    (the inbox is not done while it waits), and the arena is un-page-locked only after the call that ran it, never
+    while a call may still be copying into it."""
+    import socket
+    from types import SimpleNamespace
+
+    from lutb_server import worker_process as wp
+
+    events: list[tuple[str, str]] = []
+
+    class Worker:
+        def unregister_host_memory(self, memory) -> None:
+            events.append(("unregister", memory))
+
+    front, child = socket.socketpair()
+    try:
+        c = wp._Connection(child)
+        c.arena = SimpleNamespace(memory="arena A", size=0)  # type: ignore[assignment]
+        inbox = wp._Inbox([], Worker(), None)
+        inbox.open.append(c)
+        x, ids, w = torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)
+        wp._send(front, (7, (0, encode_tensor(x), encode_tensor(ids), encode_tensor(w), False, "combined"), None))
+        wp._send(front, None)
+        inbox.read_arrived()  # during a call: the batch
+        inbox.read_arrived()  # during the round's next call: the stop
+        assert [job for _, job, _, _ in inbox.ahead] == [7] and inbox.closed == [c] and not inbox.open and inbox
+        assert events == []  # the running call may still be writing into the arena
+        inbox.release_closed()
+        assert events == []  # its batch has not run yet
+        (batch,) = inbox.pop()
+        assert batch[0] is c and torch.equal(batch[2].x, x) and batch[3] is None
+        inbox.release_closed()  # after the call that ran it
+        assert events == [("unregister", "arena A")] and not inbox and inbox.received == 1
+    finally:
+        front.close()
+        child.close()
