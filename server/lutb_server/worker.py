@@ -331,9 +331,9 @@ class ComputeWorker:
             into: per request, where to write its output (a CPU tensor of exactly its ``output_shape`` and the
                 model dtype, e.g. a view of shared memory; that tensor is then its entry in
                 ``BatchOutput.outputs``), or None for a tensor of its own. None: every output its own tensor.
-                On a CUDA device an output is copied once, from the pinned staging straight into its
-                destination (a compute process answers this way without a second copy).
-
+                On a CUDA device an output is copied once: by the device's copy engine when its destination
+                lies in memory given to :meth:`register_host_memory`, else from the pinned staging straight into
+                its destination (a compute process answers either way without a second copy).
             overlap: called once while the call's device work runs (after it is queued, before the wait for it;
                 off CUDA before the call), e.g. a compute process reading the next batches meanwhile.
 
