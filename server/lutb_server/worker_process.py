@@ -342,11 +342,10 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
     while inbox:
         inbox.read()
         batches = inbox.pop()
-        _run_merged(worker, batches, memory, spec.max_batch_tokens, during=inbox.read_arrived)
+        _run_merged(worker, batches, inbox.memory, spec.max_batch_tokens, during=inbox.read_arrived)
         inbox.release_closed()  # after the call that may have written their arenas
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
-            memory, memory_read = _gpu_memory(device), time.monotonic()
-            inbox.memory = memory
+            inbox.memory, memory_read = _gpu_memory(device), time.monotonic()
     inbox.release_closed()
     log.info("done: %d experts call(s) ran %d batch(es) of %d serving process(es), %.2f a call",
              worker.batches, inbox.received, len(connections), inbox.received / max(worker.batches, 1))
@@ -373,7 +372,7 @@ class _Inbox:
         self.ahead: list[_Batch] = []
         self.closed: list[_Connection] = []
         self.received = 0  # batches read (worker.batches counts the calls that ran them)
-        self.memory = memory  # the GPU memory figures an error answer carries (the loop updates them)
+        self.memory = memory  # the GPU memory figures every answer carries, as last read (the loop updates them)
         self._worker = worker
         self._ready = ready
 
