@@ -126,14 +126,11 @@ def e4m3_nan_count(q: torch.Tensor) -> int:
 
 
 def mxfp8_dequantize_fast(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """:func:`mxfp8_dequantize`'s result, bit for bit, from integer bit operations.
+    """:func:`mxfp8_dequantize`'s result, bit for bit, from integer bit operations (:func:`mxfp8_dequantize_into`).
 
     On the CPU torch converts float8 element by element (~3 ns each); this is ~3x faster
-    (``bench/results/2026-12-02-mxfp8-wire-cpu.md``). The e4m3 byte moved left by 7 bits is the
-    float16 with the same sign, exponent and mantissa bits, i.e. the element times ``2**-8``
-    exactly (subnormals included: both formats' subnormals line up); the block scale then
-    multiplies by ``2**(s - 119)``: one exact float32 product, then one rounding to ``dtype``,
-    as in the reference.
+    (``bench/results/2026-12-02-mxfp8-wire-cpu.md``). Scales above :data:`FAST_DEQUANTIZE_MAX_SCALE` go to
+    :func:`mxfp8_dequantize` (one host read of the largest scale decides).
 
     Args:
         q: float8_e4m3fn ``[..., K]`` without NaN codes (0x7F, 0xFF would come out as +-480,
@@ -144,16 +141,42 @@ def mxfp8_dequantize_fast(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     _check_elements_and_scales(q, scales)
     if scales.numel() and int(scales.max()) > FAST_DEQUANTIZE_MAX_SCALE:
         return mxfp8_dequantize(q, scales, dtype)
-    # sign-extended to int16 and moved left by 7, the byte's sign lands in bits 15 and 14;
-    # clearing bit 14 (0xBFFF) leaves the float16 of the element times 2**-8
-    # (in place where possible: every new buffer of a large batch costs its page faults)
+    return mxfp8_dequantize_into(q, scales, torch.empty(q.shape, dtype=dtype, device=q.device))
+
+
+def mxfp8_dequantize_into(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`mxfp8_dequantize` ``(q, scales, out.dtype)`` written into ``out``, bit for bit, on any device and
+    without a host sync (no value is read back): what a compute worker runs on the GPU for MXFP8 input.
+
+    The e4m3 byte, sign-extended to int16 and moved left by 7 bits with bit 14 cleared, is the float16
+    with the same sign, exponent and mantissa bits, i.e. the element times ``2**-8`` exactly (subnormals
+    included: both formats' subnormals line up); times the float32 ``2**(s - 119)`` built from the scale
+    byte's bits that is one exact float32 product, rounded once to ``out.dtype``, as in the reference.
+
+    Args:
+        q: float8_e4m3fn ``[..., K]`` without NaN codes (:func:`e4m3_nan_count`).
+        scales: uint8 ``[..., K/32]``, every byte <= :data:`FAST_DEQUANTIZE_MAX_SCALE` (``2**(s - 119)`` must be
+            a normal float32; the caller checks: a larger byte gives a wrong result, not an error).
+        out: ``q``'s shape, contiguous, float32/bfloat16/float16, on ``q``'s device; returned.
+    """
     bits = q.view(torch.int8).to(torch.int16)
     bits <<= 7
     bits &= -0x4001
     scale = ((scales.to(torch.int32) + 8) << 23).view(torch.float32)  # 2**(s - 119)
-    blocks = bits.view(torch.float16).float().reshape(*scales.shape, BLOCK)
-    blocks *= scale.unsqueeze(-1)
-    return blocks.reshape(q.shape).to(dtype)
+    blocks = (*scales.shape, BLOCK)
+    torch.mul(bits.view(torch.float16).view(blocks), scale.unsqueeze(-1), out=out.view(blocks))  # in float32, rounded once
+    return out
+
+
+def mxfp8_max_finite_scale(dtype: torch.dtype) -> int:
+    """The largest E8M0 byte ``s`` at which every e4m3 element (|e| <= 448) dequantizes to a finite ``dtype``
+    value, at most :data:`FAST_DEQUANTIZE_MAX_SCALE`: 246 for float32 and bfloat16, 134 for float16. Blocks whose
+    scales are all at most this need no NaN/Inf check after :func:`mxfp8_dequantize_into` (NaN codes aside)."""
+    limit = torch.finfo(dtype).max
+    s = FAST_DEQUANTIZE_MAX_SCALE
+    while E4M3_MAX * 2.0 ** (s - 127) > limit:
+        s -= 1
+    return s
 
 
 def mxfp8_qdq(x: torch.Tensor, scale_mode: ScaleMode = "rceil") -> torch.Tensor:

@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from lutb_kernels.errors import NonFiniteInputError
-from lutb_kernels.mxfp8 import e4m3_nan_count, mxfp8_dequantize, mxfp8_dequantize_fast, mxfp8_qdq, mxfp8_quantize
+from lutb_kernels.mxfp8 import (
+    FAST_DEQUANTIZE_MAX_SCALE,
+    e4m3_nan_count,
+    mxfp8_dequantize,
+    mxfp8_dequantize_fast,
+    mxfp8_dequantize_into,
+    mxfp8_max_finite_scale,
+    mxfp8_qdq,
+    mxfp8_quantize,
+)
 
 
 def _e4m3_values() -> list[float]:
@@ -152,6 +161,44 @@ def test_fast_dequantize_random_blocks_and_shapes() -> None:
     assert torch.equal(mxfp8_dequantize_fast(q, s, torch.bfloat16).view(torch.int16), mxfp8_dequantize(q, s, torch.bfloat16).view(torch.int16))
     with pytest.raises(ValueError, match="do not match"):
         mxfp8_dequantize_fast(q, s[..., :2])
+
+
+def _every_code_under_every_fast_scale() -> tuple[torch.Tensor, torch.Tensor]:
+    """Row s: all 254 non-NaN e4m3 codes (and two repeated, 256 = 8 blocks) under scale byte s, s = 0..246."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = torch.cat([codes, codes[:2]])
+    rows = FAST_DEQUANTIZE_MAX_SCALE + 1
+    q = codes.view(torch.float8_e4m3fn).repeat(rows, 1)
+    return q, torch.arange(rows, dtype=torch.uint8)[:, None].expand(rows, codes.numel() // 32).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_into_writes_the_reference_into_out(dtype: torch.dtype) -> None:
+    q, scales = _every_code_under_every_fast_scale()
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    assert mxfp8_dequantize_into(q, scales, out) is out
+    want = mxfp8_dequantize(q, scales, dtype)
+    assert torch.equal(out.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize(("dtype", "largest"), [(torch.bfloat16, 246), (torch.float32, 246), (torch.float16, 134)])
+def test_max_finite_scale_is_the_last_scale_without_overflow(dtype: torch.dtype, largest: int) -> None:
+    assert mxfp8_max_finite_scale(dtype) == largest
+    q, scales = _every_code_under_every_fast_scale()
+    finite = torch.isfinite(mxfp8_dequantize(q, scales, dtype).float()).all(dim=1)
+    assert bool(finite[: largest + 1].all())  # every code at every scale up to it
+    assert largest == FAST_DEQUANTIZE_MAX_SCALE or not bool(finite[largest + 1])  # and the next one overflows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_into_on_the_gpu_equals_the_reference(dtype: torch.dtype) -> None:
+    """What a compute worker runs for MXFP8 input carried to the device: bit for bit the CPU reference."""
+    q, scales = _every_code_under_every_fast_scale()
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    mxfp8_dequantize_into(q.cuda(), scales.cuda(), out)
+    want = mxfp8_dequantize(q, scales, dtype)
+    assert torch.equal(out.cpu().view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
 
 
 def test_e4m3_nan_count_finds_both_nan_codes() -> None:
