@@ -48,6 +48,11 @@ class PreparedRequest:
     """A validated request, ready to pool: CPU tensors in the dtypes the backends take.
 
     ``x``: ``[T, H]`` model dtype; ``topk_ids``: int32 ``[T, k]``; ``topk_weights``: float32 ``[T, k]``.
+
+    MXFP8 input carried to the device as sent (:meth:`ExpertEngine.prepare` on a CUDA engine): ``x`` is
+    float8_e4m3fn ``[T, H]``, ``x_scales`` its uint8 E8M0 scales ``[T, H/32]`` and ``x_dtype`` the model dtype; the
+    compute worker dequantizes them on the device (``lutb_kernels.mxfp8.mxfp8_dequantize_into``: bit for bit the
+    model-dtype ``x`` the engine would have made on the CPU).
     """
 
     layer: int
@@ -56,10 +61,17 @@ class PreparedRequest:
     topk_weights: torch.Tensor
     apply_router_weight_on_input: bool
     output_mode: OutputMode
+    x_scales: torch.Tensor | None = None
+    x_dtype: torch.dtype | None = None
 
     @property
     def tokens(self) -> int:
         return int(self.x.shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model dtype: ``x``'s once dequantized, and the output's."""
+        return self.x.dtype if self.x_dtype is None else self.x_dtype
 
     @property
     def output_shape(self) -> list[int]:
@@ -70,12 +82,21 @@ class PreparedRequest:
     @property
     def output_bytes(self) -> int:
         """Bytes of the output (:attr:`output_shape` in the model dtype)."""
-        return math.prod(self.output_shape) * self.x.element_size()
+        return math.prod(self.output_shape) * self.dtype.itemsize
 
     @property
-    def pool_key(self) -> tuple[int, int, bool, str]:
-        """Requests with equal keys can share one experts call: same layer, top-k, weighting and output mode."""
-        return (self.layer, int(self.topk_ids.shape[1]), self.apply_router_weight_on_input, self.output_mode)
+    def pool_key(self) -> tuple[int, int, bool, str, torch.dtype]:
+        """Requests with equal keys can share one experts call: same layer, top-k, weighting, output mode, and the
+        same form of ``x`` (model dtype, or MXFP8 carried to the device)."""
+        return (self.layer, int(self.topk_ids.shape[1]), self.apply_router_weight_on_input, self.output_mode, self.x.dtype)
+
+    def dense_x(self) -> torch.Tensor:
+        """``x`` in the model dtype (MXFP8 input dequantized here, on ``x``'s device)."""
+        if self.x_scales is None:
+            return self.x
+        from lutb_kernels.mxfp8 import mxfp8_dequantize_into
+
+        return mxfp8_dequantize_into(self.x, self.x_scales, torch.empty(self.x.shape, dtype=self.dtype, device=self.x.device))
 
 
 class ExpertEngine:
@@ -157,23 +178,18 @@ class ExpertEngine:
         """Bytes of weights the backend holds on its device, all layers."""
         return sum(experts.weight_bytes for experts in self._layers.values())
 
-    def dequantize_hidden(self, hidden_states: torch.Tensor, hidden_scales: torch.Tensor) -> torch.Tensor:
-        """MXFP8 input on the wire: ``float32(e) * 2**(s - 127)`` rounded to the model dtype (spec section 3).
-
-        Args:
-            hidden_states: float8_e4m3fn ``[T, H]``.
-            hidden_scales: uint8 ``[T, H/32]`` E8M0 bytes (255, E8M0's NaN, is refused).
-
-        Returns:
-            ``[T, H]`` in the model dtype, ready for :meth:`prepare` (which quantizes it again:
-            MXFP8 QDQ of dequantized MXFP8 values gives them back, so nothing is lost twice).
+    def _mxfp8_input(self, q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Validate MXFP8 input on the wire (spec section 3), and return ``(x, x_scales)`` for a
+        :class:`PreparedRequest`: on a CUDA engine the bytes as sent with their scales (the compute worker
+        dequantizes them on the device); elsewhere, or when a scale is too large for that, ``float32(e) *
+        2**(s - 127)`` rounded to the model dtype here, and None.
 
         Raises:
             InvalidArgument: the message names the field.
         """
-        from lutb_kernels.mxfp8 import BLOCK, e4m3_nan_count, mxfp8_dequantize_fast
+        from lutb_kernels.mxfp8 import BLOCK, e4m3_nan_count, mxfp8_dequantize_fast, mxfp8_max_finite_scale
 
-        q, scales, hidden = hidden_states, hidden_scales, self.config.hidden_size
+        hidden = self.config.hidden_size
         if q.dtype != torch.float8_e4m3fn:
             raise InvalidArgument(f"hidden_states: dtype {q.dtype} not allowed with hidden_scales; MXFP8 input is float8_e4m3fn [T, {hidden}]")
         if q.dim() != 2 or q.shape[1] != hidden:
@@ -187,21 +203,25 @@ class ExpertEngine:
             raise InvalidArgument(
                 f"hidden_scales: shape {list(scales.shape)} does not match [T, H/{BLOCK}] = [{tokens}, {hidden // BLOCK}] (hidden_states {list(q.shape)})"
             )
-        if scales.numel() and int(scales.max()) == 255:  # one cheap pass; locate the culprit only when there is one
+        largest = int(scales.max()) if scales.numel() else 0
+        if largest == 255:  # E8M0's NaN; locate the culprit
             bad = (scales == 255).nonzero()
-            if bad.numel():
-                row, block = (int(v) for v in bad[0])
-                raise InvalidArgument(f"hidden_scales: {bad.shape[0]} scale byte(s) are 255 (E8M0 NaN), first at row {row}, block {block}")
+            row, block = (int(v) for v in bad[0])
+            raise InvalidArgument(f"hidden_scales: {bad.shape[0]} scale byte(s) are 255 (E8M0 NaN), first at row {row}, block {block}")
         nan = e4m3_nan_count(q)
         if nan:
             raise InvalidArgument(f"hidden_states: {nan} MXFP8 value(s) are NaN (e4m3 codes 0x7F/0xFF)")
+        if largest <= mxfp8_max_finite_scale(self.model_dtype):  # every value finite: no pass over x to check it
+            if self.device.type == "cuda":
+                return q, scales
+            return mxfp8_dequantize_fast(q, scales, self.model_dtype), None
         x = mxfp8_dequantize_fast(q, scales, self.model_dtype)
         if not _all_finite(x):
             count = int((~torch.isfinite(x)).sum())
             raise InvalidArgument(
                 f"hidden_states: {count} MXFP8 value(s) are NaN or overflow {self.model_dtype} when dequantized (hidden_scales too large?)"
             )
-        return x
+        return x, None
 
     def prepare(
         self,
@@ -210,6 +230,7 @@ class ExpertEngine:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         *,
+        hidden_scales: torch.Tensor | None = None,
         apply_router_weight_on_input: bool = False,
         output_mode: str = "combined",
     ) -> PreparedRequest:
@@ -218,6 +239,10 @@ class ExpertEngine:
         ``hidden_states`` of another float dtype is rounded to the model dtype (round to
         nearest even), then checked for NaN/Inf. ``topk_ids`` become int32.
 
+        With ``hidden_scales`` (uint8 ``[T, H/32]``), ``hidden_states`` is MXFP8 (float8_e4m3fn ``[T, H]``): the
+        request computes on ``float32(e) * 2**(s - 127)`` rounded to the model dtype. On a CUDA engine it is carried
+        to the device as sent and dequantized there (see :class:`PreparedRequest`); elsewhere dequantized here.
+
         Raises:
             LayerNotFound: ``layer`` is not held here.
             InvalidArgument: anything else wrong; the message names the field.
@@ -225,10 +250,13 @@ class ExpertEngine:
         if layer not in self._expert_ids:
             raise LayerNotFound(f"layer {layer} is not held by this server; it holds layers {self.layer_ids}")
         x, ids, w = hidden_states, topk_ids, topk_weights
+        x_scales: torch.Tensor | None = None
         hidden = self.config.hidden_size
-        if x.dtype not in FLOAT_DTYPES:
+        if hidden_scales is not None:
+            x, x_scales = self._mxfp8_input(x, hidden_scales)
+        elif x.dtype not in FLOAT_DTYPES:
             raise InvalidArgument(f"hidden_states: dtype {x.dtype} not allowed; send {self.model_dtype} (or bfloat16/float16/float32, rounded to it)")
-        if x.dim() != 2 or x.shape[1] != hidden:
+        elif x.dim() != 2 or x.shape[1] != hidden:
             raise InvalidArgument(f"hidden_states: shape {list(x.shape)} does not match [T, {hidden}] (hidden size {hidden})")
         tokens = int(x.shape[0])
         if tokens > self.max_tokens_per_request:
@@ -257,15 +285,16 @@ class ExpertEngine:
                 raise InvalidArgument(f"topk_ids: expert id {bad} outside the global range [0, {num_experts})")
         if not _all_finite(w):
             raise InvalidArgument("topk_weights: holds NaN or Inf")
+        ids = ids if ids.dtype == torch.int32 else ids.to(torch.int32)
+        if x_scales is not None:  # MXFP8 carried to the device, checked by _mxfp8_input
+            return PreparedRequest(layer, x, ids, w, bool(apply_router_weight_on_input), output_mode,  # type: ignore[arg-type]
+                                   x_scales, self.model_dtype)
         converted = x if x.dtype == self.model_dtype else x.to(self.model_dtype)
-        if not _all_finite(converted):
+        if hidden_scales is None and not _all_finite(converted):  # MXFP8 dequantized here: checked by _mxfp8_input
             count = int((~torch.isfinite(converted)).sum())
             after = f" after rounding {x.dtype} to {self.model_dtype}" if x.dtype != self.model_dtype else ""
             raise InvalidArgument(f"hidden_states: holds {count} NaN or Inf value(s){after}")
-        return PreparedRequest(
-            layer, converted, ids if ids.dtype == torch.int32 else ids.to(torch.int32), w,
-            bool(apply_router_weight_on_input), output_mode,  # type: ignore[arg-type]
-        )
+        return PreparedRequest(layer, converted, ids, w, bool(apply_router_weight_on_input), output_mode)  # type: ignore[arg-type]
 
     def forward(
         self,
@@ -295,7 +324,7 @@ class ExpertEngine:
     def forward_prepared(self, request: PreparedRequest) -> torch.Tensor:
         """:meth:`forward` on one prepared request."""
         return self.forward(
-            request.layer, request.x, request.topk_ids, request.topk_weights,
+            request.layer, request.dense_x(), request.topk_ids, request.topk_weights,
             apply_router_weight_on_input=request.apply_router_weight_on_input, output_mode=request.output_mode,
         )
 

@@ -184,11 +184,10 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         for name in ("hidden_states", "topk_ids", "topk_weights"):
             if not request.HasField(name):
                 raise InvalidArgument(f"{name}: missing")
-        if request.HasField("hidden_scales"):  # MXFP8 on the wire: dequantized to the model dtype here
-            x = self._engine.dequantize_hidden(
-                decode_tensor(request.hidden_states, name="hidden_states (with hidden_scales)", dtypes=(torch.float8_e4m3fn,)),
-                decode_tensor(request.hidden_scales, name="hidden_scales", dtypes=(torch.uint8,)),
-            )
+        scales = None
+        if request.HasField("hidden_scales"):  # MXFP8 on the wire: the engine checks it and dequantizes it (on the device on CUDA)
+            x = decode_tensor(request.hidden_states, name="hidden_states (with hidden_scales)", dtypes=(torch.float8_e4m3fn,))
+            scales = decode_tensor(request.hidden_scales, name="hidden_scales", dtypes=(torch.uint8,))
         elif request.hidden_states.dtype == pb.FLOAT8_E4M3FN:
             raise InvalidArgument("hidden_states: FLOAT8_E4M3FN (MXFP8) needs hidden_scales, UINT8 [T, H/32]")
         else:
@@ -196,7 +195,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         ids = decode_tensor(request.topk_ids, name="topk_ids", dtypes=ID_DTYPES)
         weights = decode_tensor(request.topk_weights, name="topk_weights", dtypes=(torch.float32,))
         prepared = self._engine.prepare(
-            request.layer, x, ids, weights,
+            request.layer, x, ids, weights, hidden_scales=scales,
             apply_router_weight_on_input=request.apply_router_weight_on_input,
             output_mode=_OUTPUT_MODES[request.output_mode],
         )

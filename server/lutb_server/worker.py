@@ -10,7 +10,8 @@ and awaits the returned ``concurrent.futures.Future``. On the worker thread, per
 2. one non-blocking host-to-device copy per tensor (x, topk_ids, topk_weights) on the
    worker's own CUDA stream, into the static input buffers of the CUDA graph the batch will
    replay (:class:`~lutb_kernels.experts.graphs.CudaGraphExperts`) or into reusable device
-   buffers when it runs eagerly;
+   buffers when it runs eagerly; MXFP8 input carried as sent (``PreparedRequest.x_scales``)
+   crosses as its bytes and scales, half the bytes, and is dequantized on the device into x;
 3. the experts: ``forward_unchecked`` (no host sync; the engine validated the request on
    the CPU already) with a device-side NaN/Inf flag, or ``forward`` for backends without it;
 4. one device-to-host copy of the whole batch's output into a pinned buffer (plus the
@@ -52,6 +53,7 @@ import torch
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts
 from lutb_kernels.experts.graphs import DEFAULT_MAX_TOKENS, CudaGraphExperts, StaticBuffers, is_capture_safe
+from lutb_kernels.mxfp8 import mxfp8_dequantize_into
 from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
 
@@ -407,30 +409,38 @@ class ComputeWorker:
         direct = [dest is not None and any(a <= dest.data_ptr() < b for a, b in spans) for dest in into]
         return direct if any(direct) else None
 
-    def _gather(self, requests: list[PreparedRequest], buffers: _Buffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _gather(self, requests: list[PreparedRequest], buffers: _Buffers
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The batch's ``x``, ``topk_ids``, ``topk_weights`` and (MXFP8 carried to the device) ``x_scales``,
+        concatenated into ``buffers``."""
         first = requests[0]
         tokens = sum(r.tokens for r in requests)
         k = int(first.topk_ids.shape[1])
-        x = buffers.get("x", (tokens, first.x.shape[1]), first.x.dtype)
-        ids = buffers.get("ids", (tokens, k), torch.int32)
-        w = buffers.get("w", (tokens, k), torch.float32)
-        if len(requests) == 1:
-            x.copy_(first.x)
-            ids.copy_(first.topk_ids)
-            w.copy_(first.topk_weights)
-        else:
-            torch.cat([r.x for r in requests], out=x)
-            torch.cat([r.topk_ids for r in requests], out=ids)
-            torch.cat([r.topk_weights for r in requests], out=w)
-        return x, ids, w
+        parts = [("x", (tokens, first.x.shape[1]), first.x.dtype, [r.x for r in requests]),
+                 ("ids", (tokens, k), torch.int32, [r.topk_ids for r in requests]),
+                 ("w", (tokens, k), torch.float32, [r.topk_weights for r in requests])]
+        if first.x_scales is not None:
+            parts.append(("xs", (tokens, first.x_scales.shape[1]), torch.uint8, [r.x_scales for r in requests]))
+        gathered = []
+        for name, shape, dtype, tensors in parts:
+            buf = buffers.get(name, shape, dtype)
+            if len(tensors) == 1:
+                buf.copy_(tensors[0])
+            else:
+                torch.cat(tensors, out=buf)
+            gathered.append(buf)
+        x, ids, w, *scales = gathered
+        return x, ids, w, (scales[0] if scales else None)
 
     def _run_cpu(self, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor]:
         first = requests[0]
         experts = self._experts[first.layer]  # type: ignore[index]
         if len(requests) == 1:  # nothing to pool: the request's own tensors
-            x, ids, w = first.x, first.topk_ids, first.topk_weights
+            x, ids, w = first.dense_x(), first.topk_ids, first.topk_weights
         else:
-            x, ids, w = self._gather(requests, self._host)
+            x, ids, w, scales = self._gather(requests, self._host)
+            if scales is not None:
+                x = mxfp8_dequantize_into(x, scales, torch.empty(x.shape, dtype=first.dtype))
         out = experts.forward(x, ids, w, apply_router_weight_on_input=first.apply_router_weight_on_input,
                               output_mode=first.output_mode)
         return _deliver(out, requests, into, owned=True)
@@ -443,7 +453,7 @@ class ComputeWorker:
         on_input, mode = first.apply_router_weight_on_input, first.output_mode
         unchecked = callable(getattr(experts, "forward_unchecked", None))
         with torch.cuda.stream(self._stream):
-            xh, idsh, wh = self._gather(requests, self._host)
+            xh, idsh, wh, sh = self._gather(requests, self._host)
             tokens, k = idsh.shape
             targets, path = None, "eager"
             if isinstance(experts, CudaGraphExperts):
@@ -451,10 +461,16 @@ class ComputeWorker:
                 if path == "graph":  # written straight into the graph's static inputs
                     targets = experts.static_inputs(tokens, k, apply_router_weight_on_input=on_input, output_mode=mode)
             if targets is None:
-                targets = (self._dev.get("x", xh.shape, xh.dtype), self._dev.get("ids", idsh.shape, torch.int32),
+                targets = (self._dev.get("x", xh.shape, first.dtype), self._dev.get("ids", idsh.shape, torch.int32),
                            self._dev.get("w", wh.shape, torch.float32))
             xd, idsd, wd = targets
-            xd.copy_(xh, non_blocking=True)
+            if sh is None:
+                xd.copy_(xh, non_blocking=True)
+            else:  # MXFP8 as sent: half the bytes to copy, dequantized on the device
+                xq, xs = self._dev.get("xq", xh.shape, xh.dtype), self._dev.get("xs", sh.shape, torch.uint8)
+                xq.copy_(xh, non_blocking=True)
+                xs.copy_(sh, non_blocking=True)
+                mxfp8_dequantize_into(xq, xs, xd)
             idsd.copy_(idsh, non_blocking=True)
             wd.copy_(wh, non_blocking=True)
             if unchecked:
@@ -534,8 +550,8 @@ def _check_destinations(requests: list[PreparedRequest], into: Sequence[torch.Te
     if len(into) != len(requests):
         raise ValueError(f"into: {len(into)} destinations for {len(requests)} requests")
     for i, (r, dest) in enumerate(zip(requests, into)):
-        if dest is not None and (list(dest.shape) != r.output_shape or dest.dtype != r.x.dtype):
-            raise ValueError(f"into[{i}]: {tuple(dest.shape)} {dest.dtype}, the output is {tuple(r.output_shape)} {r.x.dtype}")
+        if dest is not None and (list(dest.shape) != r.output_shape or dest.dtype != r.dtype):
+            raise ValueError(f"into[{i}]: {tuple(dest.shape)} {dest.dtype}, the output is {tuple(r.output_shape)} {r.dtype}")
 
 
 def _deliver(out: torch.Tensor, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None, *,
@@ -560,9 +576,9 @@ def _generic_forward(engine: ForwardEngine, requests: list[PreparedRequest]) -> 
     """An engine without ``layer_experts``: the batch's output (its requests concatenated, ``engine.forward``)."""
     first = requests[0]
     if len(requests) == 1:
-        x, ids, w = first.x, first.topk_ids, first.topk_weights
+        x, ids, w = first.dense_x(), first.topk_ids, first.topk_weights
     else:
-        x = torch.cat([r.x for r in requests])
+        x = torch.cat([r.dense_x() for r in requests])
         ids = torch.cat([r.topk_ids for r in requests])
         w = torch.cat([r.topk_weights for r in requests])
     out = engine.forward(first.layer, x, ids, w, apply_router_weight_on_input=first.apply_router_weight_on_input,

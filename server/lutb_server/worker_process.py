@@ -33,8 +33,10 @@ batch's frame in one ``recv``); a tensor is a slot tuple or a codec message:
 - child -> parent, once: ``("ready", info)`` (``weight_bytes``, ``backend``, ``graphs_s``,
   ``warm_up_s``, ``gpu_memory``) or ``("failed", exception)``;
 - parent -> child: ``(job, (layer, x, topk_ids, topk_weights, apply_router_weight_on_input,
-  output_mode), output_slot)`` per batch, its requests concatenated (they share the pool key), and
-  ``output_slot`` where the child writes the batch's output (None: send it inline); ``None`` to stop;
+  output_mode, x_scales, x_dtype), output_slot)`` per batch, its requests concatenated (they share the pool key),
+  ``x_scales`` and ``x_dtype`` (a dtype's name) None unless the batch is MXFP8 carried to the device
+  (:class:`~lutb_server.engine.PreparedRequest`), and ``output_slot`` where the child writes the batch's output
+  (None: send it inline); ``None`` to stop;
 - child -> parent: ``(job, output, seconds, call_tokens, path, started, gpu_memory)`` or ``(job, exception, 0.0,
   0, "", None, gpu_memory)``, ``output`` None when it is in the output slot, else a codec message (the serving
   process splits it back per request), ``call_tokens`` the tokens of the call that ran the batch
@@ -275,7 +277,7 @@ class _Connection:
     def destination(self, slot: Slot | None, request: PreparedRequest) -> torch.Tensor | None:
         """Where the request's output goes: the view of ``slot`` in this connection's arena, when it holds exactly
         that output; None (send it inline) otherwise."""
-        if slot is None or self.arena is None or list(slot[2]) != request.output_shape or slot[1] != dtype_name(request.x.dtype):
+        if slot is None or self.arena is None or list(slot[2]) != request.output_shape or slot[1] != dtype_name(request.dtype):
             return None
         return self.arena.view(slot)
 
@@ -437,9 +439,10 @@ class _Inbox:
             self.open.remove(c)
             self.closed.append(c)  # a call running now may still be copying into its arena
             return
-        job, (layer, x, ids, w, on_input, mode), out_slot = message
+        job, (layer, x, ids, w, on_input, mode, scales, dtype), out_slot = message
         try:  # a batch arrives concatenated: one request
-            request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode)
+            request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode,
+                                      None if scales is None else c.tensor(scales), None if dtype is None else getattr(torch, dtype))
             destination = c.destination(out_slot, request)
         except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
             _answer(c, job, exc, None, False, self.memory)
@@ -650,17 +653,21 @@ class ProcessComputeWorker:
             job = next(self._jobs)
             slots = self._arena.place(shapes) if self._arena is not None else None
             self._pending[job] = (future, slots, tokens)
-        inputs = ([r.x for r in requests], [r.topk_ids for r in requests], [r.topk_weights for r in requests])
+        inputs = [[r.x for r in requests], [r.topk_ids for r in requests], [r.topk_weights for r in requests]]
+        if first.x_scales is not None:  # MXFP8 carried to the device
+            inputs.append([r.x_scales for r in requests])  # type: ignore[misc]
         if slots is not None:  # concatenated straight into the shared memory
             assert self._arena is not None
-            for parts, slot in zip(inputs, slots):
+            x, ids, w, out, *scales = (tuple(slot) for slot in slots)  # plain tuples pickle ~3x cheaper than Slots
+            for parts, slot in zip(inputs, [x, ids, w, *scales]):
                 _concat(parts, self._arena.view(slot))
-            x, ids, w, out = (tuple(slot) for slot in slots)  # plain tuples pickle ~3x cheaper than Slots
         else:
             self.inline_batches += 1
-            x, ids, w = (encode_tensor(parts[0] if len(parts) == 1 else torch.cat(parts)) for parts in inputs)
+            x, ids, w, *scales = (encode_tensor(parts[0] if len(parts) == 1 else torch.cat(parts)) for parts in inputs)
             out = None
-        batch = (job, (first.layer, x, ids, w, first.apply_router_weight_on_input, first.output_mode), out)
+        dtype = None if first.x_dtype is None else dtype_name(first.x_dtype)
+        batch = (job, (first.layer, x, ids, w, first.apply_router_weight_on_input, first.output_mode,
+                       scales[0] if scales else None, dtype), out)
         assert self._loop is not None
         if running_loop() is self._loop:
             self._write(batch)
@@ -770,12 +777,16 @@ class ProcessComputeWorker:
 
 
 def _batch_shapes(first: PreparedRequest, tokens: int) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    """(dtype, shape) of a batch of ``tokens`` pooled with ``first``: x, topk_ids, topk_weights, then the output
-    (``[T, H]`` combined, ``[T, k, H]`` route-major, in x's dtype: the model dtype)."""
+    """(dtype, shape) of a batch of ``tokens`` pooled with ``first``: x, topk_ids, topk_weights, the output
+    (``[T, H]`` combined, ``[T, k, H]`` route-major, in the model dtype), then, for MXFP8 carried to the device,
+    x's scales."""
     hidden, k = int(first.x.shape[1]), int(first.topk_ids.shape[1])
     out = (tokens, k, hidden) if first.output_mode == "route_major" else (tokens, hidden)
-    return [(first.x.dtype, (tokens, hidden)), (first.topk_ids.dtype, (tokens, k)), (first.topk_weights.dtype, (tokens, k)),
-            (first.x.dtype, out)]
+    shapes = [(first.x.dtype, (tokens, hidden)), (first.topk_ids.dtype, (tokens, k)), (first.topk_weights.dtype, (tokens, k)),
+              (first.dtype, out)]
+    if first.x_scales is not None:
+        shapes.append((torch.uint8, (tokens, int(first.x_scales.shape[1]))))
+    return shapes
 
 
 def _concat(parts: list[torch.Tensor], out: torch.Tensor) -> None:

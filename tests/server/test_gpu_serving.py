@@ -137,6 +137,10 @@ def test_compute_process_serves_like_the_thread(checkpoint: Path, reference: Ref
             want = reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()
             assert torch.equal(out_p, out_t), (backend, tokens)
             assert _rel_l2(out_p, want) <= 1e-2
+            with ExpertClient(process.address, wire="mxfp8") as p, ExpertClient(thread.address, wire="mxfp8") as t:
+                mx_p, mx_t = p.forward(0, x, ids, w), t.forward(0, x, ids, w)  # carried as sent to the child's device
+            assert torch.equal(mx_p, mx_t), (backend, tokens, "mxfp8")
+            assert _rel_l2(mx_p, want) <= 1e-2
 
 
 def test_front_ends_share_one_compute_process_on_the_gpu(checkpoint: Path, reference: ReferenceExperts) -> None:

@@ -162,3 +162,54 @@ def test_server_refuses_bad_mxfp8_input(server: ServerThread, case: str) -> None
         responses = list(stub.ForwardStream(iter([request, _raw()]), timeout=10))
     assert responses[0].status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and message in responses[0].status.message
     assert responses[1].status.code == 0
+
+
+def _engine(path: object, monkeypatch: pytest.MonkeyPatch, device: str):  # noqa: ANN202
+    """A serving process's engine (expert ids only); ``device`` "cuda" makes it decide as on a GPU host."""
+    from lutb_kernels.checkpoint import Checkpoint
+    from lutb_server.backends import choose_backend
+    from lutb_server.engine import ExpertEngine
+
+    ckpt = Checkpoint(path)  # type: ignore[arg-type]
+    engine = ExpertEngine(ckpt, choose_backend("reference", ckpt.config, torch.device("cpu")), load_experts=False)
+    monkeypatch.setattr(engine, "device", torch.device(device))
+    return engine
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_engine_carries_mxfp8_to_a_cuda_device_as_sent(tiny_checkpoint: object, monkeypatch: pytest.MonkeyPatch,
+                                                           device: str) -> None:
+    """On a CUDA engine MXFP8 input stays as sent (the worker dequantizes it on the device: pooled apart from
+    model-dtype input); elsewhere it is dequantized at once. Either way its values are the dequantized ones."""
+    from lutb_server.engine import PreparedRequest
+
+    engine = _engine(tiny_checkpoint, monkeypatch, device)
+    x, ids, w = _batch(6, 2, seed=8)
+    q, s = mxfp8_quantize(x, "rceil")
+    got = engine.prepare(0, q, ids, w, hidden_scales=s)
+    dense = engine.prepare(0, mxfp8_dequantize(q, s, torch.bfloat16), ids, w)
+    if device == "cuda":
+        assert got.x is q and got.x_scales is s and got.dtype == torch.bfloat16
+        assert got.pool_key != dense.pool_key and got.pool_key[:4] == dense.pool_key[:4]
+    else:
+        assert got.x_scales is None and got.x.dtype == torch.bfloat16 and got.pool_key == dense.pool_key
+    assert torch.equal(got.dense_x().view(torch.int16), dense.x.view(torch.int16))
+    assert got.output_shape == dense.output_shape and got.output_bytes == dense.output_bytes
+    assert isinstance(got, PreparedRequest) and got.tokens == 6
+
+
+def test_scales_too_large_for_the_device_path_are_dequantized_and_checked_here(tiny_checkpoint: object,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scale bytes above 246 (values beyond 2**119) are not carried, even to a CUDA device: dequantized here, and
+    refused when they overflow the model dtype."""
+    from lutb_server.errors import InvalidArgument
+
+    engine = _engine(tiny_checkpoint, monkeypatch, "cuda")
+    ids, w = _batch(2, 2, seed=9)[1:]
+    q = torch.full((2, H), 2.0 ** -9, dtype=torch.float32).to(torch.float8_e4m3fn)  # e4m3's least subnormal
+    s = torch.full((2, H // 32), 250, dtype=torch.uint8)
+    got = engine.prepare(0, q, ids, w, hidden_scales=s)
+    assert got.x_scales is None and got.x.dtype == torch.bfloat16
+    assert torch.equal(got.x.view(torch.int16), mxfp8_dequantize(q, s, torch.bfloat16).view(torch.int16))
+    with pytest.raises(InvalidArgument, match="overflow"):
+        engine.prepare(0, torch.full((2, H), 448.0).to(torch.float8_e4m3fn), ids, w, hidden_scales=s)

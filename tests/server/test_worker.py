@@ -33,6 +33,23 @@ def _requests(engine: ExpertEngine, sizes: list[int], *, k: int = 2, seed: int =
     return out
 
 
+def _mxfp8_requests(engine: ExpertEngine, sizes: list[int], *, k: int = 2, seed: int = 0) -> tuple[list[PreparedRequest], list[PreparedRequest]]:
+    """The same MXFP8 input two ways: (carried as sent, as a CUDA engine prepares it; dequantized by the engine)."""
+    from lutb_kernels.mxfp8 import mxfp8_quantize
+
+    gen = torch.Generator().manual_seed(seed)
+    carried, dense = [], []
+    for t in sizes:
+        # rows of very different magnitudes: every block its own scale, subnormal e4m3 codes among them
+        x = torch.randn(t, engine.config.hidden_size, generator=gen) * torch.exp2(torch.randint(-20, 20, (t, 1), generator=gen).float())
+        q, scales = mxfp8_quantize(x.to(engine.model_dtype), engine.config.mxfp8_scale_mode)
+        ids = torch.randint(0, engine.config.num_experts, (t, k), generator=gen, dtype=torch.int32)
+        w = torch.rand(t, k, generator=gen)
+        dense.append(engine.prepare(0, q, ids, w, hidden_scales=scales))
+        carried.append(PreparedRequest(0, q, ids, w, False, "combined", scales, engine.model_dtype))
+    return carried, dense
+
+
 def _engine_pooled(engine: ExpertEngine, requests: list[PreparedRequest]) -> list[torch.Tensor]:
     """What the scheduler computed before the worker: concatenate, engine.forward, split."""
     first = requests[0]
@@ -306,6 +323,42 @@ def test_outputs_go_into_their_destinations_on_the_gpu(tiny_checkpoint: Path, to
     kept = got[1].clone()
     worker.run(_requests(gpu_engine, [tokens, 3, tokens // 2], k=2, seed=tokens + 1), [None, None, None])
     assert torch.equal(got[1], kept)
+
+
+@pytest.mark.parametrize("sizes", [[5], [3, 1, 7], [0, 4]])
+def test_mxfp8_carried_as_sent_gives_the_dequantized_results(engine: ExpertEngine, sizes: list[int]) -> None:
+    """Batches of MXFP8 input carried as sent (off CUDA the worker dequantizes them itself) compute exactly what
+    the engine's dequantized requests do, into poisoned destinations too."""
+    carried, dense = _mxfp8_requests(engine, sizes, seed=sum(sizes))
+    assert all(r.x_scales is None and r.x.dtype == engine.model_dtype for r in dense)  # a CPU engine dequantizes
+    want = ComputeWorker(engine).run(dense).outputs
+    into = [torch.full(r.output_shape, float("nan"), dtype=engine.model_dtype) for r in carried]
+    for got in (ComputeWorker(engine).run(carried).outputs, ComputeWorker(engine).run(carried, into).outputs):
+        for g, w in zip(got, want):
+            assert g.dtype == engine.model_dtype and torch.equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [5, 100, 600], ids=["graph", "chunks", "eager"])  # graphs to 64, chunks to 512
+def test_mxfp8_input_is_dequantized_on_the_gpu(tiny_checkpoint: Path, tokens: int) -> None:
+    """A CUDA engine carries MXFP8 input to the device as sent; the worker's results equal those of the same
+    input dequantized on the CPU, bit for bit, on every path."""
+    from lutb_kernels.checkpoint import Checkpoint
+    from lutb_kernels.mxfp8 import mxfp8_dequantize
+
+    ckpt = Checkpoint(tiny_checkpoint)
+    gpu_engine = ExpertEngine(ckpt, choose_backend("packed", ckpt.config, torch.device("cuda")), validate_tiles=False)
+    worker = ComputeWorker(gpu_engine, cuda_graph_max_tokens=64, cuda_graph_top_k=2)
+    carried, _ = _mxfp8_requests(gpu_engine, [tokens, 3], seed=tokens + 11)
+    prepared = [gpu_engine.prepare(0, r.x, r.topk_ids, r.topk_weights, hidden_scales=r.x_scales) for r in carried]
+    assert all(p.x_scales is not None and p.x.dtype == torch.float8_e4m3fn for p in prepared)  # carried as sent
+    dense = [gpu_engine.prepare(0, mxfp8_dequantize(r.x, r.x_scales, gpu_engine.model_dtype), r.topk_ids, r.topk_weights)
+             for r in carried]
+    want = worker.run(dense).outputs
+    into = [torch.full(r.output_shape, float("nan"), dtype=gpu_engine.model_dtype) for r in prepared]
+    got = worker.run(prepared, into).outputs
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 def test_registering_host_memory_is_a_no_op_off_cuda(engine: ExpertEngine) -> None:

@@ -203,6 +203,26 @@ def test_outputs_equal_the_thread_worker(process_worker: ProcessComputeWorker, t
         assert inline == 1
 
 
+def test_mxfp8_carried_as_sent_crosses_to_the_child(process_worker: ProcessComputeWorker, tiny_checkpoint: Path) -> None:
+    """A batch of MXFP8 input carried as sent (as a CUDA engine prepares it) reaches the child with its scales and
+    the model dtype, through the arena or inline; its results are those of the dequantized input."""
+    from lutb_kernels.mxfp8 import mxfp8_quantize
+
+    catalog, full = _engines(tiny_checkpoint)
+    for sizes in ((3, 5), (6,), (40,)):
+        dense = _requests(catalog, 1, sizes, seed=len(sizes) + 20)
+        carried = []
+        for r in dense:
+            q, scales = mxfp8_quantize(r.x, full.config.mxfp8_scale_mode)
+            carried.append(PreparedRequest(1, q, r.topk_ids, r.topk_weights, False, "combined", scales, torch.bfloat16))
+        _poison_arena(process_worker)
+        got = process_worker.submit(carried).result(60).outputs
+        want = ComputeWorker(full).run([full.prepare(1, r.x, r.topk_ids, r.topk_weights, hidden_scales=r.x_scales)
+                                        for r in carried]).outputs
+        for g, w in zip(got, want):
+            assert g.dtype == torch.bfloat16 and torch.equal(g, w)
+
+
 def test_a_failing_batch_fails_alone(process_worker: ProcessComputeWorker, tiny_checkpoint: Path) -> None:
     catalog, _ = _engines(tiny_checkpoint)
     good = _requests(catalog, 0, (2,), seed=3)
@@ -630,7 +650,7 @@ def test_a_closed_connections_arena_stays_page_locked_until_its_last_batch_ran()
         inbox = wp._Inbox([], Worker(), None)
         inbox.open.append(c)
         x, ids, w = torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)
-        wp._send(front, (7, (0, encode_tensor(x), encode_tensor(ids), encode_tensor(w), False, "combined"), None))
+        wp._send(front, (7, (0, encode_tensor(x), encode_tensor(ids), encode_tensor(w), False, "combined", None, None), None))
         wp._send(front, None)
         inbox.read_arrived()  # during a call: the batch
         inbox.read_arrived()  # during the round's next call: the stop
