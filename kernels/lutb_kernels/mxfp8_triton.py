@@ -7,7 +7,9 @@ Ops (validate, allocate, launch; the kernels live in :mod:`lutb_kernels._mxfp8_d
 - :func:`mxfp8_qdq` -> quantize-dequantize in the model dtype (the emulated path);
 - :func:`act_mxfp8_quantize` / :func:`act_mxfp8_qdq` -> the MoE activation of spec
   section 4 step 4 fused with step 5's quantization;
-- :func:`act_rounded` -> the activation alone, rounded to the model dtype (bf16 peers).
+- :func:`act_rounded` -> the activation alone, rounded to the model dtype (bf16 peers);
+- :func:`mxfp8_dequantize_into` -> MXFP8 input back to the model dtype, one launch (a compute
+  worker's MXFP8 input carried to the device).
 
 Each op has a plain-PyTorch ``*_reference`` twin with the same signature built on
 :mod:`lutb_kernels.mxfp8` and :mod:`lutb_kernels.activations` (the judges).
@@ -418,6 +420,43 @@ def act_mxfp8_qdq_reference(
     """Plain-PyTorch twin of :func:`act_mxfp8_qdq`; rows masked out come back as zeros."""
     g, _ = _act_reference(h, activation, row_mask)
     return mxfp8_qdq_reference(g, scale_mode, k_order=k_order, out_dtype=out_dtype, nonfinite=nonfinite)
+
+
+def mxfp8_dequantize_into(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Dequantize MXFP8 rows into ``out`` in one launch (Triton), bit for bit :func:`lutb_kernels.mxfp8.mxfp8_dequantize`.
+
+    Args:
+        q: float8_e4m3fn ``[M, K]``, ``K % 32 == 0``, contiguous rows, without NaN codes (0x7F/0xFF: the caller
+            checked, e.g. ``lutb_kernels.mxfp8.e4m3_nan_count``), on a Triton device.
+        scales: uint8 ``[M, K/32]`` E8M0 bytes 0..254 (255, E8M0's NaN, checked by the caller).
+        out: ``[M, K]`` float32/bfloat16/float16, contiguous rows, on ``q``'s device; returned.
+
+    No host sync. An element whose value overflows ``out.dtype`` becomes +-inf, as in the reference.
+    """
+    from lutb_kernels._mxfp8_details import kernels as K
+
+    if q.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] % BLOCK:
+        raise ValueError(f"expected float8_e4m3fn [M, K] (K % {BLOCK} == 0) and uint8 scales, got {q.dtype} "
+                         f"{tuple(q.shape)} and {scales.dtype}")
+    if tuple(scales.shape) != (q.shape[0], q.shape[1] // BLOCK) or tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"scales {tuple(scales.shape)} and out {tuple(out.shape)} do not match q {tuple(q.shape)}")
+    if out.dtype not in (torch.float32, torch.bfloat16, torch.float16) or out.device != q.device or scales.device != q.device:
+        raise ValueError(f"out must be float32/bfloat16/float16 on {q.device} with the scales, got {out.dtype} on {out.device}")
+    if any(t.shape[1] and t.stride(1) != 1 for t in (q, scales, out)):
+        raise ValueError("q, scales and out need contiguous rows")
+    m, k = q.shape
+    if m and k:
+        block_k = min(1024, triton_next_pow2(k)) if not interpreting() else min(256, triton_next_pow2(k))
+        block_r = max(1, min(16, 4096 // block_k))
+        grid = (triton_cdiv(m, block_r), triton_cdiv(k, block_k))
+        K.mxfp8_dequantize_kernel[grid](q.view(torch.uint8), scales, out, m, k, q.stride(0), scales.stride(0), out.stride(0),
+                                        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+def mxfp8_dequantize_into_reference(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch twin of :func:`mxfp8_dequantize_into`."""
+    return out.copy_(_ref_dequantize(q, scales, out.dtype))
 
 
 def act_rounded(h: torch.Tensor, activation: str, *, row_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -54,6 +54,7 @@ from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts
 from lutb_kernels.experts.graphs import DEFAULT_MAX_TOKENS, CudaGraphExperts, StaticBuffers, is_capture_safe
 from lutb_kernels.mxfp8 import mxfp8_dequantize_into
+from lutb_kernels.mxfp8_triton import triton_available
 from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
 
@@ -189,6 +190,12 @@ class ComputeWorker:
         self._host = _Buffers(torch.device("cpu"), pin=self.cuda)
         self._dev = _Buffers(self.device, pin=False)
         self._flag: tuple[torch.Tensor, torch.Tensor, Any] | None = None
+        self._dequantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = mxfp8_dequantize_into
+        """MXFP8 input carried to the device, into x: one Triton launch where triton is installed, else torch ops."""
+        if self.cuda and triton_available():
+            from lutb_kernels.mxfp8_triton import mxfp8_dequantize_into as dequantize_triton
+
+            self._dequantize = dequantize_triton
         self._registered: dict[int, int] = {}
         """Host memory the device copies outputs into directly: start address -> end address."""
         self.batches = 0
@@ -296,8 +303,8 @@ class ComputeWorker:
         from above ``eager_above`` up to ``max_tokens``, and at the smallest size of every
         other launch key the experts report (``launch_key``; powers of two miss those whose
         config changes inside their range, e.g. split-K or MXFP8 rows per program), with uniform random routing at
-        ``cuda_graph_top_k`` (8 when 0) over all the model's experts, as clients route. Call it
-        on the worker thread before serving; returns the seconds taken.
+        ``cuda_graph_top_k`` (8 when 0) over all the model's experts, as clients route; and the dequantization of
+        MXFP8 input carried to the device once. Call it on the worker thread before serving; returns the seconds taken.
         """
         if not self.cuda or not self._experts:
             return 0.0
@@ -307,11 +314,13 @@ class ComputeWorker:
         num_experts = inner.config.num_experts
         k = min(self.cuda_graph_top_k or 8, num_experts)
         sizes = warm_up_sizes(eager_above, max_tokens, getattr(inner, "launch_key", None), k)
-        if not sizes:
-            return 0.0
         gen = torch.Generator(device=self.device).manual_seed(0)
         start = time.perf_counter()
         with torch.cuda.stream(self._stream):
+            hidden = inner.config.hidden_size  # MXFP8 input's dequantization: one kernel for every batch size
+            self._dequantize(torch.zeros(1, hidden, dtype=torch.float8_e4m3fn, device=self.device),
+                             torch.zeros(1, hidden // 32, dtype=torch.uint8, device=self.device),
+                             torch.empty(1, hidden, dtype=inner.config.torch_dtype, device=self.device))
             for tokens in sizes:
                 x = torch.randn(tokens, inner.config.hidden_size, device=self.device, generator=gen).to(inner.config.torch_dtype)
                 ids = torch.rand(tokens, num_experts, device=self.device, generator=gen).argsort(dim=1)[:, :k].to(torch.int32)
@@ -319,7 +328,7 @@ class ComputeWorker:
                 inner.forward(x, ids, weights)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
-        log.info("warmed up eager batch sizes %s (top-k %d) in %.2fs", sizes, k, seconds)
+        log.info("warmed up eager batch sizes %s (top-k %d) and MXFP8 input's dequantization in %.2fs", sizes, k, seconds)
         return seconds
 
     # -- one batch ---------------------------------------------------------------------------
@@ -470,7 +479,7 @@ class ComputeWorker:
                 xq, xs = self._dev.get("xq", xh.shape, xh.dtype), self._dev.get("xs", sh.shape, torch.uint8)
                 xq.copy_(xh, non_blocking=True)
                 xs.copy_(sh, non_blocking=True)
-                mxfp8_dequantize_into(xq, xs, xd)
+                self._dequantize(xq, xs, xd)
             idsd.copy_(idsh, non_blocking=True)
             wd.copy_(wh, non_blocking=True)
             if unchecked:

@@ -80,3 +80,18 @@ def test_act_quantize_gpu(activation: str) -> None:
     d_ref = mt.act_mxfp8_qdq_reference(h, activation, row_mask=mask)
     err = (d[mask].float() - d_ref[mask].float()).norm() / d_ref[mask].float().norm()
     assert err < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,k", [(255, 256), (16, 7168), (3, 2048)])
+def test_dequantize_into_bit_exact_gpu(dtype: torch.dtype, rows: int, k: int) -> None:
+    """Every non-NaN code under every scale byte (cycled over the rows), into poisoned memory."""
+    from lutb_kernels import mxfp8_triton as mt
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    q = codes[torch.arange(rows * k) % codes.numel()].view(rows, k).view(torch.float8_e4m3fn).cuda()
+    scales = (torch.arange(rows * (k // 32)) % 255).to(torch.uint8).view(rows, k // 32).cuda()
+    out = torch.full((rows, k), float("nan"), dtype=dtype, device="cuda")
+    mt.mxfp8_dequantize_into(q, scales, out)
+    want = mt.mxfp8_dequantize_into_reference(q, scales, torch.empty_like(out))
+    assert torch.equal(out.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))

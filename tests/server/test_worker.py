@@ -269,6 +269,9 @@ def test_no_eager_batch_size_compiles_after_the_warm_up(tiny_checkpoint: Path) -
         for tokens in (65, 200, 300, 333, 480, 511):  # 65: chunks of graphs; the rest eager
             got = worker.submit(_requests(gpu_engine, [tokens], k=2, seed=tokens)).result(timeout=120).outputs[0]
             assert got.shape == (tokens, gpu_engine.config.hidden_size) and torch.isfinite(got.float()).all()
+        for tokens in (3, 65, 300):  # MXFP8 input carried to the device: its dequantization was compiled too
+            got = worker.submit(_mxfp8_requests(gpu_engine, [tokens], seed=tokens)[0]).result(timeout=120).outputs[0]
+            assert got.shape == (tokens, gpu_engine.config.hidden_size) and torch.isfinite(got.float()).all()
         assert compiled == []
     finally:
         triton.knobs.runtime.jit_cache_hook = previous

@@ -236,3 +236,29 @@ def mxfp8_quantize_kernel(
             deq = val * pow2_from_e8m0(s)[:, :, None]
             deq = tl.reshape(deq, (BLOCK_R, BLOCK_K))
             tl.store(q_ptr + rows64[:, None] * stride_qm + dest[None, :], deq.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def mxfp8_dequantize_kernel(q_ptr, s_ptr, out_ptr, M, K, stride_qm, stride_sm, stride_om,
+                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``out[r, c] = float32(e4m3 q[r, c]) * 2**(s[r, c // 32] - 127)`` rounded once to ``out``'s dtype.
+
+    ``q``: uint8 ``[M, K]`` e4m3 codes without NaN codes; ``s``: uint8 ``[M, K/32]`` E8M0 bytes 0..254; ``out``:
+    ``[M, K]`` float32/bfloat16/float16. The element's float32 comes from its bits (normal: exponent rebased by
+    120; subnormal: its 3-bit mantissa times 2**-9), so the interpreter decodes as a GPU does; the product is
+    exact in float32 (a subnormal scale included), as in ``lutb_kernels.mxfp8.mxfp8_dequantize``.
+    """
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    b = tl.load(q_ptr + rows[:, None] * stride_qm + cols[None, :], mask=mask, other=0).to(tl.int32)
+    s = tl.load(s_ptr + rows[:, None] * stride_sm + (cols // 32)[None, :], mask=mask, other=127).to(tl.int32)
+    exponent = (b >> 3) & 0xF
+    mantissa = b & 7
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(exponent > 0, normal, mantissa.to(tl.float32) * 0.001953125)  # subnormal: m * 2**-9
+    signed = (magnitude.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)  # -0.0 kept
+    value = signed * pow2_from_e8m0(s)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], value.to(out_ptr.dtype.element_ty), mask=mask)

@@ -180,3 +180,33 @@ def test_row_blocks_give_the_reference_bytes(monkeypatch: pytest.MonkeyPatch, ro
     assert torch.equal(mt.mxfp8_qdq(x, row_weight=weight), mt.mxfp8_qdq_reference(x, row_weight=weight))
     got = mt.act_mxfp8_qdq(h, "silu", row_mask=mask)[mask]  # masked rows are left unwritten
     assert torch.equal(got, mt.act_mxfp8_qdq_reference(h, "silu", row_mask=mask)[mask])
+
+
+def _every_code_under_every_scale(columns: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row s (0..254): the 254 non-NaN e4m3 codes (both signs, subnormals, zeros), and more, under scale byte s."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = codes.repeat(-(-columns // codes.numel()))[:columns]
+    q = codes.view(torch.float8_e4m3fn).repeat(255, 1)
+    return q, torch.arange(255, dtype=torch.uint8)[:, None].expand(255, columns // 32).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16 is checked on the GPU (the interpreter's bf16)
+@pytest.mark.parametrize("columns", [32, 96, 256])
+def test_dequantize_into_equals_the_reference_on_every_code_and_scale(dtype: torch.dtype, columns: int) -> None:
+    q, scales = _every_code_under_every_scale(columns)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    assert mt.mxfp8_dequantize_into(q, scales, out) is out
+    want = mt.mxfp8_dequantize_into_reference(q, scales, torch.empty_like(out))
+    # bit for bit: signed zeros, subnormal scales and (float16, s >= 143) infinities included
+    assert torch.equal(out.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+
+
+def test_dequantize_into_of_no_rows_and_bad_arguments() -> None:
+    q, scales = _every_code_under_every_scale(64)
+    assert mt.mxfp8_dequantize_into(q[:0], scales[:0], torch.empty(0, 64)).shape == (0, 64)
+    with pytest.raises(ValueError, match="do not match"):
+        mt.mxfp8_dequantize_into(q, scales[:, :1], torch.empty(q.shape))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        mt.mxfp8_dequantize_into(q.view(torch.uint8), scales, torch.empty(q.shape))
+    with pytest.raises(ValueError, match="float32/bfloat16/float16"):
+        mt.mxfp8_dequantize_into(q, scales, torch.empty(q.shape, dtype=torch.int32))
