@@ -50,9 +50,10 @@ class PreparedRequest:
     ``x``: ``[T, H]`` model dtype; ``topk_ids``: int32 ``[T, k]``; ``topk_weights``: float32 ``[T, k]``.
 
     MXFP8 input carried to the device as sent (:meth:`ExpertEngine.prepare` on a CUDA engine): ``x`` is
-    float8_e4m3fn ``[T, H]``, ``x_scales`` its uint8 E8M0 scales ``[T, H/32]`` and ``x_dtype`` the model dtype; the
-    compute worker dequantizes them on the device (``lutb_kernels.mxfp8.mxfp8_dequantize_into``: bit for bit the
-    model-dtype ``x`` the engine would have made on the CPU).
+    float8_e4m3fn ``[T, H]`` without NaN codes, ``x_scales`` its uint8 E8M0 scales ``[T, H/32]``, each at most
+    ``lutb_kernels.mxfp8.mxfp8_max_finite_scale(x_dtype)``, and ``x_dtype`` the model dtype; the compute worker
+    dequantizes them on the device, bit for bit the model-dtype ``x`` the engine would have made on the CPU
+    (:meth:`dense_x` does it where the request is).
     """
 
     layer: int
