@@ -30,20 +30,20 @@ if [[ $STAGE == all || $STAGE == tests ]]; then
   echo "== GPU tests exit status: $tests_status (full log: $OUT/gpu-tests.txt) =="
 fi
 if [[ $STAGE == graphs ]]; then
-  echo "== bench/graph_limit.py (qwen3; JSON: $OUT/limit/graph_limit.json) =="
+  echo "== bench/graph_limit.py (qwen3; JSON: limit/graph_limit.json in $OUT/limit.tgz) =="
   timeout 540 "$PY" bench/graph_limit.py --out "$OUT/limit" "$@"
   bench_status=$?
 fi
 if [[ $STAGE == ab ]]; then
   OLD_TREE=${1:?usage: serving_device.sh ab OLD_TREE [bench/serving.py args]}
   shift
-  echo "== bench/ab_serving.py: this tree against $OLD_TREE (runs under $OUT/ab) =="
+  echo "== bench/ab_serving.py: this tree against $OLD_TREE (runs under ab/ in $OUT/ab.tgz) =="
   timeout 580 "$PY" bench/ab_serving.py --old "$OLD_TREE" --out "$OUT/ab" --pairs 2 --budget-s 560 -- \
     --work-dir /tmp/lutb-ckpt --duration-s 1.5 --warmup-s 0.3 --inproc-s 0.3 "$@"
   bench_status=$?
 fi
 if [[ $STAGE == all || $STAGE == bench ]]; then
-  echo "== bench/serving.py (server logs: $OUT/bench/server-*.log) =="
+  echo "== bench/serving.py (server logs: bench/server-*.log in $OUT/bench.tgz) =="
   timeout 540 "$PY" bench/serving.py --out "$OUT/bench" --duration-s 1.5 --warmup-s 0.3 --inproc-s 0.3 "$@"
   bench_status=$?
   echo "(bench exit status $bench_status; tests exit status $tests_status)"
@@ -52,4 +52,12 @@ if [[ $STAGE == all || $STAGE == bench ]]; then
     grep -A 200 '^| shape' "$OUT/bench/serving.md"
   fi
 fi
+# The device tool returns only a few files from $OUT: a bench run writes a dozen (a server log, one per echo
+# process, serving.json/.md), and its serving.json once did not come back. Each stage's directory travels as one
+# tarball instead (tar -xzf bench.tgz).
+for stage_dir in bench ab limit; do
+  if [[ -d $OUT/$stage_dir ]]; then
+    tar -czf "$OUT/$stage_dir.tgz" -C "$OUT" "$stage_dir" && rm -rf "${OUT:?}/$stage_dir" && echo "(packed $OUT/$stage_dir.tgz)"
+  fi
+done
 exit $(( tests_status != 0 ? tests_status : bench_status ))
