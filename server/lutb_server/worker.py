@@ -53,7 +53,7 @@ import torch
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts
 from lutb_kernels.experts.graphs import DEFAULT_MAX_TOKENS, CudaGraphExperts, StaticBuffers, is_capture_safe
-from lutb_kernels.mxfp8 import mxfp8_dequantize_into
+from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize_fast, mxfp8_dequantize_into
 from lutb_kernels.mxfp8_triton import triton_available
 from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
@@ -319,7 +319,7 @@ class ComputeWorker:
         with torch.cuda.stream(self._stream):
             hidden = inner.config.hidden_size  # MXFP8 input's dequantization: one kernel for every batch size
             self._dequantize(torch.zeros(1, hidden, dtype=torch.float8_e4m3fn, device=self.device),
-                             torch.zeros(1, hidden // 32, dtype=torch.uint8, device=self.device),
+                             torch.zeros(1, hidden // BLOCK, dtype=torch.uint8, device=self.device),
                              torch.empty(1, hidden, dtype=inner.config.torch_dtype, device=self.device))
             for tokens in sizes:
                 x = torch.randn(tokens, inner.config.hidden_size, device=self.device, generator=gen).to(inner.config.torch_dtype)
@@ -430,15 +430,7 @@ class ComputeWorker:
                  ("w", (tokens, k), torch.float32, [r.topk_weights for r in requests])]
         if first.x_scales is not None:
             parts.append(("xs", (tokens, first.x_scales.shape[1]), torch.uint8, [r.x_scales for r in requests]))
-        gathered = []
-        for name, shape, dtype, tensors in parts:
-            buf = buffers.get(name, shape, dtype)
-            if len(tensors) == 1:
-                buf.copy_(tensors[0])
-            else:
-                torch.cat(tensors, out=buf)
-            gathered.append(buf)
-        x, ids, w, *scales = gathered
+        x, ids, w, *scales = (concat_into(tensors, buffers.get(name, shape, dtype)) for name, shape, dtype, tensors in parts)
         return x, ids, w, (scales[0] if scales else None)
 
     def _run_cpu(self, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor]:
@@ -449,7 +441,7 @@ class ComputeWorker:
         else:
             x, ids, w, scales = self._gather(requests, self._host)
             if scales is not None:
-                x = mxfp8_dequantize_into(x, scales, torch.empty(x.shape, dtype=first.dtype))
+                x = mxfp8_dequantize_fast(x, scales, first.dtype)
         out = experts.forward(x, ids, w, apply_router_weight_on_input=first.apply_router_weight_on_input,
                               output_mode=first.output_mode)
         return _deliver(out, requests, into, owned=True)
@@ -549,6 +541,15 @@ def _powers_of_two_upto(limit: int) -> list[int]:
     return sizes + [limit] if limit >= 1 else sizes
 
 
+def concat_into(parts: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``parts`` concatenated along dim 0 into ``out`` (a copy when there is one part); returns ``out``."""
+    if len(parts) == 1:
+        out.copy_(parts[0])
+    else:
+        torch.cat(parts, out=out)  # type: ignore[arg-type]
+    return out
+
+
 def _split(out: torch.Tensor, requests: list[PreparedRequest]) -> list[torch.Tensor]:
     return list(torch.split(out, [r.tokens for r in requests])) if len(requests) > 1 else [out]
 
@@ -595,4 +596,5 @@ def _generic_forward(engine: ForwardEngine, requests: list[PreparedRequest]) -> 
     return out
 
 
-__all__ = ["BATCH_PATHS", "BatchOutput", "BatchWorker", "ComputeWorker", "ForwardEngine", "running_loop", "warm_up_sizes"]
+__all__ = ["BATCH_PATHS", "BatchOutput", "BatchWorker", "ComputeWorker", "ForwardEngine", "concat_into", "running_loop",
+           "warm_up_sizes"]

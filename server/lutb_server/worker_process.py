@@ -81,7 +81,7 @@ from lutb_server.engine import PreparedRequest
 from lutb_server.errors import Unavailable
 from lutb_server.metrics import torch_gpu_memory
 from lutb_server.shared_arena import SharedArena, Slot, arena_supported, dtype_name
-from lutb_server.worker import BatchOutput, running_loop
+from lutb_server.worker import BatchOutput, concat_into, running_loop
 
 log = logging.getLogger(__name__)
 
@@ -658,9 +658,10 @@ class ProcessComputeWorker:
             inputs.append([r.x_scales for r in requests])  # type: ignore[misc]
         if slots is not None:  # concatenated straight into the shared memory
             assert self._arena is not None
-            x, ids, w, out, *scales = (tuple(slot) for slot in slots)  # plain tuples pickle ~3x cheaper than Slots
-            for parts, slot in zip(inputs, [x, ids, w, *scales]):
-                _concat(parts, self._arena.view(slot))
+            *placed, out = (tuple(slot) for slot in slots)  # plain tuples pickle ~3x cheaper than Slots
+            for parts, slot in zip(inputs, placed):
+                concat_into(parts, self._arena.view(slot))
+            x, ids, w, *scales = placed
         else:
             self.inline_batches += 1
             x, ids, w, *scales = (encode_tensor(parts[0] if len(parts) == 1 else torch.cat(parts)) for parts in inputs)
@@ -738,7 +739,7 @@ class ProcessComputeWorker:
         future, slots, tokens = entry
         if result is None:  # in the output slot: copied out before the span is given back
             assert self._arena is not None and slots is not None
-            result = self._arena.view(slots[3]).clone()
+            result = self._arena.view(slots[-1]).clone()
         elif not isinstance(result, BaseException):
             result = decode_tensor(result)
         if slots is not None:
@@ -777,23 +778,14 @@ class ProcessComputeWorker:
 
 
 def _batch_shapes(first: PreparedRequest, tokens: int) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    """(dtype, shape) of a batch of ``tokens`` pooled with ``first``: x, topk_ids, topk_weights, the output
-    (``[T, H]`` combined, ``[T, k, H]`` route-major, in the model dtype), then, for MXFP8 carried to the device,
-    x's scales."""
+    """(dtype, shape) of a batch of ``tokens`` pooled with ``first``: its inputs (x, topk_ids, topk_weights, and for
+    MXFP8 carried to the device x's scales), then the output (``[T, H]`` combined, ``[T, k, H]`` route-major, in the
+    model dtype)."""
     hidden, k = int(first.x.shape[1]), int(first.topk_ids.shape[1])
-    out = (tokens, k, hidden) if first.output_mode == "route_major" else (tokens, hidden)
-    shapes = [(first.x.dtype, (tokens, hidden)), (first.topk_ids.dtype, (tokens, k)), (first.topk_weights.dtype, (tokens, k)),
-              (first.dtype, out)]
+    shapes = [(first.x.dtype, (tokens, hidden)), (first.topk_ids.dtype, (tokens, k)), (first.topk_weights.dtype, (tokens, k))]
     if first.x_scales is not None:
         shapes.append((torch.uint8, (tokens, int(first.x_scales.shape[1]))))
-    return shapes
-
-
-def _concat(parts: list[torch.Tensor], out: torch.Tensor) -> None:
-    if len(parts) == 1:
-        out.copy_(parts[0])
-    else:
-        torch.cat(parts, out=out)
+    return shapes + [(first.dtype, (tokens, k, hidden) if first.output_mode == "route_major" else (tokens, hidden))]
 
 
 __all__ = ["DEFAULT_ARENA_BYTES", "GPU_MEMORY_PERIOD_S", "ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec", "merge_groups",
