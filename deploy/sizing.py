@@ -12,8 +12,9 @@ attention, embeddings, dense layers and shared experts stay with the attention t
 CUDA graphs (``--cuda-graph-max-tokens N``) add static buffers, which the layers of a server share
 (their graphs replay one at a time): for every token bucket B (powers of two up to N, and N), the
 input rows ``x [B, H]`` (model dtype), ``topk_ids [B, k]`` (int32) and ``topk_weights [B, k]``
-(float32), and the combined output ``[B, H]`` (model dtype), for the variant the server captures
-at start-up (combined output, its top-k). A route-major variant, captured on first use, keeps its
+(float32), the rows MXFP8 input lands in (codes ``[B, H]``, one byte each, and scales ``[B, H/32]``),
+and the combined output ``[B, H]`` (model dtype), for the variants the server captures at start-up
+(combined output, its top-k, input in the model dtype and MXFP8). A route-major variant, captured on first use, keeps its
 own outputs per layer; the graphs' shared pool of intermediate activations comes on top.
 
 Shards follow `lutb shard`: each shard holds a subset of the experts, for every MoE layer, so
@@ -103,8 +104,10 @@ class MoEShape:
 
     def graph_bytes(self, max_tokens: int, dtype_bytes: int = BF16_BYTES) -> int:
         """The start-up CUDA graphs' static buffers, shared by every layer (see the module docstring): per bucket
-        row, x and the combined output in the model dtype, top-k ids (int32) and weights (float32)."""
-        return sum(graph_buckets(max_tokens)) * (2 * self.hidden * dtype_bytes + self.top_k * (4 + 4))
+        row, x and the combined output in the model dtype, MXFP8 input's codes (a byte each) and scales (a byte per
+        32), top-k ids (int32) and weights (float32)."""
+        mxfp8_row = self.hidden + self.hidden // 32
+        return sum(graph_buckets(max_tokens)) * (2 * self.hidden * dtype_bytes + mxfp8_row + self.top_k * (4 + 4))
 
 
 REFERENCE_SHAPES = (

@@ -9,7 +9,7 @@ Ops (validate, allocate, launch; the kernels live in :mod:`lutb_kernels._mxfp8_d
   section 4 step 4 fused with step 5's quantization;
 - :func:`act_rounded` -> the activation alone, rounded to the model dtype (bf16 peers);
 - :func:`mxfp8_dequantize_into` -> MXFP8 input back to the model dtype, one launch (a compute
-  worker's MXFP8 input carried to the device).
+  worker's MXFP8 input carried to the device; :func:`dequantize_into_op` picks it or its torch-ops twin).
 
 Each op has a plain-PyTorch ``*_reference`` twin with the same signature built on
 :mod:`lutb_kernels.mxfp8` and :mod:`lutb_kernels.activations` (the judges).
@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -457,6 +458,22 @@ def mxfp8_dequantize_into(q: torch.Tensor, scales: torch.Tensor, out: torch.Tens
 def mxfp8_dequantize_into_reference(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Plain-PyTorch twin of :func:`mxfp8_dequantize_into`."""
     return out.copy_(_ref_dequantize(q, scales, out.dtype))
+
+
+DequantizeInto = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(q, scales, out) -> out``: :func:`mxfp8_dequantize_into`'s signature."""
+
+
+def dequantize_into_op(device: torch.device) -> DequantizeInto:
+    """The op that dequantizes MXFP8 input on ``device`` fastest, bit for bit the same either way: this module's
+    :func:`mxfp8_dequantize_into` (one Triton launch) on CUDA with triton installed, else
+    :func:`lutb_kernels.mxfp8.mxfp8_dequantize_into` (a few torch ops, any device; scales at most
+    ``FAST_DEQUANTIZE_MAX_SCALE``). Both run without a host sync, so both can be captured in a CUDA graph."""
+    if device.type == "cuda" and triton_available():
+        return mxfp8_dequantize_into
+    from lutb_kernels.mxfp8 import mxfp8_dequantize_into as torch_ops
+
+    return torch_ops
 
 
 def act_rounded(h: torch.Tensor, activation: str, *, row_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -129,7 +129,7 @@ def test_graph_buckets_are_the_servers(sizing, max_tokens) -> None:
 @pytest.mark.parametrize(("top_k", "max_tokens"), [(2, 16), (3, 24)])
 def test_graph_bytes_are_what_the_graph_wrappers_allocate(sizing, top_k, max_tokens) -> None:
     """The estimate equals the static buffers three layers' CudaGraphExperts sharing one StaticBuffers (as a worker
-    builds them) hold after capturing every bucket: on the CPU they keep the same buffers without graphs, and a
+    builds them) hold after capturing every bucket of both start-up variants: on the CPU they keep the same buffers without graphs, and a
     layer's combined output is the shared buffer its replay returns."""
     import torch
 
@@ -151,12 +151,16 @@ def test_graph_bytes_are_what_the_graph_wrappers_allocate(sizing, top_k, max_tok
     buffers = StaticBuffers()
     wrappers = [CudaGraphExperts(ZeroExperts(cfg, weights, "cpu"), max_tokens=max_tokens, use_graphs=False, buffers=buffers)
                 for _ in range(layers)]
-    for wrapper in wrappers:
-        assert wrapper.capture(top_k) == len(wrapper.buckets)
+    for wrapper in wrappers:  # the start-up variants: input in the model dtype and MXFP8
+        assert wrapper.capture(top_k) == wrapper.capture(top_k, mxfp8_input=True) == len(wrapper.buckets)
         for bucket in wrapper.buckets:
-            out = wrapper.forward_unchecked(torch.zeros((bucket, hidden), dtype=torch.bfloat16), torch.zeros((bucket, top_k), dtype=torch.int32),
-                                            torch.zeros((bucket, top_k)))
+            ids, w = torch.zeros((bucket, top_k), dtype=torch.int32), torch.zeros((bucket, top_k))
+            out = wrapper.forward_unchecked(torch.zeros((bucket, hidden), dtype=torch.bfloat16), ids, w)
             assert out.shape == (bucket, hidden)
-    held = {id(t): t for wrapper in wrappers for e in wrapper._entries.values() for t in (e.x, e.ids, e.w, e.out)}  # each once
+            out = wrapper.forward_unchecked(torch.zeros((bucket, hidden), dtype=torch.float8_e4m3fn), ids, w,
+                                            x_scales=torch.zeros((bucket, hidden // 32), dtype=torch.uint8))
+            assert out.shape == (bucket, hidden) and out.dtype == torch.bfloat16
+    held = {id(t): t for wrapper in wrappers for e in wrapper._entries.values()  # each once
+            for t in (e.x, e.ids, e.w, e.out, e.rows.xq, e.rows.xs)}
     shape = sizing.MoEShape("tiny", experts=experts, hidden=hidden, intermediate=TILE, moe_layers=layers, top_k=top_k)
     assert sum(t.nbytes for t in held.values()) == buffers.nbytes == shape.graph_bytes(max_tokens)

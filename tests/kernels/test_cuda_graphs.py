@@ -223,17 +223,91 @@ def test_refuses_a_negative_chunk_limit(shard: CaptureSafeReference, bad: int) -
 def test_static_inputs_path_and_returned_view(shard: CaptureSafeReference) -> None:
     wrapper = CudaGraphExperts(shard, max_tokens=8, use_graphs=False)
     x, ids, w = _batch(6, 2, 8, seed=7)
-    xs, idss, ws = wrapper.static_inputs(6, 2)
-    assert xs.shape == (6, H) and idss.dtype == torch.int32 and ws.dtype == torch.float32
+    xs, idss, ws, scales = wrapper.static_inputs(6, 2)
+    assert xs.shape == (6, H) and idss.dtype == torch.int32 and ws.dtype == torch.float32 and scales is None
     xs.copy_(x), idss.copy_(ids), ws.copy_(w)
     got = wrapper.forward_unchecked(xs, idss, ws)
     assert torch.equal(got, shard.forward(x, ids, w))
     assert wrapper.static_inputs(9, 2) is None  # above the largest bucket: eager
     again = wrapper.static_inputs(6, 2)  # made once per size: a serving thread's torch calls cost GIL hand-overs
-    assert all(a is b for a, b in zip(again, (xs, idss, ws))) and wrapper.static_inputs(5, 2)[0].shape == (5, H)
+    assert all(a is b for a, b in zip(again, (xs, idss, ws))) and wrapper.static_inputs(5, 2).x.shape == (5, H)
     checked = wrapper.forward(x, ids, w)  # validated, and a copy that survives the next call
     wrapper.forward_unchecked(*_batch(6, 2, 8, seed=8))
     assert torch.equal(checked, shard.forward(x, ids, w))
+
+
+def _mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as a client sends it on the MXFP8 wire: float8_e4m3fn codes and uint8 E8M0 scales."""
+    from lutb_kernels.mxfp8 import mxfp8_quantize
+
+    return mxfp8_quantize(x, "rceil")
+
+
+def _dequantized(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    from lutb_kernels.mxfp8 import mxfp8_dequantize
+
+    return mxfp8_dequantize(q, scales, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fixture", ["shard", "whole"])
+def test_mxfp8_input_is_dequantized_inside_the_graph(request: pytest.FixtureRequest, fixture: str) -> None:
+    """MXFP8 input (codes and scales) runs in graphs of its own that dequantize it into the shared x rows first:
+    the result equals the backend's on the dequantized input, interleaved with model-dtype batches in the same rows,
+    shrinking sizes leave padding in every row set, and stale x rows are overwritten, not read."""
+    inner = request.getfixturevalue(fixture)
+    wrapper = CudaGraphExperts(inner, max_tokens=16, use_graphs=False, max_chunked_tokens=0)
+    num_experts = inner.config.num_experts
+    for step, (tokens, mxfp8) in enumerate([(16, True), (9, False), (5, True), (12, True), (3, False), (2, True),
+                                             (0, True), (17, True), (7, True)]):
+        x, ids, w = _batch(tokens, 2, num_experts, seed=300 + step)
+        q, scales = _mxfp8(x)
+        dense = _dequantized(q, scales) if mxfp8 else x
+        want = inner.forward(dense, ids, w)
+        bucket = bucket_for(tokens, wrapper.buckets)
+        if mxfp8 and bucket is not None:  # whatever the x rows hold now must not reach the result
+            rows = wrapper._buffers.rows(bucket, 2, H, torch.bfloat16, torch.device("cpu"), wrapper.pad_expert)
+            rows.x[:tokens].fill_(float("nan"))
+        inner.calls.clear()
+        got = wrapper.forward_unchecked(q if mxfp8 else x, ids, w, x_scales=scales if mxfp8 else None)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), (fixture, tokens, mxfp8)
+        if bucket is None:  # 0 and 17 tokens: dequantized, then the backend eagerly
+            assert inner.calls == [(tokens, 2, False, "combined")]
+            continue
+        assert inner.calls == [(bucket, 2, False, "combined")]
+        assert GraphKey(bucket, 2, False, "combined", mxfp8) in wrapper.graphs
+        rows = wrapper._entries[GraphKey(bucket, 2, False, "combined", mxfp8)].rows
+        assert bool((rows.x[tokens:] == 0).all()) and bool((rows.ids[tokens:] == wrapper.pad_expert).all())
+        if rows.xq is not None:
+            assert bool((rows.xq[tokens:].view(torch.uint8) == 0).all()) and bool((rows.xs[tokens:] == 0).all())
+    assert GraphKey(16, 2, False, "combined", False) in wrapper.graphs  # one set of rows for both kinds of input
+    assert wrapper._entries[GraphKey(16, 2, False, "combined", True)].rows is wrapper._entries[GraphKey(16, 2, False, "combined", False)].rows
+
+
+def test_mxfp8_input_above_the_largest_bucket_runs_in_chunks() -> None:
+    cfg, layer = _layer(4, [1, 3], seed=4)
+    inner = RowwiseReference(cfg, layer, "cpu")
+    wrapper = CudaGraphExperts(inner, max_tokens=16, use_graphs=False, max_chunked_tokens=40)
+    for step, (tokens, calls) in enumerate([(40, [16, 16, 8]), (17, [16, 1]), (41, [41])]):
+        x, ids, w = _batch(tokens, 2, 4, seed=400 + step)
+        q, scales = _mxfp8(x)
+        want = inner.forward(_dequantized(q, scales), ids, w)
+        inner.calls.clear()
+        assert wrapper.path_for(tokens, 2, False, "combined", mxfp8_input=True) == ("chunks" if tokens <= 40 else "eager")
+        got = wrapper.forward_unchecked(q, ids, w, x_scales=scales)
+        assert torch.equal(got, want) and [c[0] for c in inner.calls] == calls, tokens
+
+
+def test_static_inputs_for_mxfp8_input(shard: CaptureSafeReference) -> None:
+    wrapper = CudaGraphExperts(shard, max_tokens=8, use_graphs=False)
+    x, ids, w = _batch(6, 2, 8, seed=17)
+    q, scales = _mxfp8(x)
+    inputs = wrapper.static_inputs(6, 2, mxfp8_input=True)
+    assert inputs.x.dtype == torch.float8_e4m3fn and inputs.x.shape == (6, H) and inputs.x_scales.shape == (6, H // 32)
+    for dst, src in zip(inputs, (q, ids, w, scales)):
+        dst.copy_(src)
+    got = wrapper.forward_unchecked(*inputs[:3], x_scales=inputs.x_scales)
+    assert torch.equal(got, shard.forward(_dequantized(q, scales), ids, w))
+    assert wrapper.static_inputs(6, 2, mxfp8_input=True) == inputs  # made once per size
 
 
 def test_variants_are_bounded(shard: CaptureSafeReference) -> None:
@@ -362,6 +436,44 @@ def test_graph_replay_matches_eager(backend: str, held: list[int], k: int, mode:
     if nondeterministic:
         pytest.xfail(f"{backend}: eager runs differ from each other at T={nondeterministic} (atomic split-K "
                      "accumulation), so graph-vs-eager bit-exactness cannot hold there; within tolerance")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("held", [list(range(6)), list(range(8))], ids=["shard", "whole"])
+def test_mxfp8_graphs_equal_the_dequantized_input_in_graphs(held: list[int]) -> None:
+    """MXFP8 input replays graphs that dequantize it first (Triton, captured): bit for bit what the model-dtype
+    graphs give for the input dequantized beforehand, on one, chunked and eager sizes, with every static output
+    and the x rows poisoned before each call."""
+    from lutb_kernels.mxfp8 import mxfp8_dequantize, mxfp8_quantize
+
+    cls = _gpu_backend("packed")
+    cfg, layer = _gpu_layer(256, 384, 8, held, "bfloat16", seed=21 + len(held))
+    wrapper = CudaGraphExperts(cls(cfg, layer, "cuda"), max_tokens=64)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        wrapper.capture(4)
+        wrapper.capture(4, mxfp8_input=True)
+    torch.cuda.synchronize()
+    assert all(wrapper.graphs.values()) and len(wrapper.graphs) == 2 * len(wrapper.buckets)
+    for step, tokens in enumerate((1, 3, 13, 64, 33, 100, 2, 600)):  # 100: two chunks; 600 > 8 x 64: eager
+        gen = torch.Generator().manual_seed(3000 + step)
+        x = (4 * torch.randn(tokens, 256, generator=gen)).to(torch.bfloat16)
+        q, scales = mxfp8_quantize(x, "rceil")
+        dense = mxfp8_dequantize(q, scales, torch.bfloat16).cuda()
+        ids = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(tokens)]).to(torch.int32).cuda()
+        w = torch.softmax(torch.randn(tokens, 4, generator=gen), dim=-1).cuda()
+        outs = []
+        for args, x_scales in (((q.cuda(), ids, w), scales.cuda()), ((dense, ids, w), None)):
+            with torch.cuda.stream(stream):
+                for entry in wrapper._entries.values():
+                    entry.out.fill_(float("nan"))
+                    if entry.key.bucket == bucket_for(tokens, wrapper.buckets):  # the batch's x rows: the MXFP8 graph
+                        entry.x[:tokens].fill_(float("nan"))                     # must write them, not read them
+                flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+                outs.append(wrapper.forward_unchecked(*args, nonfinite=flag, x_scales=x_scales).clone())
+            torch.cuda.synchronize()
+            assert int(flag) == 0 and not outs[-1].isnan().any(), (tokens, x_scales is None)
+        assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1]), tokens
 
 
 @pytest.mark.gpu

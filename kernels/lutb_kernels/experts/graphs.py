@@ -22,6 +22,12 @@ Why chunks: an eager call launches ~10 Triton kernels and, above 16384 routes (4
 launch-bound call's does, and eager caught up with 512-token graphs per token only at ~8192
 tokens (bench/results/2026-12-04-eager-compiles-h200.md, 2026-12-04-worker-calls-h200.md).
 
+MXFP8 input. A batch may come as MXFP8 (``x`` float8_e4m3fn codes, ``x_scales`` uint8 E8M0 bytes, what a client
+sent on the wire): its graphs (``GraphKey.mxfp8_input``) hold two more static rows, the codes and the scales, and
+dequantize them into the ``x`` rows as the first step of the graph, so a batch of MXFP8 input costs the thread
+that feeds the GPU the same launches as one of the model dtype (one replay) and crosses to the device at half
+the bytes. Padding rows of codes and scales are zero, which dequantizes to ``x = 0``.
+
 Padding never changes a real row: a capture-safe backend computes each token from its
 own row and routes only. The pad expert is a global id this layer does *not* hold when
 there is one (its routes get no GEMM rows at all, so padding is free), else the first
@@ -44,13 +50,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from lutb_kernels.checkpoint import CheckpointConfig
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts, Support
+from lutb_kernels.mxfp8 import BLOCK
+from lutb_kernels.mxfp8_triton import dequantize_into_op
 from lutb_kernels.reference import OutputMode, check_forward_args
 
 log = logging.getLogger(__name__)
@@ -100,41 +108,80 @@ class GraphKey:
     top_k: int
     apply_router_weight_on_input: bool
     output_mode: str
+    mxfp8_input: bool = False
+    """The graph takes MXFP8 input (codes and scales) and dequantizes it first (see the module docstring)."""
 
     @property
-    def variant(self) -> tuple[int, bool, str]:
-        return (self.top_k, self.apply_router_weight_on_input, self.output_mode)
+    def variant(self) -> tuple[int, bool, str, bool]:
+        return (self.top_k, self.apply_router_weight_on_input, self.output_mode, self.mxfp8_input)
+
+
+class GraphInputs(NamedTuple):
+    """Where a graph-sized batch's inputs go (:meth:`CudaGraphExperts.static_inputs`): views of its first ``T``
+    static rows."""
+
+    x: torch.Tensor
+    """``[T, H]``: the model dtype, or float8_e4m3fn codes for MXFP8 input."""
+    topk_ids: torch.Tensor
+    """int32 ``[T, k]``."""
+    topk_weights: torch.Tensor
+    """float32 ``[T, k]``."""
+    x_scales: torch.Tensor | None = None
+    """uint8 ``[T, H/32]`` E8M0 scales of MXFP8 input; None for input in the model dtype."""
 
 
 class _InputRows:
-    """The static input rows of the graphs of one ``(bucket, top_k)`` shape: ``x [B, H]``, ``ids [B, k]``, ``w [B, k]``."""
+    """The static input rows of the graphs of one ``(bucket, top_k)`` shape: ``x [B, H]``, ``ids [B, k]``, ``w [B, k]``,
+    and for MXFP8 input (made on first use) its codes ``xq [B, H]`` and scales ``xs [B, H/32]``, which the graph
+    dequantizes into ``x``."""
 
     def __init__(self, bucket: int, top_k: int, hidden: int, dtype: torch.dtype, device: torch.device, pad_expert: int) -> None:
         self.pad_expert = pad_expert
         self.x = torch.zeros((bucket, hidden), dtype=dtype, device=device)
         self.ids = torch.full((bucket, top_k), pad_expert, dtype=torch.int32, device=device)
         self.w = torch.zeros((bucket, top_k), dtype=torch.float32, device=device)
+        self._codes: torch.Tensor | None = None  # uint8 [B, H]: xq's bytes (zeroed as bytes)
+        self.xq: torch.Tensor | None = None
+        self.xs: torch.Tensor | None = None
         self.real_rows = 0  # rows [0, real_rows) may hold a previous batch's data; the rest hold padding
-        self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._views: dict[tuple[int, bool], GraphInputs] = {}
 
     @property
     def nbytes(self) -> int:
-        return self.x.nbytes + self.ids.nbytes + self.w.nbytes
+        scaled = 0 if self.xq is None or self.xs is None else self.xq.nbytes + self.xs.nbytes
+        return self.x.nbytes + self.ids.nbytes + self.w.nbytes + scaled
 
-    def inputs(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views of the first ``tokens`` rows, made once per size (each torch call on a serving thread may
-        cost a GIL hand-over)."""
-        views = self._views.get(tokens)
+    def mxfp8_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(xq, xs)``, made (all padding) on first use."""
+        if self.xq is None or self.xs is None:
+            bucket, hidden = self.x.shape
+            self._codes = torch.zeros((bucket, hidden), dtype=torch.uint8, device=self.x.device)
+            self.xq = self._codes.view(torch.float8_e4m3fn)
+            self.xs = torch.zeros((bucket, hidden // BLOCK), dtype=torch.uint8, device=self.x.device)
+        return self.xq, self.xs
+
+    def inputs(self, tokens: int, mxfp8_input: bool = False) -> GraphInputs:
+        """Views of the first ``tokens`` rows (``x`` the codes for MXFP8 input), made once per size (each torch call on
+        a serving thread may cost a GIL hand-over)."""
+        views = self._views.get((tokens, mxfp8_input))
         if views is None:
-            views = self._views[tokens] = (self.x[:tokens], self.ids[:tokens], self.w[:tokens])
+            if mxfp8_input:
+                xq, xs = self.mxfp8_rows()
+                views = GraphInputs(xq[:tokens], self.ids[:tokens], self.w[:tokens], xs[:tokens])
+            else:
+                views = GraphInputs(self.x[:tokens], self.ids[:tokens], self.w[:tokens])
+            self._views[(tokens, mxfp8_input)] = views
         return views
 
     def reset_padding(self, tokens: int) -> None:
-        """Make rows ``tokens..`` padding again (only those a previous, larger batch wrote)."""
+        """Make rows ``tokens..`` padding again (only those a previous, larger batch wrote), in every row set."""
         if self.real_rows > tokens:
             self.x[tokens:self.real_rows].zero_()
             self.ids[tokens:self.real_rows].fill_(self.pad_expert)
             self.w[tokens:self.real_rows].zero_()
+            if self._codes is not None and self.xs is not None:
+                self._codes[tokens:self.real_rows].zero_()
+                self.xs[tokens:self.real_rows].zero_()
         self.real_rows = tokens
 
 
@@ -201,8 +248,8 @@ class _Entry:
     def w(self) -> torch.Tensor:
         return self.rows.w
 
-    def inputs(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.rows.inputs(tokens)
+    def inputs(self, tokens: int) -> GraphInputs:
+        return self.rows.inputs(tokens, self.key.mxfp8_input)
 
     def reset_padding(self, tokens: int) -> None:
         self.rows.reset_padding(tokens)
@@ -272,7 +319,8 @@ class CudaGraphExperts(LayerExperts):
         self.pad_expert = self._choose_pad_expert()
         self._buffers = StaticBuffers() if buffers is None else buffers
         self._entries: dict[GraphKey, _Entry] = {}
-        self._variants: set[tuple[int, bool, str]] = set()
+        self._variants: set[tuple[int, bool, str, bool]] = set()
+        self._dequantize = dequantize_into_op(self.device)  # MXFP8 input, inside its graphs (or before an eager call)
         self.capture_seconds = 0.0
 
     def _choose_pad_expert(self) -> int:
@@ -323,29 +371,33 @@ class CudaGraphExperts(LayerExperts):
 
     # -- graphs ------------------------------------------------------------------------------
 
-    def key_for(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str) -> GraphKey | None:
+    def key_for(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str,
+                mxfp8_input: bool = False) -> GraphKey | None:
         """The graph a batch runs in, or None when it runs eagerly (0 tokens, above the largest bucket, too many variants)."""
         bucket = bucket_for(tokens, self.buckets)
         if bucket is None:
             return None
-        variant = (int(top_k), bool(apply_router_weight_on_input), str(output_mode))
+        variant = (int(top_k), bool(apply_router_weight_on_input), str(output_mode), bool(mxfp8_input))
         if variant not in self._variants and len(self._variants) >= self.max_variants:
             return None
         return GraphKey(bucket, *variant)
 
-    def path_for(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str) -> str:
+    def path_for(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str,
+                 mxfp8_input: bool = False) -> str:
         """How :meth:`forward_unchecked` runs such a batch: ``"graph"`` (one replay), ``"chunks"`` (replays of
         the largest bucket's graph and one smaller) or ``"eager"`` (the wrapped backend: 0 tokens, above
         ``eager_above``, or a variant beyond ``max_variants``). Sizes only; captures nothing."""
-        return self._plan(tokens, top_k, apply_router_weight_on_input, output_mode)[0]
+        return self._plan(tokens, top_k, apply_router_weight_on_input, output_mode, mxfp8_input)[0]
 
-    def _plan(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str) -> tuple[str, GraphKey | None]:
+    def _plan(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str,
+              mxfp8_input: bool = False) -> tuple[str, GraphKey | None]:
         """:meth:`path_for`, with the graph's key when the path is ``"graph"``."""
-        key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode)
+        variant = (top_k, apply_router_weight_on_input, output_mode, mxfp8_input)
+        key = self.key_for(tokens, *variant)
         if key is not None:
             return "graph", key
         largest = self.buckets[-1] if self.buckets else 0
-        if largest < tokens <= self.max_chunked_tokens and self.key_for(largest, top_k, apply_router_weight_on_input, output_mode):
+        if largest < tokens <= self.max_chunked_tokens and self.key_for(largest, *variant):
             return "chunks", None
         return "eager", None
 
@@ -355,6 +407,8 @@ class CudaGraphExperts(LayerExperts):
             hidden, dtype = self.config.hidden_size, self.config.torch_dtype
             rows = self._buffers.rows(key.bucket, key.top_k, hidden, dtype, self.device, self.pad_expert)
             out = self._buffers.output(key.bucket, hidden, dtype, self.device) if key.output_mode == "combined" else None
+            if key.mxfp8_input:
+                rows.mxfp8_rows()  # on the caller's stream, before the capture's warm-up
             entry = _Entry(key, rows, out, self.device)
             self._entries[key] = entry
             self._variants.add(key.variant)
@@ -364,7 +418,11 @@ class CudaGraphExperts(LayerExperts):
         return entry
 
     def _run_inner(self, entry: _Entry) -> torch.Tensor:
+        """What ``entry``'s graph holds: for MXFP8 input its rows' dequantization into ``x``, then the experts."""
         key = entry.key
+        if key.mxfp8_input:
+            xq, xs = entry.rows.mxfp8_rows()
+            self._dequantize(xq, xs, entry.x)
         return self.inner.forward_unchecked(  # type: ignore[attr-defined]
             entry.x, entry.ids, entry.w, apply_router_weight_on_input=key.apply_router_weight_on_input,
             output_mode=key.output_mode, nonfinite=entry.flag, out=entry.out_buffer,
@@ -400,11 +458,12 @@ class CudaGraphExperts(LayerExperts):
         apply_router_weight_on_input: bool = False,
         output_mode: OutputMode = "combined",
         buckets: tuple[int, ...] | None = None,
+        mxfp8_input: bool = False,
     ) -> int:
         """Capture (or, without graphs, prepare) the graphs of one variant for every bucket; returns how many."""
         done = 0
         for bucket in self.buckets if buckets is None else buckets:
-            key = self.key_for(bucket, top_k, apply_router_weight_on_input, output_mode)
+            key = self.key_for(bucket, top_k, apply_router_weight_on_input, output_mode, mxfp8_input)
             if key is None:
                 break
             if key not in self._entries:
@@ -413,15 +472,17 @@ class CudaGraphExperts(LayerExperts):
         return done
 
     def static_inputs(
-        self, tokens: int, top_k: int, *, apply_router_weight_on_input: bool = False, output_mode: str = "combined"
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Where to write a batch's inputs to skip a copy: ``(x [T, H], topk_ids int32 [T, k], topk_weights float32 [T, k])``
-        views of the static buffers of the graph that batch runs in, or None when it does not run in one graph
-        (chunks, eager).
+        self, tokens: int, top_k: int, *, apply_router_weight_on_input: bool = False, output_mode: str = "combined",
+        mxfp8_input: bool = False,
+    ) -> GraphInputs | None:
+        """Where to write a batch's inputs to skip a copy: views of the static rows of the graph that batch runs
+        in (:class:`GraphInputs`: ``x [T, H]``, the codes for MXFP8 input, ``topk_ids`` int32 ``[T, k]``,
+        ``topk_weights`` float32 ``[T, k]``, and for MXFP8 input ``x_scales`` uint8 ``[T, H/32]``), or None when it
+        does not run in one graph (chunks, eager).
 
         Pass the views to :meth:`forward_unchecked` after filling them. Captures the graph if needed.
         """
-        key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode)
+        key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode, mxfp8_input)
         if key is None:
             return None
         return self._entry(key).inputs(tokens)
@@ -435,9 +496,15 @@ class CudaGraphExperts(LayerExperts):
         apply_router_weight_on_input: bool = False,
         output_mode: OutputMode = "combined",
         nonfinite: torch.Tensor | None = None,
+        x_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Replay the bucket's graph on the batch (in chunks above the largest bucket, or run eagerly);
         the caller vouches for the arguments.
+
+        ``x_scales``: uint8 ``[T, H/32]`` E8M0 scales when ``x`` is MXFP8 input (float8_e4m3fn codes ``[T, H]``, no
+        NaN codes, every scale at most ``lutb_kernels.mxfp8.FAST_DEQUANTIZE_MAX_SCALE``): it is dequantized to the
+        model dtype inside the graphs (eagerly before the backend's call above ``eager_above``), bit for bit
+        ``lutb_kernels.mxfp8.mxfp8_dequantize``.
 
         Returns ``[T, H]`` (combined) or ``[T, k, H]`` (route-major) in the model dtype: a view of
         the static output when one graph ran, valid until the next call (of any wrapper sharing the
@@ -445,32 +512,36 @@ class CudaGraphExperts(LayerExperts):
         wrapped backend (set to 1 when an MXFP8 quantization met NaN/Inf).
         """
         tokens, top_k = topk_ids.shape
-        path, key = self._plan(tokens, top_k, apply_router_weight_on_input, output_mode)
+        mxfp8_input = x_scales is not None
+        path, key = self._plan(tokens, top_k, apply_router_weight_on_input, output_mode, mxfp8_input)
         if key is not None:
-            return self._replay(self._entry(key), x, topk_ids, topk_weights, nonfinite)
+            return self._replay(self._entry(key), x, topk_ids, topk_weights, nonfinite, x_scales)
         if path == "eager":
+            if x_scales is not None:
+                x = self._dequantize(x, x_scales, torch.empty(x.shape, dtype=self.config.torch_dtype, device=x.device))
             return self.inner.forward_unchecked(  # type: ignore[attr-defined]
                 x, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
                 output_mode=output_mode, nonfinite=nonfinite,
             )
         largest = self.buckets[-1]
         hidden = self.config.hidden_size
-        out = torch.empty((tokens, top_k, hidden) if output_mode == "route_major" else (tokens, hidden), dtype=x.dtype,
-                          device=x.device)
+        out = torch.empty((tokens, top_k, hidden) if output_mode == "route_major" else (tokens, hidden),
+                          dtype=self.config.torch_dtype if mxfp8_input else x.dtype, device=x.device)
         for start in range(0, tokens, largest):
             stop = min(start + largest, tokens)
-            key = self.key_for(stop - start, top_k, apply_router_weight_on_input, output_mode)
+            key = self.key_for(stop - start, top_k, apply_router_weight_on_input, output_mode, mxfp8_input)
             assert key is not None  # a bucket holds every chunk, and the variant is known (chunk_key)
             out[start:stop].copy_(self._replay(self._entry(key), x[start:stop], topk_ids[start:stop],
-                                               topk_weights[start:stop], nonfinite))
+                                               topk_weights[start:stop], nonfinite,
+                                               None if x_scales is None else x_scales[start:stop]))
         return out
 
     def _replay(self, entry: _Entry, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                nonfinite: torch.Tensor | None) -> torch.Tensor:
+                nonfinite: torch.Tensor | None, x_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Run one graph-sized batch in ``entry``'s graph: a view of its static output (first ``T`` rows)."""
         tokens = topk_ids.shape[0]
-        for src, dst in zip((x, topk_ids, topk_weights), entry.inputs(tokens)):
-            if src.data_ptr() != dst.data_ptr():  # not already written there through static_inputs()
+        for src, dst in zip((x, topk_ids, topk_weights, x_scales), entry.inputs(tokens)):
+            if src is not None and dst is not None and src.data_ptr() != dst.data_ptr():  # not written through static_inputs()
                 dst.copy_(src, non_blocking=True)
         entry.reset_padding(tokens)
         entry.replays += 1
@@ -491,6 +562,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_MAX_VARIANTS",
     "CudaGraphExperts",
+    "GraphInputs",
     "GraphKey",
     "StaticBuffers",
     "bucket_for",
