@@ -11,7 +11,9 @@ and awaits the returned ``concurrent.futures.Future``. On the worker thread, per
    worker's own CUDA stream, into the static input buffers of the CUDA graph the batch will
    replay (:class:`~lutb_kernels.experts.graphs.CudaGraphExperts`) or into reusable device
    buffers when it runs eagerly; MXFP8 input carried as sent (``PreparedRequest.x_scales``)
-   crosses as its bytes and scales, half the bytes, and is dequantized on the device into x;
+   crosses as its bytes and scales, half the bytes, into the static rows of an MXFP8 graph,
+   which dequantizes it into x as its first step (a backend without graphs: dequantized on the
+   device before the call);
 3. the experts: ``forward_unchecked`` (no host sync; the engine validated the request on
    the CPU already) with a device-side NaN/Inf flag, or ``forward`` for backends without it;
 4. one device-to-host copy of the whole batch's output into a pinned buffer (plus the
@@ -32,7 +34,8 @@ On a CPU device the same steps run without pinning, streams or copies to a devic
 CUDA graphs: with ``cuda_graph_max_tokens > 0`` on a CUDA device, every layer whose
 backend is capture-safe is wrapped in ``CudaGraphExperts``; :meth:`ComputeWorker.capture_graphs`
 captures the ``combined`` / weights-on-output / ``cuda_graph_top_k`` variant for every
-bucket at start-up (the server calls it before it reports SERVING); other variants are
+bucket at start-up, for input in the model dtype and for MXFP8 input (the server calls it
+before it reports SERVING); other variants are
 captured on first use. Batches above the largest bucket run as chunks of graph replays up to
 ``CudaGraphExperts.max_chunked_tokens``, and eagerly above it.
 """
@@ -52,9 +55,9 @@ import torch
 
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts
-from lutb_kernels.experts.graphs import DEFAULT_MAX_TOKENS, CudaGraphExperts, StaticBuffers, is_capture_safe
-from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize_fast, mxfp8_dequantize_into
-from lutb_kernels.mxfp8_triton import triton_available
+from lutb_kernels.experts.graphs import DEFAULT_MAX_TOKENS, CudaGraphExperts, GraphInputs, StaticBuffers, is_capture_safe
+from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize_fast
+from lutb_kernels.mxfp8_triton import dequantize_into_op
 from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
 
@@ -190,12 +193,9 @@ class ComputeWorker:
         self._host = _Buffers(torch.device("cpu"), pin=self.cuda)
         self._dev = _Buffers(self.device, pin=False)
         self._flag: tuple[torch.Tensor, torch.Tensor, Any] | None = None
-        self._dequantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = mxfp8_dequantize_into
-        """MXFP8 input carried to the device, into x: one Triton launch where triton is installed, else torch ops."""
-        if self.cuda and triton_available():
-            from lutb_kernels.mxfp8_triton import mxfp8_dequantize_into as dequantize_triton
-
-            self._dequantize = dequantize_triton
+        self._dequantize = dequantize_into_op(self.device)
+        """MXFP8 input carried to the device, into x, for a backend without CUDA graphs (the graphs dequantize it
+        themselves): one Triton launch where triton is installed, else torch ops."""
         self._registered: dict[int, int] = {}
         """Host memory the device copies outputs into directly: start address -> end address."""
         self.batches = 0
@@ -286,10 +286,11 @@ class ComputeWorker:
                 experts = self._experts[layer]  # type: ignore[index]
                 assert isinstance(experts, CudaGraphExperts)
                 count += experts.capture(self.cuda_graph_top_k)
+                count += experts.capture(self.cuda_graph_top_k, mxfp8_input=True)
         seconds = time.perf_counter() - start
         buckets = self._experts[layers[0]].buckets  # type: ignore[index,union-attr]
-        log.info("captured %d CUDA graph(s) in %.2fs: %d layer(s) x buckets %s, top-k %d, combined output",
-                 count, seconds, len(layers), list(buckets), self.cuda_graph_top_k)
+        log.info("captured %d CUDA graph(s) in %.2fs: %d layer(s) x buckets %s x input in the model dtype and MXFP8, "
+                 "top-k %d, combined output", count, seconds, len(layers), list(buckets), self.cuda_graph_top_k)
         return seconds
 
     def warm_up(self, max_tokens: int) -> float:
@@ -456,28 +457,30 @@ class ComputeWorker:
         with torch.cuda.stream(self._stream):
             xh, idsh, wh, sh = self._gather(requests, self._host)
             tokens, k = idsh.shape
-            targets, path = None, "eager"
-            if isinstance(experts, CudaGraphExperts):
-                path = experts.path_for(tokens, k, on_input, mode)
+            mxfp8 = sh is not None  # MXFP8 as sent: half the bytes to copy, dequantized on the device
+            graphs = experts if isinstance(experts, CudaGraphExperts) else None
+            inputs, path = None, "eager"
+            if graphs is not None:
+                path = graphs.path_for(tokens, k, on_input, mode, mxfp8)
                 if path == "graph":  # written straight into the graph's static inputs
-                    targets = experts.static_inputs(tokens, k, apply_router_weight_on_input=on_input, output_mode=mode)
-            if targets is None:
-                targets = (self._dev.get("x", xh.shape, first.dtype), self._dev.get("ids", idsh.shape, torch.int32),
-                           self._dev.get("w", wh.shape, torch.float32))
-            xd, idsd, wd = targets
-            if sh is None:
-                xd.copy_(xh, non_blocking=True)
-            else:  # MXFP8 as sent: half the bytes to copy, dequantized on the device
-                xq, xs = self._dev.get("xq", xh.shape, xh.dtype), self._dev.get("xs", sh.shape, torch.uint8)
-                xq.copy_(xh, non_blocking=True)
-                xs.copy_(sh, non_blocking=True)
-                self._dequantize(xq, xs, xd)
-            idsd.copy_(idsh, non_blocking=True)
-            wd.copy_(wh, non_blocking=True)
+                    inputs = graphs.static_inputs(tokens, k, apply_router_weight_on_input=on_input, output_mode=mode,
+                                                  mxfp8_input=mxfp8)
+            if inputs is None:
+                inputs = GraphInputs(self._dev.get("xq" if mxfp8 else "x", xh.shape, xh.dtype),
+                                     self._dev.get("ids", idsh.shape, torch.int32), self._dev.get("w", wh.shape, torch.float32),
+                                     self._dev.get("xs", sh.shape, torch.uint8) if sh is not None else None)
+            for host, device in zip((xh, idsh, wh, sh), inputs):
+                if host is not None:
+                    device.copy_(host, non_blocking=True)
+            xd, idsd, wd, xsd = inputs
+            if xsd is not None and graphs is None:  # a backend without graphs takes the model dtype: dequantize first
+                xd = self._dequantize(xd, xsd, self._dev.get("x", xh.shape, first.dtype))
+                xsd = None
             if unchecked:
                 flag, flag_h, flag_np = self._nonfinite_flag()
+                scales = {} if xsd is None else {"x_scales": xsd}  # the graphs dequantize it (inside the graph when one runs)
                 out = experts.forward_unchecked(  # type: ignore[attr-defined]
-                    xd, idsd, wd, apply_router_weight_on_input=on_input, output_mode=mode, nonfinite=flag)
+                    xd, idsd, wd, apply_router_weight_on_input=on_input, output_mode=mode, nonfinite=flag, **scales)
             else:
                 out = experts.forward(xd, idsd, wd, apply_router_weight_on_input=on_input, output_mode=mode)
             direct = self._by_dma(into)

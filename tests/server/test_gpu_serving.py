@@ -61,7 +61,8 @@ def test_graphs_captured_before_serving(servers: tuple[ServerThread, ServerThrea
     assert worker.graph_layers == [0], "backend must declare capture_safe = True for CUDA graphs"
     experts = worker._experts[0]
     assert isinstance(experts, CudaGraphExperts)
-    assert experts.graphs == {GraphKey(b, 4, False, "combined"): True for b in (1, 2, 4, 8, 16, 32, 64)}
+    assert experts.graphs == {GraphKey(b, 4, False, "combined", mxfp8): True
+                              for b in (1, 2, 4, 8, 16, 32, 64) for mxfp8 in (False, True)}  # model-dtype and MXFP8 input
     assert eager.server.scheduler.worker.graph_layers == []
 
 
@@ -113,15 +114,25 @@ def test_pinned_staging_and_pooling(servers: tuple[ServerThread, ServerThread], 
 
 
 def test_mxfp8_wire_on_gpu(servers: tuple[ServerThread, ServerThread], reference: ReferenceExperts) -> None:
-    graphs, _ = servers
+    graphs, eager = servers
+    experts = graphs.server.scheduler.worker._experts[0]
+    replays = lambda: sum(e.replays for key, e in experts._entries.items() if key.mxfp8_input)  # noqa: E731
+    before = replays()
     x, ids, w = _batch(16, 4, seed=3)
     with ExpertClient(graphs.address, wire="mxfp8") as mx, ExpertClient(graphs.address) as native:
         got, plain = mx.forward(0, x, ids, w), native.forward(0, x, ids, w)
         got_dev = mx.forward(0, x.cuda(), ids.cuda(), w.cuda())  # quantized on the GPU by the client
+    assert replays() >= before + 2  # dequantized inside the MXFP8 graphs
     assert torch.equal(got, got_dev) or _rel_l2(got, got_dev) <= 1e-2
     # Equal inputs after the server's dequantization; bit-equal unless the kernels' split-K atomics reorder.
     assert _rel_l2(got, plain) <= 1e-2
     assert _rel_l2(got, reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2
+    for tokens in (5, 100, 600):  # one graph, chunks of graphs, eager: as the server without graphs computes it
+        x, ids, w = _batch(tokens, 4, seed=tokens + 5)
+        with ExpertClient(graphs.address, wire="mxfp8") as g, ExpertClient(eager.address, wire="mxfp8") as e:
+            in_graphs, eagerly = g.forward(0, x, ids, w), e.forward(0, x, ids, w)
+        assert torch.equal(in_graphs, eagerly) or _rel_l2(in_graphs, eagerly) <= 1e-2, tokens
+        assert _rel_l2(in_graphs, reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2, tokens
 
 
 @pytest.mark.parametrize("backend", ["packed", "emulated"])
