@@ -14,7 +14,7 @@ CUDA graphs (``--cuda-graph-max-tokens N``) add static buffers, which the layers
 input rows ``x [B, H]`` (model dtype), ``topk_ids [B, k]`` (int32) and ``topk_weights [B, k]``
 (float32), the rows MXFP8 input lands in (codes ``[B, H]``, one byte each, and scales ``[B, H/32]``),
 and the combined output ``[B, H]`` (model dtype), for the variants the server captures at start-up
-(combined output, its top-k, input in the model dtype and MXFP8). A route-major variant, captured on first use, keeps its
+(combined output, its top-k) and MXFP8 input's rows. A route-major variant, captured on first use, keeps its
 own outputs per layer; the graphs' shared pool of intermediate activations comes on top.
 
 Shards follow `lutb shard`: each shard holds a subset of the experts, for every MoE layer, so

@@ -11,9 +11,9 @@ and awaits the returned ``concurrent.futures.Future``. On the worker thread, per
    worker's own CUDA stream, into the static input buffers of the CUDA graph the batch will
    replay (:class:`~lutb_kernels.experts.graphs.CudaGraphExperts`) or into reusable device
    buffers when it runs eagerly; MXFP8 input carried as sent (``PreparedRequest.x_scales``)
-   crosses as its bytes and scales, half the bytes, into the static rows of an MXFP8 graph,
-   which dequantizes it into x as its first step (a backend without graphs: dequantized on the
-   device before the call);
+   crosses as its bytes and scales, half the bytes, into the graphs' static rows for it, whose
+   own small graph dequantizes them into x before the replay (a backend without graphs:
+   dequantized on the device before the call);
 3. the experts: ``forward_unchecked`` (no host sync; the engine validated the request on
    the CPU already) with a device-side NaN/Inf flag, or ``forward`` for backends without it;
 4. one device-to-host copy of the whole batch's output into a pinned buffer (plus the
@@ -34,7 +34,7 @@ On a CPU device the same steps run without pinning, streams or copies to a devic
 CUDA graphs: with ``cuda_graph_max_tokens > 0`` on a CUDA device, every layer whose
 backend is capture-safe is wrapped in ``CudaGraphExperts``; :meth:`ComputeWorker.capture_graphs`
 captures the ``combined`` / weights-on-output / ``cuda_graph_top_k`` variant for every
-bucket at start-up, for input in the model dtype and for MXFP8 input (the server calls it
+bucket at start-up, and each bucket's dequantization of MXFP8 input (the server calls it
 before it reports SERVING); other variants are
 captured on first use. Batches above the largest bucket run as chunks of graph replays up to
 ``CudaGraphExperts.max_chunked_tokens``, and eagerly above it.
@@ -285,12 +285,11 @@ class ComputeWorker:
             for layer in layers:
                 experts = self._experts[layer]  # type: ignore[index]
                 assert isinstance(experts, CudaGraphExperts)
-                count += experts.capture(self.cuda_graph_top_k)
                 count += experts.capture(self.cuda_graph_top_k, mxfp8_input=True)
         seconds = time.perf_counter() - start
         buckets = self._experts[layers[0]].buckets  # type: ignore[index,union-attr]
-        log.info("captured %d CUDA graph(s) in %.2fs: %d layer(s) x buckets %s x input in the model dtype and MXFP8, "
-                 "top-k %d, combined output", count, seconds, len(layers), list(buckets), self.cuda_graph_top_k)
+        log.info("captured %d CUDA graph(s) in %.2fs: %d layer(s) x buckets %s, top-k %d, combined output, and the "
+                 "buckets' dequantization of MXFP8 input", count, seconds, len(layers), list(buckets), self.cuda_graph_top_k)
         return seconds
 
     def warm_up(self, max_tokens: int) -> float:
@@ -461,7 +460,7 @@ class ComputeWorker:
             graphs = experts if isinstance(experts, CudaGraphExperts) else None
             inputs, path = None, "eager"
             if graphs is not None:
-                path = graphs.path_for(tokens, k, on_input, mode, mxfp8)
+                path = graphs.path_for(tokens, k, on_input, mode)
                 if path == "graph":  # written straight into the graph's static inputs
                     inputs = graphs.static_inputs(tokens, k, apply_router_weight_on_input=on_input, output_mode=mode,
                                                   mxfp8_input=mxfp8)

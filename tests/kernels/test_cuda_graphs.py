@@ -251,9 +251,10 @@ def _dequantized(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("fixture", ["shard", "whole"])
 def test_mxfp8_input_is_dequantized_inside_the_graph(request: pytest.FixtureRequest, fixture: str) -> None:
-    """MXFP8 input (codes and scales) runs in graphs of its own that dequantize it into the shared x rows first:
-    the result equals the backend's on the dequantized input, interleaved with model-dtype batches in the same rows,
-    shrinking sizes leave padding in every row set, and stale x rows are overwritten, not read."""
+    """MXFP8 input (codes and scales) lands in rows of its own that are dequantized into the x rows before the
+    model-dtype graph replays: the result equals the backend's on the dequantized input, interleaved with model-dtype
+    batches in the same rows, shrinking sizes leave padding in every row set, and stale x rows are overwritten, not
+    read."""
     inner = request.getfixturevalue(fixture)
     wrapper = CudaGraphExperts(inner, max_tokens=16, use_graphs=False, max_chunked_tokens=0)
     num_experts = inner.config.num_experts
@@ -274,14 +275,13 @@ def test_mxfp8_input_is_dequantized_inside_the_graph(request: pytest.FixtureRequ
             assert inner.calls == [(tokens, 2, False, "combined")]
             continue
         assert inner.calls == [(bucket, 2, False, "combined")]
-        assert GraphKey(bucket, 2, False, "combined", mxfp8) in wrapper.graphs
-        rows = wrapper._entries[GraphKey(bucket, 2, False, "combined", mxfp8)].rows
+        rows = wrapper._entries[GraphKey(bucket, 2, False, "combined")].rows
+        dequantized = rows.dequantized
         assert bool((rows.x[tokens:] == 0).all()) and bool((rows.ids[tokens:] == wrapper.pad_expert).all())
         if rows.xq is not None:
             assert bool((rows.xq[tokens:].view(torch.uint8) == 0).all()) and bool((rows.xs[tokens:] == 0).all())
-    assert GraphKey(16, 2, False, "combined", False) in wrapper.graphs  # one set of rows for both kinds of input
-    assert wrapper._entries[GraphKey(16, 2, False, "combined", True)].rows is wrapper._entries[GraphKey(16, 2, False, "combined", False)].rows
-
+    assert set(wrapper.graphs) == {GraphKey(b, 2, False, "combined") for b in (2, 4, 8, 16)}  # one graph whichever input
+    assert dequantized == 2  # bucket 8: 5 and 7 tokens of MXFP8 input
 
 def test_mxfp8_input_above_the_largest_bucket_runs_in_chunks() -> None:
     cfg, layer = _layer(4, [1, 3], seed=4)
@@ -292,7 +292,7 @@ def test_mxfp8_input_above_the_largest_bucket_runs_in_chunks() -> None:
         q, scales = _mxfp8(x)
         want = inner.forward(_dequantized(q, scales), ids, w)
         inner.calls.clear()
-        assert wrapper.path_for(tokens, 2, False, "combined", mxfp8_input=True) == ("chunks" if tokens <= 40 else "eager")
+        assert wrapper.path_for(tokens, 2, False, "combined") == ("chunks" if tokens <= 40 else "eager")
         got = wrapper.forward_unchecked(q, ids, w, x_scales=scales)
         assert torch.equal(got, want) and [c[0] for c in inner.calls] == calls, tokens
 
@@ -441,9 +441,9 @@ def test_graph_replay_matches_eager(backend: str, held: list[int], k: int, mode:
 @pytest.mark.gpu
 @pytest.mark.parametrize("held", [list(range(6)), list(range(8))], ids=["shard", "whole"])
 def test_mxfp8_graphs_equal_the_dequantized_input_in_graphs(held: list[int]) -> None:
-    """MXFP8 input replays graphs that dequantize it first (Triton, captured): bit for bit what the model-dtype
-    graphs give for the input dequantized beforehand, on one, chunked and eager sizes, with every static output
-    and the x rows poisoned before each call."""
+    """MXFP8 input is dequantized by its rows' captured graph (Triton) before the model-dtype graph replays: bit for
+    bit what those graphs give for the input dequantized beforehand, on one, chunked and eager sizes, with every
+    static output and the x rows poisoned before each call."""
     from lutb_kernels.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 
     cls = _gpu_backend("packed")
@@ -451,10 +451,11 @@ def test_mxfp8_graphs_equal_the_dequantized_input_in_graphs(held: list[int]) -> 
     wrapper = CudaGraphExperts(cls(cfg, layer, "cuda"), max_tokens=64)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        wrapper.capture(4)
-        wrapper.capture(4, mxfp8_input=True)
+        assert wrapper.capture(4, mxfp8_input=True) == 2 * len(wrapper.buckets)  # each bucket's graph and dequantization
+        assert wrapper.capture(4, mxfp8_input=True) == 0
     torch.cuda.synchronize()
-    assert all(wrapper.graphs.values()) and len(wrapper.graphs) == 2 * len(wrapper.buckets)
+    assert all(wrapper.graphs.values()) and len(wrapper.graphs) == len(wrapper.buckets)
+    assert all(e.rows.dequantize_graph is not None for e in wrapper._entries.values())
     for step, tokens in enumerate((1, 3, 13, 64, 33, 100, 2, 600)):  # 100: two chunks; 600 > 8 x 64: eager
         gen = torch.Generator().manual_seed(3000 + step)
         x = (4 * torch.randn(tokens, 256, generator=gen)).to(torch.bfloat16)
@@ -467,8 +468,8 @@ def test_mxfp8_graphs_equal_the_dequantized_input_in_graphs(held: list[int]) -> 
             with torch.cuda.stream(stream):
                 for entry in wrapper._entries.values():
                     entry.out.fill_(float("nan"))
-                    if entry.key.bucket == bucket_for(tokens, wrapper.buckets):  # the batch's x rows: the MXFP8 graph
-                        entry.x[:tokens].fill_(float("nan"))                     # must write them, not read them
+                    if entry.key.bucket == bucket_for(tokens, wrapper.buckets):  # the batch's x rows: the dequantization
+                        entry.x[:tokens].fill_(float("nan"))                     # must write them
                 flag = torch.zeros(1, dtype=torch.int32, device="cuda")
                 outs.append(wrapper.forward_unchecked(*args, nonfinite=flag, x_scales=x_scales).clone())
             torch.cuda.synchronize()

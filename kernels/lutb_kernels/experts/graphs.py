@@ -23,10 +23,12 @@ launch-bound call's does, and eager caught up with 512-token graphs per token on
 tokens (bench/results/2026-12-04-eager-compiles-h200.md, 2026-12-04-worker-calls-h200.md).
 
 MXFP8 input. A batch may come as MXFP8 (``x`` float8_e4m3fn codes, ``x_scales`` uint8 E8M0 bytes, what a client
-sent on the wire): its graphs (``GraphKey.mxfp8_input``) hold two more static rows, the codes and the scales, and
-dequantize them into the ``x`` rows as the first step of the graph, so a batch of MXFP8 input costs the thread
-that feeds the GPU the same launches as one of the model dtype (one replay) and crosses to the device at half
-the bytes. Padding rows of codes and scales are zero, which dequantizes to ``x = 0``.
+sent on the wire): it lands in two more static rows of its shape, the codes and the scales, and a small graph of
+those rows (one per set of rows, so shared by every layer, like the rows) dequantizes them into the ``x`` rows
+before the model-dtype graph replays. A batch of MXFP8 input thus crosses to the device at half the bytes and costs
+the thread that feeds the GPU one replay more than a model-dtype batch, not a dequantization's launches; and the
+layers keep one graph per variant and bucket whichever input comes. Padding rows of codes and scales are zero,
+which dequantizes to ``x = 0``.
 
 Padding never changes a real row: a capture-safe backend computes each token from its
 own row and routes only. The pad expert is a global id this layer does *not* hold when
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -108,12 +111,10 @@ class GraphKey:
     top_k: int
     apply_router_weight_on_input: bool
     output_mode: str
-    mxfp8_input: bool = False
-    """The graph takes MXFP8 input (codes and scales) and dequantizes it first (see the module docstring)."""
 
     @property
-    def variant(self) -> tuple[int, bool, str, bool]:
-        return (self.top_k, self.apply_router_weight_on_input, self.output_mode, self.mxfp8_input)
+    def variant(self) -> tuple[int, bool, str]:
+        return (self.top_k, self.apply_router_weight_on_input, self.output_mode)
 
 
 class GraphInputs(NamedTuple):
@@ -132,8 +133,8 @@ class GraphInputs(NamedTuple):
 
 class _InputRows:
     """The static input rows of the graphs of one ``(bucket, top_k)`` shape: ``x [B, H]``, ``ids [B, k]``, ``w [B, k]``,
-    and for MXFP8 input (made on first use) its codes ``xq [B, H]`` and scales ``xs [B, H/32]``, which the graph
-    dequantizes into ``x``."""
+    and for MXFP8 input (made on first use) its codes ``xq [B, H]`` and scales ``xs [B, H/32]``, which
+    :meth:`dequantize` turns into ``x``."""
 
     def __init__(self, bucket: int, top_k: int, hidden: int, dtype: torch.dtype, device: torch.device, pad_expert: int) -> None:
         self.pad_expert = pad_expert
@@ -143,6 +144,8 @@ class _InputRows:
         self._codes: torch.Tensor | None = None  # uint8 [B, H]: xq's bytes (zeroed as bytes)
         self.xq: torch.Tensor | None = None
         self.xs: torch.Tensor | None = None
+        self.dequantize_graph: Any = None  # torch.cuda.CUDAGraph of xq, xs -> x, once captured
+        self.dequantized = 0  # times :meth:`dequantize` ran (replays, or calls without graphs)
         self.real_rows = 0  # rows [0, real_rows) may hold a previous batch's data; the rest hold padding
         self._views: dict[tuple[int, bool], GraphInputs] = {}
 
@@ -159,6 +162,30 @@ class _InputRows:
             self.xq = self._codes.view(torch.float8_e4m3fn)
             self.xs = torch.zeros((bucket, hidden // BLOCK), dtype=torch.uint8, device=self.x.device)
         return self.xq, self.xs
+
+    def dequantize(self, op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], *, use_graphs: bool,
+                   pool: Any) -> None:
+        """Every row's MXFP8 codes and scales into ``x`` (padding rows give zeros) with ``op``
+        (``lutb_kernels.mxfp8_triton.dequantize_into_op``): with ``use_graphs``, a replay of these rows' own graph,
+        captured into ``pool`` on first use; else ``op`` called directly."""
+        xq, xs = self.mxfp8_rows()
+        self.dequantized += 1
+        if not use_graphs:
+            op(xq, xs, self.x)
+            return
+        if self.dequantize_graph is None:
+            current = torch.cuda.current_stream(self.x.device)
+            side = torch.cuda.Stream(self.x.device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):  # compile outside the capture
+                op(xq, xs, self.x)
+            current.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                op(xq, xs, self.x)
+            torch.cuda.synchronize(self.x.device)
+            self.dequantize_graph = graph
+        self.dequantize_graph.replay()
 
     def inputs(self, tokens: int, mxfp8_input: bool = False) -> GraphInputs:
         """Views of the first ``tokens`` rows (``x`` the codes for MXFP8 input), made once per size (each torch call on
@@ -248,8 +275,8 @@ class _Entry:
     def w(self) -> torch.Tensor:
         return self.rows.w
 
-    def inputs(self, tokens: int) -> GraphInputs:
-        return self.rows.inputs(tokens, self.key.mxfp8_input)
+    def inputs(self, tokens: int, mxfp8_input: bool = False) -> GraphInputs:
+        return self.rows.inputs(tokens, mxfp8_input)
 
     def reset_padding(self, tokens: int) -> None:
         self.rows.reset_padding(tokens)
@@ -319,8 +346,8 @@ class CudaGraphExperts(LayerExperts):
         self.pad_expert = self._choose_pad_expert()
         self._buffers = StaticBuffers() if buffers is None else buffers
         self._entries: dict[GraphKey, _Entry] = {}
-        self._variants: set[tuple[int, bool, str, bool]] = set()
-        self._dequantize = dequantize_into_op(self.device)  # MXFP8 input, inside its graphs (or before an eager call)
+        self._variants: set[tuple[int, bool, str]] = set()
+        self._dequantize = dequantize_into_op(self.device)  # MXFP8 input: the rows' dequantization graphs, or eagerly
         self.capture_seconds = 0.0
 
     def _choose_pad_expert(self) -> int:
@@ -371,33 +398,30 @@ class CudaGraphExperts(LayerExperts):
 
     # -- graphs ------------------------------------------------------------------------------
 
-    def key_for(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str,
-                mxfp8_input: bool = False) -> GraphKey | None:
+    def key_for(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str) -> GraphKey | None:
         """The graph a batch runs in, or None when it runs eagerly (0 tokens, above the largest bucket, too many variants)."""
         bucket = bucket_for(tokens, self.buckets)
         if bucket is None:
             return None
-        variant = (int(top_k), bool(apply_router_weight_on_input), str(output_mode), bool(mxfp8_input))
+        variant = (int(top_k), bool(apply_router_weight_on_input), str(output_mode))
         if variant not in self._variants and len(self._variants) >= self.max_variants:
             return None
         return GraphKey(bucket, *variant)
 
-    def path_for(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str,
-                 mxfp8_input: bool = False) -> str:
-        """How :meth:`forward_unchecked` runs such a batch: ``"graph"`` (one replay), ``"chunks"`` (replays of
-        the largest bucket's graph and one smaller) or ``"eager"`` (the wrapped backend: 0 tokens, above
-        ``eager_above``, or a variant beyond ``max_variants``). Sizes only; captures nothing."""
-        return self._plan(tokens, top_k, apply_router_weight_on_input, output_mode, mxfp8_input)[0]
+    def path_for(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str) -> str:
+        """How :meth:`forward_unchecked` runs such a batch: ``"graph"`` (one replay; MXFP8 input: after its rows'
+        dequantization), ``"chunks"`` (replays of the largest bucket's graph and one smaller) or ``"eager"`` (the
+        wrapped backend: 0 tokens, above ``eager_above``, or a variant beyond ``max_variants``). Sizes only;
+        captures nothing."""
+        return self._plan(tokens, top_k, apply_router_weight_on_input, output_mode)[0]
 
-    def _plan(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str,
-              mxfp8_input: bool = False) -> tuple[str, GraphKey | None]:
+    def _plan(self, tokens: int, top_k: int, apply_router_weight_on_input: bool, output_mode: str) -> tuple[str, GraphKey | None]:
         """:meth:`path_for`, with the graph's key when the path is ``"graph"``."""
-        variant = (top_k, apply_router_weight_on_input, output_mode, mxfp8_input)
-        key = self.key_for(tokens, *variant)
+        key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode)
         if key is not None:
             return "graph", key
         largest = self.buckets[-1] if self.buckets else 0
-        if largest < tokens <= self.max_chunked_tokens and self.key_for(largest, *variant):
+        if largest < tokens <= self.max_chunked_tokens and self.key_for(largest, top_k, apply_router_weight_on_input, output_mode):
             return "chunks", None
         return "eager", None
 
@@ -407,8 +431,6 @@ class CudaGraphExperts(LayerExperts):
             hidden, dtype = self.config.hidden_size, self.config.torch_dtype
             rows = self._buffers.rows(key.bucket, key.top_k, hidden, dtype, self.device, self.pad_expert)
             out = self._buffers.output(key.bucket, hidden, dtype, self.device) if key.output_mode == "combined" else None
-            if key.mxfp8_input:
-                rows.mxfp8_rows()  # on the caller's stream, before the capture's warm-up
             entry = _Entry(key, rows, out, self.device)
             self._entries[key] = entry
             self._variants.add(key.variant)
@@ -418,11 +440,7 @@ class CudaGraphExperts(LayerExperts):
         return entry
 
     def _run_inner(self, entry: _Entry) -> torch.Tensor:
-        """What ``entry``'s graph holds: for MXFP8 input its rows' dequantization into ``x``, then the experts."""
         key = entry.key
-        if key.mxfp8_input:
-            xq, xs = entry.rows.mxfp8_rows()
-            self._dequantize(xq, xs, entry.x)
         return self.inner.forward_unchecked(  # type: ignore[attr-defined]
             entry.x, entry.ids, entry.w, apply_router_weight_on_input=key.apply_router_weight_on_input,
             output_mode=key.output_mode, nonfinite=entry.flag, out=entry.out_buffer,
@@ -460,15 +478,23 @@ class CudaGraphExperts(LayerExperts):
         buckets: tuple[int, ...] | None = None,
         mxfp8_input: bool = False,
     ) -> int:
-        """Capture (or, without graphs, prepare) the graphs of one variant for every bucket; returns how many."""
+        """Capture (or, without graphs, prepare) the graphs of one variant for every bucket, and with ``mxfp8_input``
+        the dequantization graphs of their rows (shared: those another layer captured count once); returns how many
+        graphs were captured."""
         done = 0
         for bucket in self.buckets if buckets is None else buckets:
-            key = self.key_for(bucket, top_k, apply_router_weight_on_input, output_mode, mxfp8_input)
+            key = self.key_for(bucket, top_k, apply_router_weight_on_input, output_mode)
             if key is None:
                 break
             if key not in self._entries:
                 self._entry(key)
                 done += 1
+            rows = self._entries[key].rows
+            if mxfp8_input:
+                rows.mxfp8_rows()
+                if self.use_graphs and rows.dequantize_graph is None:
+                    rows.dequantize(self._dequantize, use_graphs=True, pool=self._pool)
+                    done += 1
         return done
 
     def static_inputs(
@@ -482,10 +508,10 @@ class CudaGraphExperts(LayerExperts):
 
         Pass the views to :meth:`forward_unchecked` after filling them. Captures the graph if needed.
         """
-        key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode, mxfp8_input)
+        key = self.key_for(tokens, top_k, apply_router_weight_on_input, output_mode)
         if key is None:
             return None
-        return self._entry(key).inputs(tokens)
+        return self._entry(key).inputs(tokens, mxfp8_input)
 
     def forward_unchecked(
         self,
@@ -503,8 +529,8 @@ class CudaGraphExperts(LayerExperts):
 
         ``x_scales``: uint8 ``[T, H/32]`` E8M0 scales when ``x`` is MXFP8 input (float8_e4m3fn codes ``[T, H]``, no
         NaN codes, every scale at most ``lutb_kernels.mxfp8.FAST_DEQUANTIZE_MAX_SCALE``): it is dequantized to the
-        model dtype inside the graphs (eagerly before the backend's call above ``eager_above``), bit for bit
-        ``lutb_kernels.mxfp8.mxfp8_dequantize``.
+        model dtype by its rows' dequantization graph before each replay (eagerly before the backend's call above
+        ``eager_above``), bit for bit ``lutb_kernels.mxfp8.mxfp8_dequantize``.
 
         Returns ``[T, H]`` (combined) or ``[T, k, H]`` (route-major) in the model dtype: a view of
         the static output when one graph ran, valid until the next call (of any wrapper sharing the
@@ -513,7 +539,7 @@ class CudaGraphExperts(LayerExperts):
         """
         tokens, top_k = topk_ids.shape
         mxfp8_input = x_scales is not None
-        path, key = self._plan(tokens, top_k, apply_router_weight_on_input, output_mode, mxfp8_input)
+        path, key = self._plan(tokens, top_k, apply_router_weight_on_input, output_mode)
         if key is not None:
             return self._replay(self._entry(key), x, topk_ids, topk_weights, nonfinite, x_scales)
         if path == "eager":
@@ -529,7 +555,7 @@ class CudaGraphExperts(LayerExperts):
                           dtype=self.config.torch_dtype if mxfp8_input else x.dtype, device=x.device)
         for start in range(0, tokens, largest):
             stop = min(start + largest, tokens)
-            key = self.key_for(stop - start, top_k, apply_router_weight_on_input, output_mode, mxfp8_input)
+            key = self.key_for(stop - start, top_k, apply_router_weight_on_input, output_mode)
             assert key is not None  # a bucket holds every chunk, and the variant is known (chunk_key)
             out[start:stop].copy_(self._replay(self._entry(key), x[start:stop], topk_ids[start:stop],
                                                topk_weights[start:stop], nonfinite,
@@ -538,12 +564,15 @@ class CudaGraphExperts(LayerExperts):
 
     def _replay(self, entry: _Entry, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 nonfinite: torch.Tensor | None, x_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one graph-sized batch in ``entry``'s graph: a view of its static output (first ``T`` rows)."""
+        """Run one graph-sized batch in ``entry``'s graph (MXFP8 input: after its rows' dequantization): a view of its
+        static output (first ``T`` rows)."""
         tokens = topk_ids.shape[0]
-        for src, dst in zip((x, topk_ids, topk_weights, x_scales), entry.inputs(tokens)):
+        for src, dst in zip((x, topk_ids, topk_weights, x_scales), entry.inputs(tokens, x_scales is not None)):
             if src is not None and dst is not None and src.data_ptr() != dst.data_ptr():  # not written through static_inputs()
                 dst.copy_(src, non_blocking=True)
         entry.reset_padding(tokens)
+        if x_scales is not None:
+            entry.rows.dequantize(self._dequantize, use_graphs=self.use_graphs, pool=self._pool)
         entry.replays += 1
         if entry.graph is None:
             entry.flag.zero_()
