@@ -477,7 +477,8 @@ class ComputeWorker:
                 xsd = None
             if unchecked:
                 flag, flag_h, flag_np = self._nonfinite_flag()
-                scales = {} if xsd is None else {"x_scales": xsd}  # the graphs dequantize it (their rows' graph, or before an eager call)
+                # MXFP8 input: the graphs dequantize it (their rows' graph, or before an eager call)
+                scales = {} if xsd is None else {"x_scales": xsd}
                 out = experts.forward_unchecked(  # type: ignore[attr-defined]
                     xd, idsd, wd, apply_router_weight_on_input=on_input, output_mode=mode, nonfinite=flag, **scales)
             else:
