@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -477,3 +478,16 @@ def test_overlap_runs_while_the_device_works(tiny_checkpoint: Path, tokens: int)
     assert seen == [(1, True)]  # once, before the call was counted; a pageable destination is written after the wait
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_NAME is Linux's")
+def test_the_worker_thread_carries_its_name_in_the_os(engine: ExpertEngine) -> None:
+    """/proc (top -H, the benchmarks' per-thread CPU) shows the worker thread by its name, not the process's."""
+    worker = ComputeWorker(engine, name="lutb-compute").start()
+    try:
+        worker.call(lambda: None).result(timeout=30)
+        assert worker._thread is not None
+        comm = Path(f"/proc/self/task/{worker._thread.native_id}/comm").read_text().strip()
+        assert comm == "lutb-compute"
+    finally:
+        worker.close()
