@@ -68,6 +68,10 @@ ECHO_STREAM_METHOD = "/bench.Echo/EchoStream"
 ECHO_READY = "echo server ready"
 TARGET_SLACK_US = 150.0
 TARGET_THROUGHPUT = 0.8
+COMPUTE_BUSY = 0.9
+"""Busy share (CPU over wall time) from which the thread running the experts calls counts as saturated: it waits on
+the GPU (a CUDA synchronize spins) or works the rest of the time, so more callers add tokens/s only through larger
+batches."""
 DISTINCT_REQUESTS = 8  # distinct request payloads per cell (cycled)
 
 
@@ -836,10 +840,11 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
     for row, (reqs, formed) in zip(rows, cells):
         row.inproc = times[(reqs.wire, reqs.tokens, formed)]
         _targets(row)
-    info["saturation"] = _saturation(rows)
+    info["saturation"] = _saturation(rows, compute_thread_key(out / f"server-{shape_name}.log", args.compute_worker))
     return rows, info
 
 
+_COMPUTE_READY = re.compile(r"compute process (\d+) ready")
 _COMPUTE_DONE = re.compile(r"\[compute\]: done: (\d+) experts call\(s\) ran (\d+) batch\(es\) of (\d+) serving process")
 
 
@@ -857,6 +862,19 @@ def compute_process_calls(log: Path) -> dict[str, float] | None:
     return {"calls": calls, "batches": batches, "front_ends": front_ends, "batches_per_call": round(batches / max(calls, 1), 2)}
 
 
+def compute_thread_key(log: Path, compute_worker: str) -> str | None:
+    """The ``thread_busy`` key (:class:`CpuMeter`) of the thread that runs the experts calls: the thread worker
+    (``root/lutb-compute``), or the compute process's main thread (``pid N/main``, N from the server log's ready
+    line); None where the log does not say."""
+    if compute_worker == "thread":
+        return "root/lutb-compute"
+    try:
+        found = _COMPUTE_READY.findall(log.read_text(errors="replace"))
+    except OSError:
+        return None
+    return f"pid {found[0]}/main" if found else None
+
+
 def _targets(row: Row) -> None:
     s, e, i = row.server, row.echo, row.inproc
     if row.concurrency == 1 and row.tokens == 16:
@@ -870,16 +888,25 @@ def _targets(row: Row) -> None:
                                      "above_echo": bool(want > e["tokens_per_s"])}
 
 
-def _saturation(rows: list[Row]) -> dict[str, str]:
-    """Per (wire, api, tokens): the concurrency beyond which tokens/s grows by less than 10%."""
+def _saturation(rows: list[Row], compute: str | None = None) -> dict[str, str]:
+    """Per (wire, api, tokens): the concurrency beyond which tokens/s grows by less than 10%, and, given the
+    ``thread_busy`` key of the thread that runs the experts calls (:func:`compute_thread_key`), from which concurrency
+    that thread is at least :data:`COMPUTE_BUSY` busy (the compute side saturated: tokens/s that still grow then
+    come from larger batches), or its largest busy share."""
     out = {}
     for key in sorted({(r.wire, r.api, r.tokens) for r in rows}):
-        series = sorted((r.concurrency, r.server["tokens_per_s"]) for r in rows if (r.wire, r.api, r.tokens) == key)
+        cells = sorted((r.concurrency, r) for r in rows if (r.wire, r.api, r.tokens) == key)
+        series = [(c, r.server["tokens_per_s"]) for c, r in cells]
         where = f"still growing at C={series[-1][0]}"
         for (c0, t0), (_c1, t1) in zip(series, series[1:]):
             if t1 < 1.1 * t0:
                 where = f"flat from C={c0} ({t0:.0f} tok/s)"
                 break
+        if compute is not None:
+            busy = [(c, r.server.get("cpu", {}).get("thread_busy", {}).get(compute, 0.0)) for c, r in cells]
+            first = next((c for c, b in busy if b >= COMPUTE_BUSY), None)
+            where += (f"; compute busy >= {COMPUTE_BUSY} from C={first}" if first is not None
+                      else f"; compute at most {max(b for _, b in busy):.2f} busy")
         out[f"{key[0]} {key[1]} T={key[2]}"] = where
     return out
 

@@ -324,3 +324,32 @@ def test_compute_process_calls_read_from_the_server_log(tmp_path: Path, monkeypa
     log.write_text("[server] SERVING\n[server] stopped\n")  # a thread worker's log
     assert serving.compute_process_calls(log) is None
     assert serving.compute_process_calls(tmp_path / "absent.log") is None
+
+
+def test_saturation_says_where_tokens_stop_growing_and_the_compute_side_is_busy(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/serving._saturation: per series, where tokens/s stop growing by 10%, and from which concurrency the
+    thread running the experts calls is at least COMPUTE_BUSY busy (else its largest share); compute_thread_key finds
+    that thread: the compute process's pid from the server log, or the thread worker by name."""
+    spec = importlib.util.spec_from_file_location("lutb_bench_serving", ROOT / "bench" / "serving.py")
+    assert spec is not None and spec.loader is not None
+    serving = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, serving)
+    spec.loader.exec_module(serving)
+    log = tmp_path / "server.log"
+    log.write_text("[server] x lutb_server.worker_process compute process 4242 ready: backend packed\n"
+                   "INFO lutb_server.worker_process [front end 1]: compute process (shared) ready: backend packed\n")
+    assert serving.compute_thread_key(log, "process") == "pid 4242/main"
+    assert serving.compute_thread_key(log, "thread") == "root/lutb-compute"
+    assert serving.compute_thread_key(tmp_path / "missing.log", "process") is None
+    key = "pid 4242/main"
+
+    def row(api: str, c: int, tok_s: float, busy: float) -> object:
+        return serving.Row("s", "bf16", api, c, 16, {"tokens_per_s": tok_s, "cpu": {"thread_busy": {key: busy, "root/main": 0.99}}})
+
+    rows = [row("stream", 8, 100.0, 0.5), row("stream", 64, 200.0, 0.93), row("stream", 128, 300.0, 0.97),
+            row("unary", 8, 100.0, 0.3), row("unary", 64, 105.0, 0.6), row("unary", 128, 108.0, 0.62)]
+    got = serving._saturation(rows, key)
+    assert got == {"bf16 stream T=16": "still growing at C=128; compute busy >= 0.9 from C=64",
+                   "bf16 unary T=16": "flat from C=8 (100 tok/s); compute at most 0.62 busy"}
+    assert serving._saturation(rows) == {"bf16 stream T=16": "still growing at C=128", "bf16 unary T=16": "flat from C=8 (100 tok/s)"}
