@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -275,16 +276,23 @@ def test_ab_series_starts_no_pair_the_budget_cannot_finish(tmp_path: Path, monke
     assert json.loads((tmp_path / "ab" / "ab_test.json").read_text())["pairs"] == 2
 
 
+def _serving_module(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """bench/serving.py imported as a module (registered in sys.modules for the test: its dataclasses look their
+    module up there)."""
+    spec = importlib.util.spec_from_file_location("lutb_bench_serving", ROOT / "bench" / "serving.py")
+    assert spec is not None and spec.loader is not None
+    serving = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, serving)
+    spec.loader.exec_module(serving)
+    return serving
+
+
 def test_py_spy_summary_splits_samples_by_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """bench/serving.summarize_py_spy: each sample goes to its innermost process (command lines holding quotes and
     ';' included), processes are named by their stacks, functions lose their line numbers, native frames known
     only by address are pooled per library, and shares are of that process's samples."""
 
-    spec = importlib.util.spec_from_file_location("lutb_bench_serving", ROOT / "bench" / "serving.py")
-    assert spec is not None and spec.loader is not None
-    serving = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, serving)  # its dataclasses look their module up there
-    spec.loader.exec_module(serving)
+    serving = _serving_module(monkeypatch)
     root = 'process 10:"python bench/serving.py serve {"port": 1}"'
     child = 'process 11:"python -c from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle=6)"'
     fe = 'process 12:"python -c from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle=8)"'
@@ -312,11 +320,7 @@ def test_py_spy_summary_splits_samples_by_process(monkeypatch: pytest.MonkeyPatc
 def test_compute_process_calls_read_from_the_server_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bench/serving.compute_process_calls: the compute process's exit line (the last one, if a log holds several), or
     None for a log without one and for no log."""
-    spec = importlib.util.spec_from_file_location("lutb_bench_serving", ROOT / "bench" / "serving.py")
-    assert spec is not None and spec.loader is not None
-    serving = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, serving)
-    spec.loader.exec_module(serving)
+    serving = _serving_module(monkeypatch)
     log = tmp_path / "server.log"
     done = "2026-12-06 05:23:32,075 INFO lutb_server.worker_process [compute]: done: {} experts call(s) ran {} batch(es) of 8 serving process(es), x a call\n"
     log.write_text("[server] SERVING\n" + done.format(3, 4) + done.format(5466, 14824))
@@ -331,11 +335,7 @@ def test_saturation_says_where_tokens_stop_growing_and_the_compute_side_is_busy(
     """bench/serving._saturation: per series, where tokens/s stop growing by 10%, and from which concurrency the
     thread running the experts calls is at least COMPUTE_BUSY busy (else its largest share); compute_thread_key finds
     that thread: the compute process's pid from the server log, or the thread worker by name."""
-    spec = importlib.util.spec_from_file_location("lutb_bench_serving", ROOT / "bench" / "serving.py")
-    assert spec is not None and spec.loader is not None
-    serving = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, serving)
-    spec.loader.exec_module(serving)
+    serving = _serving_module(monkeypatch)
     log = tmp_path / "server.log"
     log.write_text("[server] x lutb_server.worker_process compute process 4242 ready: backend packed\n"
                    "INFO lutb_server.worker_process [front end 1]: compute process (shared) ready: backend packed\n")
