@@ -188,7 +188,7 @@ class ExpertEngine:
         Raises:
             InvalidArgument: the message names the field.
         """
-        from lutb_kernels.mxfp8 import BLOCK, e4m3_nan_count, mxfp8_dequantize_fast, mxfp8_max_finite_scale
+        from lutb_kernels.mxfp8 import BLOCK, e4m3_nan_count, mxfp8_dequantize_fast, mxfp8_dequantize_into, mxfp8_max_finite_scale
 
         hidden = self.config.hidden_size
         if q.dtype != torch.float8_e4m3fn:
@@ -215,7 +215,8 @@ class ExpertEngine:
         if largest <= mxfp8_max_finite_scale(self.model_dtype):  # every value finite: no pass over x to check it
             if self.device.type == "cuda":
                 return q, scales
-            return mxfp8_dequantize_fast(q, scales, self.model_dtype), None
+            # (the largest scale is known: straight to the bit operations, without mxfp8_dequantize_fast's own read of it)
+            return mxfp8_dequantize_into(q, scales, torch.empty(q.shape, dtype=self.model_dtype)), None
         x = mxfp8_dequantize_fast(q, scales, self.model_dtype)
         if not _all_finite(x):
             count = int((~torch.isfinite(x)).sum())
