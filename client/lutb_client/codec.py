@@ -3,13 +3,21 @@
 The wire form is row-major and little-endian; every dtype travels as its raw
 bytes (bfloat16 and float8 as bit patterns), so encoding and decoding are byte
 views and one copy, never a Python loop over elements.
+
+:class:`WireTensor` is a tensor still in that form (dtype, shape, bytes): the server's
+request path keeps tensors so, because every torch call on it costs the event loop
+several microseconds (more with the caches cold between requests), and the bytes are
+all it needs: numpy views of them to validate, one copy into a compute process's shared
+memory, and one copy out of it for the response.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
@@ -28,6 +36,15 @@ TORCH_TO_PROTO: dict[torch.dtype, int] = {
 }
 PROTO_TO_TORCH: dict[int, torch.dtype] = {v: k for k, v in TORCH_TO_PROTO.items()}
 _ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in TORCH_TO_PROTO}
+_NUMPY: dict[torch.dtype, np.dtype] = {
+    torch.bfloat16: np.dtype("<u2"),  # numpy has no bfloat16 or float8: their bit patterns
+    torch.float16: np.dtype("<f2"),
+    torch.float32: np.dtype("<f4"),
+    torch.int32: np.dtype("<i4"),
+    torch.int64: np.dtype("<i8"),
+    torch.uint8: np.dtype("u1"),
+    torch.float8_e4m3fn: np.dtype("u1"),
+}
 
 
 class CodecError(ValueError):
@@ -62,18 +79,101 @@ def to_torch_dtype(dtype: int) -> torch.dtype:
         raise CodecError(f"unknown or unspecified dtype {dtype_name(dtype)}") from None
 
 
-def encode_tensor(tensor: torch.Tensor, out: pb.Tensor | None = None) -> pb.Tensor:
+class WireTensor(NamedTuple):
+    """A tensor as a ``lutb.v1.Tensor`` carries it: dtype, shape and the row-major little-endian bytes.
+
+    Made from a message by :meth:`from_message` (the checks of :func:`decode_tensor`, no torch call), written
+    into one by :func:`encode_tensor` as it is, viewed by numpy without a copy (:meth:`numpy`), and turned into a
+    torch tensor by :meth:`tensor` where one is needed.
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    data: bytes
+    """Exactly ``numel * itemsize`` bytes."""
+
+    @classmethod
+    def from_message(
+        cls,
+        msg: pb.Tensor,
+        *,
+        name: str = "tensor",
+        dtypes: Iterable[torch.dtype] | None = None,
+        ndim: int | None = None,
+    ) -> WireTensor:
+        """The tensor ``msg`` holds, checked; arguments and errors as for :func:`decode_tensor`."""
+        dtype = PROTO_TO_TORCH.get(msg.dtype)
+        if dtype is None or (dtypes is not None and dtype not in dtypes):
+            allowed = tuple(dtypes) if dtypes is not None else tuple(PROTO_TO_TORCH.values())
+            wanted = ", ".join(dtype_name(d) for d in allowed)
+            raise CodecError(f"{name}: dtype {dtype_name(msg.dtype)} not allowed; expected {wanted}")
+        shape = tuple(msg.shape)
+        if ndim is not None and len(shape) != ndim:
+            raise CodecError(f"{name}: needs {ndim} dimensions, got shape {list(shape)}")
+        numel = 1
+        for s in shape:
+            if s < 0:
+                raise CodecError(f"{name}: negative dimension in shape {list(shape)}")
+            numel *= s
+        data = msg.data  # one Python bytes object per access: read it once
+        if len(data) != numel * _ITEMSIZE[dtype]:
+            raise CodecError(
+                f"{name}: data holds {len(data)} bytes, but shape {list(shape)} of {dtype_name(dtype)} needs {numel * _ITEMSIZE[dtype]}"
+            )
+        return cls(dtype, shape, data)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def numel(self) -> int:
+        """Elements (``torch.Tensor.numel``'s name, so that code reading a shape takes either)."""
+        return self.nbytes // _ITEMSIZE[self.dtype]
+
+    def numpy(self) -> np.ndarray:
+        """A read-only numpy view of the bytes in :attr:`shape`: numpy's own dtype where it has one, bfloat16 as
+        uint16 and float8 as uint8 bit patterns."""
+        return np.frombuffer(self.data, dtype=_NUMPY[self.dtype]).reshape(self.shape)
+
+    def tensor(self) -> torch.Tensor:
+        """A new, writable CPU tensor of these values (one copy of the bytes)."""
+        if not self.data:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.frombuffer(bytearray(self.data), dtype=self.dtype).view(self.shape)
+
+
+def as_tensor(t: torch.Tensor | WireTensor) -> torch.Tensor:
+    """``t`` itself if it is a torch tensor, else :meth:`WireTensor.tensor`."""
+    return t.tensor() if isinstance(t, WireTensor) else t
+
+
+def host_bytes(t: torch.Tensor | WireTensor) -> bytes | np.ndarray:
+    """``t``'s row-major bytes as a buffer (e.g. to assign to a slice of shared memory): a WireTensor's own bytes, or
+    a uint8 numpy view of a CPU tensor (copied first only when it is not contiguous)."""
+    if isinstance(t, WireTensor):
+        return t.data
+    return t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def encode_tensor(tensor: torch.Tensor | WireTensor, out: pb.Tensor | None = None) -> pb.Tensor:
     """Encode ``tensor`` (any device, any strides) as a ``lutb.v1.Tensor``.
 
     Args:
-        tensor: a tensor of one of the dtypes in :data:`TORCH_TO_PROTO`.
+        tensor: a tensor of one of the dtypes in :data:`TORCH_TO_PROTO`, or a :class:`WireTensor` (its bytes
+            are written as they are: no torch call).
         out: a message to fill in place (e.g. ``response.output``); a new one if None.
     """
+    msg = pb.Tensor() if out is None else out
+    if isinstance(tensor, WireTensor):
+        msg.dtype = to_proto_dtype(tensor.dtype)
+        del msg.shape[:]
+        msg.shape.extend(tensor.shape)
+        msg.data = tensor.data
+        return msg
     proto_dtype = to_proto_dtype(tensor.dtype)
     cpu = tensor if tensor.device.type == "cpu" and not tensor.requires_grad else tensor.detach().to("cpu")
     if not cpu.is_contiguous():
         cpu = cpu.contiguous()
-    msg = pb.Tensor() if out is None else out
     msg.dtype = proto_dtype
     del msg.shape[:]
     msg.shape.extend(cpu.shape)
@@ -101,36 +201,19 @@ def decode_tensor(
         CodecError: naming ``name``: unknown or refused dtype, wrong rank, negative
             dimension, or a data length that does not match shape and dtype.
     """
-    dtype = PROTO_TO_TORCH.get(msg.dtype)
-    if dtype is None or (dtypes is not None and dtype not in dtypes):
-        allowed = tuple(dtypes) if dtypes is not None else tuple(PROTO_TO_TORCH.values())
-        wanted = ", ".join(dtype_name(d) for d in allowed)
-        raise CodecError(f"{name}: dtype {dtype_name(msg.dtype)} not allowed; expected {wanted}")
-    shape = tuple(msg.shape)
-    if ndim is not None and len(shape) != ndim:
-        raise CodecError(f"{name}: needs {ndim} dimensions, got shape {list(shape)}")
-    numel = 1
-    for s in shape:
-        if s < 0:
-            raise CodecError(f"{name}: negative dimension in shape {list(shape)}")
-        numel *= s
-    data = msg.data  # one Python bytes object per access: read it once
-    if len(data) != numel * _ITEMSIZE[dtype]:
-        raise CodecError(
-            f"{name}: data holds {len(data)} bytes, but shape {list(shape)} of {dtype_name(dtype)} needs {numel * _ITEMSIZE[dtype]}"
-        )
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+    return WireTensor.from_message(msg, name=name, dtypes=dtypes, ndim=ndim).tensor()
 
 
 __all__ = [
     "PROTO_TO_TORCH",
     "TORCH_TO_PROTO",
     "CodecError",
+    "WireTensor",
+    "as_tensor",
     "decode_tensor",
     "dtype_name",
     "encode_tensor",
+    "host_bytes",
     "to_proto_dtype",
     "to_torch_dtype",
 ]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
-from lutb_client.codec import CodecError, decode_tensor, encode_tensor
+from lutb_client.codec import CodecError, WireTensor, as_tensor, decode_tensor, encode_tensor
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.uint8, torch.float8_e4m3fn]
 SHAPES = [(0,), (1,), (3, 5), (2, 0, 4), (7, 33), ()]
@@ -30,6 +30,38 @@ def test_round_trip_is_bit_exact(dtype: torch.dtype, shape: tuple[int, ...]) -> 
     back = decode_tensor(pb.Tensor.FromString(msg.SerializeToString()))
     assert back.dtype == dtype and back.shape == t.shape
     assert torch.equal(back.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_wire_tensor_holds_the_message_as_it_is(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """A WireTensor keeps the message's bytes: encoded again it is the same message; its tensor and numpy view hold
+    the values (bfloat16 and float8 as their bit patterns)."""
+    t = _random(shape, dtype)
+    msg = pb.Tensor.FromString(encode_tensor(t).SerializeToString())
+    wire = WireTensor.from_message(msg)
+    assert (wire.dtype, wire.shape, wire.numel(), wire.nbytes) == (dtype, shape, t.numel(), t.numel() * t.element_size())
+    assert encode_tensor(wire).SerializeToString() == msg.SerializeToString()
+    back = wire.tensor()
+    assert back.dtype == dtype and back.shape == t.shape
+    assert torch.equal(back.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    assert as_tensor(wire).shape == t.shape and as_tensor(t) is t
+    view = wire.numpy()
+    assert view.shape == shape and not view.flags.writeable
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    assert view.reshape(-1).view(f"<i{t.element_size()}" if t.element_size() > 1 else "u1").tolist() == t.reshape(-1).view(bits).tolist()
+
+
+def test_wire_tensor_refuses_what_decode_refuses() -> None:
+    with pytest.raises(CodecError, match="x: data holds 3 bytes"):
+        WireTensor.from_message(pb.Tensor(dtype=pb.FLOAT32, shape=[1], data=b"\0" * 3), name="x")
+
+
+def test_wire_tensor_copies_are_independent_of_each_other() -> None:
+    wire = WireTensor.from_message(encode_tensor(torch.zeros(4)))
+    t = wire.tensor()
+    t += 1
+    assert wire.tensor().sum() == 0 and wire.numpy().sum() == 0
 
 
 def test_wire_layout_is_row_major_little_endian() -> None:
