@@ -185,6 +185,34 @@ class SharedArena:
         return flat.as_strided(shape, strides, offset // itemsize)
 
 
+    def write(self, slot: Slot | tuple[int, str, tuple[int, ...]], parts: list[bytes | memoryview]) -> None:
+        """Copy ``parts`` (buffers of bytes, e.g. :func:`lutb_client.codec.host_bytes`) one after another into
+        ``slot``, which they must fill exactly: one ``memcpy`` each, no tensor made.
+
+        Raises:
+            ValueError: the parts do not hold the slot's bytes, or the slot lies outside the arena.
+        """
+        offset, dtype, shape = slot
+        end = offset + _nbytes(getattr(torch, dtype), shape)
+        if offset < 0 or end > self.size:
+            raise ValueError(f"slot {tuple(slot)} lies outside the arena ({self.size} bytes)")
+        at = offset
+        for part in parts:
+            n = memoryview(part).nbytes
+            if at + n > end:
+                raise ValueError(f"the parts hold more bytes than slot {tuple(slot)}")
+            self._map[at:at + n] = part
+            at += n
+        if at != end:
+            raise ValueError(f"the parts hold {at - offset} bytes, slot {tuple(slot)} {end - offset}")
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """A copy of ``nbytes`` of the arena from ``offset`` (one ``memcpy``, no tensor made)."""
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"bytes {offset}..{offset + nbytes} lie outside the arena ({self.size} bytes)")
+        return self._map[offset:offset + nbytes]
+
+
 def layout(start: int, tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[list[Slot], int]:
     """Slots for ``tensors`` (dtype, shape) placed one after another from ``start``; also the bytes they span."""
     slots, offset = [], start

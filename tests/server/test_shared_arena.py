@@ -80,6 +80,43 @@ def test_a_slot_outside_the_arena_is_refused(arena: SharedArena) -> None:
         arena.view(Slot(-ALIGN, "uint8", (1,)))
 
 
+@pytest.mark.parametrize("splits", [[3], [1, 2], [0, 2, 1], [1, 1, 1]], ids=["one", "two", "with-empty", "three"])
+def test_write_fills_a_slot_with_the_parts_bytes_and_read_returns_them(arena: SharedArena, splits: list[int]) -> None:
+    """``write`` puts the parts one after another (WireTensor bytes and numpy views of torch tensors alike),
+    touches nothing outside the slot, and the other process's mapping sees it; ``read`` copies bytes back out."""
+    from lutb_client.codec import WireTensor, encode_tensor, host_bytes
+
+    whole = torch.randn(sum(splits), 5).to(torch.bfloat16)
+    parts, row = [], 0
+    for i, n in enumerate(splits):  # alternate the two forms a request tensor can take
+        part = whole[row:row + n]
+        parts.append(host_bytes(WireTensor.from_message(encode_tensor(part)) if i % 2 else part))
+        row += n
+    arena.memory.fill_(0xAB)
+    slot = Slot(2 * ALIGN, "bfloat16", (sum(splits), 5))
+    arena.write(slot, parts)
+    other = SharedArena.attach(_dup(arena.fd))
+    try:
+        assert torch.equal(other.view(slot), whole)
+    finally:
+        other.close()
+    written = slot.nbytes
+    assert int((arena.memory != 0xAB).sum()) <= written and bool((arena.memory[2 * ALIGN + written:] == 0xAB).all())
+    assert arena.read(slot.offset, written) == whole.view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_write_refuses_parts_that_do_not_fill_the_slot(arena: SharedArena) -> None:
+    slot = Slot(0, "float32", (2, 3))
+    with pytest.raises(ValueError, match="hold 20 bytes"):
+        arena.write(slot, [b"\0" * 20])
+    with pytest.raises(ValueError, match="more bytes"):
+        arena.write(slot, [b"\0" * 20, b"\0" * 8])
+    with pytest.raises(ValueError, match="outside"):
+        arena.write(Slot(7 * ALIGN, "float32", (ALIGN,)), [b""])
+    with pytest.raises(ValueError, match="outside"):
+        arena.read(8 * ALIGN - 4, 8)
+
+
 def _dup(fd: int) -> int:
     import os
 
