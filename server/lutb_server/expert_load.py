@@ -8,8 +8,8 @@ as the Prometheus counter ``lutb_expert_tokens_total{layer, expert}``: one serie
 held expert and layer (E x layers), zeros included, from the first request on. ``lutb load`` scrapes it into a load
 file for ``lutb shard --placement balanced``.
 
-Counting is a ``bincount`` per request into an int64 tensor per layer (no per-label work on
-the request path); the series are built at scrape time.
+Counting is a numpy ``bincount`` per request into an int64 array per layer (no per-label work and no
+torch call on the request path); the series are built at scrape time.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ import threading
 from collections.abc import Iterator
 from typing import Protocol
 
+import numpy as np
 import torch
+
+from lutb_client.codec import WireTensor
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -42,7 +45,7 @@ class _Engine(Protocol):
 
 class _Request(Protocol):
     layer: int
-    topk_ids: torch.Tensor
+    topk_ids: torch.Tensor | WireTensor
 
 
 class ExpertLoad(Collector):
@@ -51,8 +54,8 @@ class ExpertLoad(Collector):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._engine: object | None = None
-        self._held: dict[int, torch.Tensor] = {}  # layer -> bool [num_experts]: held here
-        self._counts: dict[int, torch.Tensor] = {}  # layer -> int64 [num_experts]
+        self._held: dict[int, np.ndarray] = {}  # layer -> bool [num_experts]: held here
+        self._counts: dict[int, np.ndarray] = {}  # layer -> int64 [num_experts]
         self._num_experts = 0
 
     def bind(self, engine: _Engine) -> None:
@@ -60,10 +63,10 @@ class ExpertLoad(Collector):
         num_experts = int(engine.config.num_experts)
         held, counts = {}, {}
         for layer in engine.layer_ids:
-            mask = torch.zeros(num_experts, dtype=torch.bool)
-            mask[torch.tensor(engine.expert_ids(layer), dtype=torch.long)] = True
+            mask = np.zeros(num_experts, dtype=bool)
+            mask[np.asarray(engine.expert_ids(layer), dtype=np.int64)] = True
             held[layer] = mask
-            counts[layer] = torch.zeros(num_experts, dtype=torch.int64)
+            counts[layer] = np.zeros(num_experts, dtype=np.int64)
         with self._lock:
             self._engine, self._held, self._counts, self._num_experts = engine, held, counts, num_experts
 
@@ -72,10 +75,12 @@ class ExpertLoad(Collector):
         if self._engine is not engine:
             self.bind(engine)
         held = self._held.get(request.layer)
-        if held is None or request.topk_ids.numel() == 0:
+        ids = request.topk_ids
+        ids = ids.numpy() if isinstance(ids, WireTensor) else ids.detach().cpu().numpy()
+        if held is None or ids.size == 0:
             return
-        counts = torch.bincount(request.topk_ids.reshape(-1).to(torch.long), minlength=self._num_experts)
-        counts = counts[: self._num_experts].masked_fill_(~held, 0)
+        counts = np.bincount(ids.reshape(-1), minlength=self._num_experts)[: self._num_experts]
+        counts[~held] = 0
         with self._lock:
             self._counts[request.layer] += counts
 
@@ -83,7 +88,7 @@ class ExpertLoad(Collector):
         """``{layer: {held expert: tokens}}`` so far."""
         with self._lock:
             return {
-                layer: {int(e): int(self._counts[layer][e]) for e in mask.nonzero().flatten().tolist()}
+                layer: {int(e): int(self._counts[layer][e]) for e in np.flatnonzero(mask).tolist()}
                 for layer, mask in sorted(self._held.items())
             }
 

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from lutb_client.codec import WireTensor
 from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
 from lutb_server.errors import DeadlineExpired, QueueFull, Unavailable, deadline_reached
@@ -65,7 +66,8 @@ class ForwardEngine(Protocol):
 class ForwardResult:
     """A request's output and where its time went."""
 
-    output: torch.Tensor
+    output: torch.Tensor | WireTensor
+    """Its output: what the worker returned (:attr:`~lutb_server.worker.BatchOutput.outputs`)."""
     queue_s: float
     compute_s: float
     handoff_s: float
@@ -426,7 +428,7 @@ class BatchScheduler:
             )
         return m
 
-    def _finish(self, item: _Item, output: torch.Tensor, started: float, compute_s: float, handoff_s: float, wait_s: float,
+    def _finish(self, item: _Item, output: torch.Tensor | WireTensor, started: float, compute_s: float, handoff_s: float, wait_s: float,
                 tokens: int, requests: int) -> None:
         queue_s = started - item.enqueued
         if self._metrics is not None:

@@ -17,7 +17,7 @@ import torch
 
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
-from lutb_client.codec import decode_tensor, encode_tensor, to_proto_dtype
+from lutb_client.codec import WireTensor, encode_tensor, to_proto_dtype
 from lutb_kernels.checkpoint import FORMAT, FORMAT_VERSION
 from lutb_server import __version__
 from lutb_server.engine import FLOAT_DTYPES, ID_DTYPES, ExpertEngine
@@ -184,16 +184,18 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         for name in ("hidden_states", "topk_ids", "topk_weights"):
             if not request.HasField(name):
                 raise InvalidArgument(f"{name}: missing")
+        # The tensors stay the message's bytes (WireTensor): the engine checks them through numpy, and a compute
+        # process takes them into its shared memory as they are, so a request costs the event loop no torch call.
         scales = None
         if request.HasField("hidden_scales"):  # MXFP8 on the wire: the engine checks it and dequantizes it (on the device on CUDA)
-            x = decode_tensor(request.hidden_states, name="hidden_states (with hidden_scales)", dtypes=(torch.float8_e4m3fn,))
-            scales = decode_tensor(request.hidden_scales, name="hidden_scales", dtypes=(torch.uint8,))
+            x = WireTensor.from_message(request.hidden_states, name="hidden_states (with hidden_scales)", dtypes=(torch.float8_e4m3fn,))
+            scales = WireTensor.from_message(request.hidden_scales, name="hidden_scales", dtypes=(torch.uint8,))
         elif request.hidden_states.dtype == pb.FLOAT8_E4M3FN:
             raise InvalidArgument("hidden_states: FLOAT8_E4M3FN (MXFP8) needs hidden_scales, UINT8 [T, H/32]")
         else:
-            x = decode_tensor(request.hidden_states, name="hidden_states", dtypes=FLOAT_DTYPES)
-        ids = decode_tensor(request.topk_ids, name="topk_ids", dtypes=ID_DTYPES)
-        weights = decode_tensor(request.topk_weights, name="topk_weights", dtypes=(torch.float32,))
+            x = WireTensor.from_message(request.hidden_states, name="hidden_states", dtypes=FLOAT_DTYPES)
+        ids = WireTensor.from_message(request.topk_ids, name="topk_ids", dtypes=ID_DTYPES)
+        weights = WireTensor.from_message(request.topk_weights, name="topk_weights", dtypes=(torch.float32,))
         prepared = self._engine.prepare(
             request.layer, x, ids, weights, hidden_scales=scales,
             apply_router_weight_on_input=request.apply_router_weight_on_input,

@@ -52,8 +52,10 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from typing import Any, NamedTuple, Protocol, TypeVar
 
+import numpy as np
 import torch
 
+from lutb_client.codec import WireTensor, as_tensor, host_bytes
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts
 from lutb_kernels.experts.graphs import DEFAULT_MAX_TOKENS, CudaGraphExperts, GraphInputs, StaticBuffers, is_capture_safe
@@ -74,8 +76,9 @@ BATCH_PATHS = ("graph", "chunks", "eager")
 class BatchOutput(NamedTuple):
     """What a worker returns for one batch."""
 
-    outputs: list[torch.Tensor]
-    """Per-request outputs (CPU, model dtype), in the batch's order."""
+    outputs: list[torch.Tensor | WireTensor]
+    """Per-request outputs (CPU, model dtype), in the batch's order: torch tensors from a :class:`ComputeWorker`,
+    :class:`~lutb_client.codec.WireTensor` (bytes copied out of shared memory) from a compute process."""
     seconds: float
     """Seconds the experts call took on the worker."""
     call_tokens: int
@@ -131,6 +134,7 @@ class _Buffers:
         self.pin = pin
         self._bufs: dict[str, torch.Tensor] = {}
         self._views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self._bytes: dict[str, np.ndarray] = {}  # name -> a numpy uint8 view of the whole buffer (host buffers)
         self.grown = 0
 
     def get(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -148,11 +152,30 @@ class _Buffers:
             buf = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
             self._bufs[name] = buf
             self._views = {k: v for k, v in self._views.items() if k[0] != name}  # views of the old buffer
+            self._bytes.pop(name, None)
             self.grown += 1
             log.debug("staging buffer %s on %s grown to %d bytes", name, self.device, size)
         if len(self._views) >= self.MAX_VIEWS:
             self._views.clear()
         view = self._views[key] = buf[:nbytes].view(dtype).view(key[1])
+        return view
+
+    def fill(self, name: str, shape: Sequence[int], dtype: torch.dtype, parts: Sequence[torch.Tensor | WireTensor]) -> torch.Tensor:
+        """:meth:`get`'s view holding ``parts`` concatenated along dim 0 (host buffers). WireTensors' bytes are copied
+        in through a cached numpy view of the buffer: no torch call per part or per batch."""
+        view = self.get(name, shape, dtype)
+        if not any(isinstance(p, WireTensor) for p in parts):
+            return concat_into(parts, view)
+        flat = self._bytes.get(name)
+        if flat is None:
+            flat = self._bytes[name] = self._bufs[name].numpy()
+        offset = 0
+        for part in parts:
+            data = np.frombuffer(host_bytes(part), dtype=np.uint8)
+            flat[offset:offset + data.size] = data
+            offset += data.size
+        if offset != view.numel() * view.element_size():
+            raise ValueError(f"{name}: the parts hold {offset} bytes, a {tuple(shape)} {dtype} batch {view.numel() * view.element_size()}")
         return view
 
     @property
@@ -432,14 +455,14 @@ class ComputeWorker:
                  ("w", (tokens, k), torch.float32, [r.topk_weights for r in requests])]
         if first.x_scales is not None:
             parts.append(("xs", (tokens, first.x_scales.shape[1]), torch.uint8, [r.x_scales for r in requests]))
-        x, ids, w, *scales = (concat_into(tensors, buffers.get(name, shape, dtype)) for name, shape, dtype, tensors in parts)
+        x, ids, w, *scales = (buffers.fill(name, shape, dtype, tensors) for name, shape, dtype, tensors in parts)
         return x, ids, w, (scales[0] if scales else None)
 
     def _run_cpu(self, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor]:
         first = requests[0]
         experts = self._experts[first.layer]  # type: ignore[index]
         if len(requests) == 1:  # nothing to pool: the request's own tensors
-            x, ids, w = first.dense_x(), first.topk_ids, first.topk_weights
+            x, ids, w = first.dense_x(), as_tensor(first.topk_ids), as_tensor(first.topk_weights)
         else:
             x, ids, w, scales = self._gather(requests, self._host)
             if scales is not None:
@@ -603,11 +626,11 @@ def _generic_forward(engine: ForwardEngine, requests: list[PreparedRequest]) -> 
     """An engine without ``layer_experts``: the batch's output (its requests concatenated, ``engine.forward``)."""
     first = requests[0]
     if len(requests) == 1:
-        x, ids, w = first.dense_x(), first.topk_ids, first.topk_weights
+        x, ids, w = first.dense_x(), as_tensor(first.topk_ids), as_tensor(first.topk_weights)
     else:
         x = torch.cat([r.dense_x() for r in requests])
-        ids = torch.cat([r.topk_ids for r in requests])
-        w = torch.cat([r.topk_weights for r in requests])
+        ids = torch.cat([as_tensor(r.topk_ids) for r in requests])
+        w = torch.cat([as_tensor(r.topk_weights) for r in requests])
     out = engine.forward(first.layer, x, ids, w, apply_router_weight_on_input=first.apply_router_weight_on_input,
                          output_mode=first.output_mode)
     return out

@@ -61,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import multiprocessing as mp
 import pickle
 import select
@@ -76,12 +77,12 @@ from typing import Any
 
 import torch
 
-from lutb_client.codec import decode_tensor, encode_tensor
+from lutb_client.codec import WireTensor, decode_tensor, encode_tensor, host_bytes
 from lutb_server.engine import PreparedRequest
 from lutb_server.errors import Unavailable
 from lutb_server.metrics import torch_gpu_memory
 from lutb_server.shared_arena import SharedArena, Slot, arena_supported, dtype_name
-from lutb_server.worker import BatchOutput, concat_into, running_loop
+from lutb_server.worker import BatchOutput, running_loop
 
 log = logging.getLogger(__name__)
 
@@ -656,15 +657,15 @@ class ProcessComputeWorker:
         inputs = [[r.x for r in requests], [r.topk_ids for r in requests], [r.topk_weights for r in requests]]
         if first.x_scales is not None:  # MXFP8 carried to the device
             inputs.append([r.x_scales for r in requests])  # type: ignore[misc]
-        if slots is not None:  # concatenated straight into the shared memory
+        if slots is not None:  # concatenated straight into the shared memory: the requests' bytes, one copy each
             assert self._arena is not None
             *placed, out = (tuple(slot) for slot in slots)  # plain tuples pickle ~3x cheaper than Slots
             for parts, slot in zip(inputs, placed):
-                concat_into(parts, self._arena.view(slot))
+                self._arena.write(slot, [host_bytes(part) for part in parts])
             x, ids, w, *scales = placed
         else:
             self.inline_batches += 1
-            x, ids, w, *scales = (encode_tensor(parts[0] if len(parts) == 1 else torch.cat(parts)) for parts in inputs)
+            x, ids, w, *scales = (encode_tensor(_joined(parts, shape)) for parts, (_, shape) in zip(inputs, shapes))
             out = None
         dtype = None if first.x_dtype is None else dtype_name(first.x_dtype)
         batch = (job, (first.layer, x, ids, w, first.apply_router_weight_on_input, first.output_mode,
@@ -737,11 +738,17 @@ class ProcessComputeWorker:
         if entry is None:
             return
         future, slots, tokens = entry
-        if result is None:  # in the output slot: copied out before the span is given back
+        outputs: list[WireTensor] = []
+        if result is None:  # in the output slot: each request's bytes copied out before the span is given back
             assert self._arena is not None and slots is not None
-            result = self._arena.view(slots[-1]).clone()
+            offset, dtype_str, (_, *row) = slots[-1]
+            dtype = getattr(torch, dtype_str)
+            row_bytes = dtype.itemsize * math.prod(row)
+            for n in tokens:
+                outputs.append(WireTensor(dtype, (n, *row), self._arena.read(offset, n * row_bytes)))
+                offset += n * row_bytes
         elif not isinstance(result, BaseException):
-            result = decode_tensor(result)
+            outputs = _split_wire(WireTensor.from_message(result), tokens)
         if slots is not None:
             with self._lock:
                 if self._arena is not None and self._gone is None:
@@ -752,8 +759,7 @@ class ProcessComputeWorker:
             future.set_exception(result)
         else:
             self.batches += 1
-            future.set_result(BatchOutput(list(torch.split(result, tokens)) if len(tokens) > 1 else [result], seconds,
-                                          call_tokens, path, started))
+            future.set_result(BatchOutput(outputs, seconds, call_tokens, path, started))  # type: ignore[arg-type]
 
     def _on_lost(self, exc: Exception | None) -> None:
         code = self._process.exitcode if self._process is not None else None
@@ -775,6 +781,23 @@ class ProcessComputeWorker:
             log.error("%s", error)
             if self._on_gone is not None:
                 self._on_gone(error)
+
+
+def _joined(parts: list[torch.Tensor | WireTensor], shape: tuple[int, ...]) -> WireTensor:
+    """``parts`` (one dtype) concatenated along dim 0 as one WireTensor of ``shape`` (a batch sent inline)."""
+    return WireTensor(parts[0].dtype, shape, b"".join(host_bytes(part) for part in parts))
+
+
+def _split_wire(whole: WireTensor, tokens: list[int]) -> list[WireTensor]:
+    """``whole`` split along dim 0 into parts of ``tokens`` rows (copies of its bytes; itself for one part)."""
+    if len(tokens) == 1:
+        return [whole]
+    row_bytes = whole.nbytes // max(whole.shape[0], 1)
+    parts, offset = [], 0
+    for n in tokens:
+        parts.append(WireTensor(whole.dtype, (n, *whole.shape[1:]), whole.data[offset:offset + n * row_bytes]))
+        offset += n * row_bytes
+    return parts
 
 
 def _batch_shapes(first: PreparedRequest, tokens: int) -> list[tuple[torch.dtype, tuple[int, ...]]]:

@@ -491,3 +491,24 @@ def test_the_worker_thread_carries_its_name_in_the_os(engine: ExpertEngine) -> N
         assert comm == "lutb-compute"
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("forms", [["wire"], ["torch", "wire"], ["wire", "wire", "torch"], ["torch", "torch"]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int32, torch.float32])
+def test_staging_takes_wire_tensors_and_torch_tensors(forms: list[str], dtype: torch.dtype) -> None:
+    """A batch's parts in either form land in the staging buffer where torch.cat puts them, over poison, also after
+    the buffer grew; a size mismatch is refused."""
+    from lutb_client.codec import WireTensor, encode_tensor
+    from lutb_server.worker import _Buffers
+
+    buffers = _Buffers(torch.device("cpu"), pin=False)
+    for rows in (1, 5, 300):  # 300 rows grow the buffer past its first size
+        whole = (torch.randn(rows * len(forms), 6) * 100).to(dtype)
+        chunks = list(whole.split(rows))
+        parts = [WireTensor.from_message(encode_tensor(c)) if f == "wire" else c for f, c in zip(forms, chunks)]
+        buffers.get("x", (whole.shape[0] + 8, 6), dtype).fill_(7)  # poison
+        got = buffers.fill("x", tuple(whole.shape), dtype, parts)
+        assert torch.equal(got, whole) and got is buffers.get("x", tuple(whole.shape), dtype)
+    if "wire" in forms:
+        with pytest.raises(ValueError, match="bytes"):
+            buffers.fill("x", (whole.shape[0] + 1, 6), dtype, parts)

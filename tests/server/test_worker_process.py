@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lutb_client import AsyncExpertClient, ExpertClient, ExpertServiceError, ShardedExpertClient
 from lutb_client._proto.lutb.v1.expert_service_pb2 import GetModelInfoRequest
 from lutb_client._proto.lutb.v1.expert_service_pb2_grpc import ExpertServiceStub
-from lutb_client.codec import decode_tensor, encode_tensor
+from lutb_client.codec import WireTensor, as_tensor, decode_tensor, encode_tensor
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_kernels.experts import ReferenceExperts
 from lutb_server.backends import choose_backend, resolve_device
@@ -192,8 +192,9 @@ def test_outputs_equal_the_thread_worker(process_worker: ProcessComputeWorker, t
         # the child's call start crosses the socket, on the clock the serving process reads (CLOCK_MONOTONIC)
         assert started is not None and handed <= started and started + seconds <= answered + 1e-3
         assert path == "eager"  # the child's BatchOutput.path crosses the socket (no CUDA graphs on the CPU)
-        for g, w in zip(got, want):
-            assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+        for g, w in zip(got, want):  # the bytes read out of the arena (or the inline message), no tensor made
+            assert isinstance(g, WireTensor) and g.dtype == w.dtype and g.shape == tuple(w.shape)
+            assert torch.equal(g.tensor(), w)
     inline = process_worker.inline_batches - inline_before
     if process_worker.arena_bytes == DEFAULT_ARENA_BYTES:
         assert inline == 0
@@ -220,7 +221,7 @@ def test_mxfp8_carried_as_sent_crosses_to_the_child(process_worker: ProcessCompu
         want = ComputeWorker(full).run([full.prepare(1, r.x, r.topk_ids, r.topk_weights, hidden_scales=r.x_scales)
                                         for r in carried]).outputs
         for g, w in zip(got, want):
-            assert g.dtype == torch.bfloat16 and torch.equal(g, w)
+            assert g.dtype == torch.bfloat16 and torch.equal(as_tensor(g), w)
 
 
 def test_a_failing_batch_fails_alone(process_worker: ProcessComputeWorker, tiny_checkpoint: Path) -> None:
@@ -241,7 +242,7 @@ def test_many_batches_in_flight_complete_in_any_interleaving(process_worker: Pro
         futures = list(pool.map(process_worker.submit, batches))
     for batch, future in zip(batches, futures):
         got = future.result(60).outputs
-        assert torch.equal(got[0], ComputeWorker(full).run(batch)[0][0])
+        assert torch.equal(as_tensor(got[0]), ComputeWorker(full).run(batch)[0][0])
 
 
 def test_a_dead_child_fails_pending_and_later_batches(tiny_checkpoint: Path) -> None:
@@ -305,7 +306,7 @@ def test_server_on_a_compute_process(tiny_checkpoint: Path) -> None:
     for result in results:
         assert result.timing.compute_us > 0
         assert 0 < result.timing.wait_us <= result.timing.handoff_us  # the batch's message to the child takes time
-        assert torch.equal(result.output, local.forward(x, ids, weights))
+        assert torch.equal(as_tensor(result.output), local.forward(x, ids, weights))
 
 
 def _compute_pid(serving: ServeProcess) -> int:
@@ -378,12 +379,12 @@ def test_one_compute_process_serves_several_front_ends(tiny_checkpoint: Path) ->
             a = _requests(catalog, 1, (3, 4), seed=50 + round_)
             b = _requests(catalog, 1, (5,), seed=80 + round_)
             got_a, got_b = owner.submit(a), other.submit(b)
-            assert torch.equal(busy.result(60)[0][0], ComputeWorker(full).run(_requests(catalog, 0, (300,), seed=round_))[0][0])
+            assert torch.equal(as_tensor(busy.result(60)[0][0]), ComputeWorker(full).run(_requests(catalog, 0, (300,), seed=round_))[0][0])
             for got, batch in ((got_a, a), (got_b, b)):
                 outputs, call_tokens = got.result(60).outputs, got.result().call_tokens
                 assert call_tokens in (sum(r.tokens for r in batch), 12)  # alone, or merged with the other front end's
                 for g, w in zip(outputs, ComputeWorker(full).run(batch).outputs):
-                    assert torch.equal(g, w)
+                    assert torch.equal(as_tensor(g), w)
             assert got_a.result().call_tokens == got_b.result().call_tokens or 12 not in (
                 got_a.result().call_tokens, got_b.result().call_tokens)
             merged += got_a.result().call_tokens == 12
@@ -393,7 +394,7 @@ def test_one_compute_process_serves_several_front_ends(tiny_checkpoint: Path) ->
         busy = owner.submit(_requests(catalog, 0, (300,), seed=99))
         failed, good = owner.submit([bad]), other.submit([r])
         assert isinstance(failed.exception(60), KeyError)
-        assert torch.equal(good.result(60)[0][0], ComputeWorker(full).run([r])[0][0])
+        assert torch.equal(as_tensor(good.result(60)[0][0]), ComputeWorker(full).run([r])[0][0])
         busy.result(60)
     finally:
         other.close(10)
