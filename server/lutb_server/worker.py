@@ -443,20 +443,37 @@ class ComputeWorker:
         direct = [dest is not None and any(a <= dest.data_ptr() < b for a, b in spans) for dest in into]
         return direct if any(direct) else None
 
-    def _gather(self, requests: list[PreparedRequest], buffers: _Buffers
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The batch's ``x``, ``topk_ids``, ``topk_weights`` and (MXFP8 carried to the device) ``x_scales``,
-        concatenated into ``buffers``."""
+    def _registered_sources(self, requests: list[PreparedRequest]) -> bool:
+        """Whether every request's ``x`` is a contiguous CPU tensor inside memory given to
+        :meth:`register_host_memory` (a compute process's views of its serving processes' arenas), so that the
+        device's copy engine can read it there: no gathering into the pinned staging first."""
+        if not self._registered:
+            return False
+        spans = self._registered.items()
+        for r in requests:
+            x = r.x
+            if not isinstance(x, torch.Tensor) or not x.is_contiguous():
+                return False
+            start = x.data_ptr()
+            end = start + x.numel() * x.element_size()
+            if not any(a <= start and end <= b for a, b in spans):
+                return False
+        return True
+
+    def _gather(self, requests: list[PreparedRequest], buffers: _Buffers, *, with_x: bool = True
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The batch's ``x`` (None without ``with_x``), ``topk_ids``, ``topk_weights`` and (MXFP8 carried to the
+        device) ``x_scales``, concatenated into ``buffers``."""
         first = requests[0]
         tokens = sum(r.tokens for r in requests)
         k = int(first.topk_ids.shape[1])
-        parts = [("x", (tokens, first.x.shape[1]), first.x.dtype, [r.x for r in requests]),
-                 ("ids", (tokens, k), torch.int32, [r.topk_ids for r in requests]),
-                 ("w", (tokens, k), torch.float32, [r.topk_weights for r in requests])]
+        ids = buffers.fill("ids", (tokens, k), torch.int32, [r.topk_ids for r in requests])
+        w = buffers.fill("w", (tokens, k), torch.float32, [r.topk_weights for r in requests])
+        x = buffers.fill("x", (tokens, first.x.shape[1]), first.x.dtype, [r.x for r in requests]) if with_x else None
+        scales = None
         if first.x_scales is not None:
-            parts.append(("xs", (tokens, first.x_scales.shape[1]), torch.uint8, [r.x_scales for r in requests]))
-        x, ids, w, *scales = (buffers.fill(name, shape, dtype, tensors) for name, shape, dtype, tensors in parts)
-        return x, ids, w, (scales[0] if scales else None)
+            scales = buffers.fill("xs", (tokens, first.x_scales.shape[1]), torch.uint8, [r.x_scales for r in requests])
+        return x, ids, w, scales
 
     def _run_cpu(self, requests: list[PreparedRequest], into: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor]:
         first = requests[0]
@@ -479,8 +496,11 @@ class ComputeWorker:
         on_input, mode = first.apply_router_weight_on_input, first.output_mode
         unchecked = callable(getattr(experts, "forward_unchecked", None))
         with torch.cuda.stream(self._stream):
-            xh, idsh, wh, sh = self._gather(requests, self._host)
+            # x already in page-locked shared memory (a compute process's arenas) goes to the device from there
+            x_direct = self._registered_sources(requests)
+            xh, idsh, wh, sh = self._gather(requests, self._host, with_x=not x_direct)
             tokens, k = idsh.shape
+            x_shape, x_dtype = (tokens, int(first.x.shape[1])), first.x.dtype
             mxfp8 = sh is not None  # MXFP8 as sent: half the bytes to copy, dequantized on the device
             graphs = experts if isinstance(experts, CudaGraphExperts) else None
             inputs, path = None, "eager"
@@ -490,15 +510,20 @@ class ComputeWorker:
                     inputs = graphs.static_inputs(tokens, k, apply_router_weight_on_input=on_input, output_mode=mode,
                                                   mxfp8_input=mxfp8)
             if inputs is None:
-                inputs = GraphInputs(self._dev.get("xq" if mxfp8 else "x", xh.shape, xh.dtype),
+                inputs = GraphInputs(self._dev.get("xq" if mxfp8 else "x", x_shape, x_dtype),
                                      self._dev.get("ids", idsh.shape, torch.int32), self._dev.get("w", wh.shape, torch.float32),
                                      self._dev.get("xs", sh.shape, torch.uint8) if sh is not None else None)
             for host, device in zip((xh, idsh, wh, sh), inputs):
                 if host is not None:
                     device.copy_(host, non_blocking=True)
+            if x_direct:  # one copy per request, each from its own place in shared memory
+                row = 0
+                for r in requests:
+                    inputs.x[row:row + r.tokens].copy_(r.x, non_blocking=True)
+                    row += r.tokens
             xd, idsd, wd, xsd = inputs
             if xsd is not None and graphs is None:  # a backend without graphs takes the model dtype: dequantize first
-                xd = self._dequantize(xd, xsd, self._dev.get("x", xh.shape, first.dtype))
+                xd = self._dequantize(xd, xsd, self._dev.get("x", x_shape, first.dtype))
                 xsd = None
             if unchecked:
                 flag, flag_h, flag_np = self._nonfinite_flag()

@@ -433,6 +433,60 @@ def test_outputs_reach_registered_memory_by_dma(tiny_checkpoint: Path, tokens: i
         arena.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [5, 100, 600], ids=["graph", "chunks", "eager"])  # graphs to 64, chunks to 512
+@pytest.mark.parametrize("mxfp8", [False, True], ids=["bf16", "mxfp8"])
+def test_inputs_in_registered_memory_go_to_the_device_from_there(tiny_checkpoint: Path, tokens: int, mxfp8: bool) -> None:
+    """Requests whose x lies in a registered shared arena (a compute process's views) are copied to the device
+    from there, one copy each, without the pinned staging; the outputs equal those of the same requests in plain
+    memory; a batch with one x outside the arena goes through the staging as before; so does everything after
+    unregistering."""
+    from lutb_kernels.checkpoint import Checkpoint
+    from lutb_server.shared_arena import ALIGN, SharedArena, dtype_name
+
+    ckpt = Checkpoint(tiny_checkpoint)
+    gpu_engine = ExpertEngine(ckpt, choose_backend("packed", ckpt.config, torch.device("cuda")), validate_tiles=False)
+    worker = ComputeWorker(gpu_engine, cuda_graph_max_tokens=64, cuda_graph_top_k=2)
+    sizes = [tokens, 3, tokens // 2 + 1, 1]
+    if mxfp8:
+        plain, _ = _mxfp8_requests(gpu_engine, sizes, seed=tokens + 5)
+    else:
+        plain = _requests(gpu_engine, sizes, k=2, seed=tokens + 5)
+    want = worker.run(plain).outputs
+    hidden = gpu_engine.config.hidden_size
+    arena = SharedArena.create(sum(sizes) * hidden * 2 + len(sizes) * 2 * ALIGN + (1 << 16))
+    try:
+        arena.memory.fill_(0xFF)  # poison between the slots
+        in_arena, offset = [], ALIGN
+        for r in plain:
+            view = arena.view((offset, dtype_name(r.x.dtype), tuple(r.x.shape)))
+            view.copy_(r.x)
+            in_arena.append(PreparedRequest(r.layer, view, r.topk_ids, r.topk_weights, False, "combined",
+                                            r.x_scales, r.x_dtype))
+            offset += -(-r.x.numel() * r.x.element_size() // ALIGN) * ALIGN + ALIGN
+        assert worker.register_host_memory(arena.memory) is True
+        assert worker._registered_sources(in_arena) and not worker._registered_sources(plain)
+        staged = worker._host._bufs.get("x")
+        if staged is not None:
+            staged.fill_(0xFF)  # the staging's x, poisoned: the direct path must neither read nor write it
+        got = worker.run(in_arena).outputs
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        if staged is not None:
+            assert worker._host._bufs["x"] is staged and bool((staged == 0xFF).all())
+        mixed = [in_arena[0], plain[1], *in_arena[2:]]  # one x outside the arena: all through the staging
+        assert not worker._registered_sources(mixed)
+        for g, w in zip(worker.run(mixed).outputs, want):
+            assert torch.equal(g, w)
+        worker.unregister_host_memory(arena.memory)
+        assert not worker._registered_sources(in_arena)
+        for g, w in zip(worker.run(in_arena).outputs, want):
+            assert torch.equal(g, w)
+    finally:
+        worker.unregister_host_memory(arena.memory)
+        arena.close()
+
+
 def test_a_worker_that_cannot_use_its_device_fails_jobs_instead_of_hanging(engine: ExpertEngine,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(device: object) -> None:
