@@ -8,7 +8,9 @@ and awaits the returned ``concurrent.futures.Future``. On the worker thread, per
    (page-locked on a CUDA device; grown on demand, never shrunk, so after the first few
    batches nothing is allocated per request or per batch on the way in);
 2. one non-blocking host-to-device copy per tensor (x, topk_ids, topk_weights) on the
-   worker's own CUDA stream, into the static input buffers of the CUDA graph the batch will
+   worker's own CUDA stream (x that already lies in memory given to :meth:`ComputeWorker.register_host_memory`,
+   a compute process's views of its serving processes' arenas, skips the staging: one copy per request from
+   there), into the static input buffers of the CUDA graph the batch will
    replay (:class:`~lutb_kernels.experts.graphs.CudaGraphExperts`) or into reusable device
    buffers when it runs eagerly; MXFP8 input carried as sent (``PreparedRequest.x_scales``)
    crosses as its bytes and scales, half the bytes, into the graphs' static rows for it, whose
