@@ -36,6 +36,8 @@ TORCH_TO_PROTO: dict[torch.dtype, int] = {
 }
 PROTO_TO_TORCH: dict[int, torch.dtype] = {v: k for k, v in TORCH_TO_PROTO.items()}
 _ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in TORCH_TO_PROTO}
+_BIT_CARRIERS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
+"""Torch dtypes numpy has no type for, and the integer dtype of their width that carries their bits to numpy."""
 _NUMPY: dict[torch.dtype, np.dtype] = {
     torch.bfloat16: np.dtype("<u2"),  # numpy has no bfloat16 or float8: their bit patterns
     torch.float16: np.dtype("<f2"),
@@ -126,10 +128,6 @@ class WireTensor(NamedTuple):
     def nbytes(self) -> int:
         return len(self.data)
 
-    def numel(self) -> int:
-        """Elements (``torch.Tensor.numel``'s name, so that code reading a shape takes either)."""
-        return self.nbytes // _ITEMSIZE[self.dtype]
-
     def numpy(self) -> np.ndarray:
         """A read-only numpy view of the bytes in :attr:`shape`: numpy's own dtype where it has one, bfloat16 as
         uint16 and float8 as uint8 bit patterns."""
@@ -147,12 +145,41 @@ def as_tensor(t: torch.Tensor | WireTensor) -> torch.Tensor:
     return t.tensor() if isinstance(t, WireTensor) else t
 
 
+def host_array(t: torch.Tensor | WireTensor) -> np.ndarray:
+    """A numpy view of ``t``'s values, no copy, as :meth:`WireTensor.numpy` gives it (bfloat16 and float8 as their
+    bit patterns); a torch tensor keeps its strides (one not on the CPU is copied there first)."""
+    if isinstance(t, WireTensor):
+        return t.numpy()
+    t = t.detach() if t.device.type == "cpu" else t.detach().cpu()
+    carrier = _BIT_CARRIERS.get(t.dtype)
+    array = (t if carrier is None else t.view(carrier)).numpy()
+    return array.view(_NUMPY[t.dtype]) if t.dtype in _NUMPY else array
+
+
 def host_bytes(t: torch.Tensor | WireTensor) -> bytes | np.ndarray:
-    """``t``'s row-major bytes as a buffer (e.g. to assign to a slice of shared memory): a WireTensor's own bytes, or
-    a uint8 numpy view of a CPU tensor (copied first only when it is not contiguous)."""
+    """``t``'s row-major bytes as a buffer: a WireTensor's own bytes, or a flat uint8 numpy view of a CPU tensor
+    (copied first only when it is not contiguous)."""
     if isinstance(t, WireTensor):
         return t.data
-    return t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    return host_array(t.contiguous()).reshape(-1).view(np.uint8)
+
+
+def pack_bytes(parts: Iterable[torch.Tensor | WireTensor], out: np.ndarray) -> None:
+    """``parts``' row-major bytes one after another into ``out``, a flat uint8 array they must fill exactly (shared
+    memory, a staging buffer): one copy each, no torch call for a WireTensor.
+
+    Raises:
+        ValueError: the parts hold more or fewer bytes than ``out``.
+    """
+    offset = 0
+    for part in parts:
+        data = np.frombuffer(host_bytes(part), dtype=np.uint8)
+        if offset + data.size > out.size:
+            raise ValueError(f"the parts hold more bytes than the destination ({out.size})")
+        out[offset:offset + data.size] = data
+        offset += data.size
+    if offset != out.size:
+        raise ValueError(f"the parts hold {offset} bytes, the destination {out.size}")
 
 
 def encode_tensor(tensor: torch.Tensor | WireTensor, out: pb.Tensor | None = None) -> pb.Tensor:
@@ -213,7 +240,9 @@ __all__ = [
     "decode_tensor",
     "dtype_name",
     "encode_tensor",
+    "host_array",
     "host_bytes",
+    "pack_bytes",
     "to_proto_dtype",
     "to_torch_dtype",
 ]

@@ -18,7 +18,7 @@ from typing import Union
 import numpy as np
 import torch
 
-from lutb_client.codec import WireTensor, as_tensor
+from lutb_client.codec import WireTensor, as_tensor, host_array
 from lutb_kernels.checkpoint import Checkpoint, CheckpointConfig, check_layer
 from lutb_kernels.experts.base import LayerExperts
 from lutb_kernels.reference import OutputMode
@@ -39,24 +39,8 @@ _FLOAT_BITS: dict[torch.dtype, tuple[np.dtype, int]] = {
 }
 """Per float dtype: its bit patterns' numpy dtype, and its exponent mask."""
 
-_BIT_PATTERNS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
-"""Torch dtypes numpy has no type for, and the integer dtype of their width that carries their bits to numpy."""
-
 HostTensor = Union[torch.Tensor, WireTensor]
 """A request tensor on the host: a torch CPU tensor, or still the bytes it came in (the servicer's)."""
-
-
-def _host_array(t: HostTensor, bits: np.dtype | None = None) -> np.ndarray:
-    """A numpy view of ``t``'s values, no copy (as :meth:`WireTensor.numpy`: bfloat16 and float8 as their bit
-    patterns); ``bits``: reinterpreted as that dtype of the same width."""
-    if isinstance(t, WireTensor):
-        array = t.numpy()
-    else:
-        t = t.detach() if t.device.type == "cpu" else t.detach().cpu()
-        if t.dtype in _BIT_PATTERNS:
-            t = t.view(_BIT_PATTERNS[t.dtype])
-        array = t.numpy()
-    return array if bits is None else array.view(bits)
 
 
 def _nonfinite(t: HostTensor) -> int:
@@ -67,7 +51,7 @@ def _nonfinite(t: HostTensor) -> int:
     common case is one masking pass and one reduction.
     """
     bits_dtype, mask = _FLOAT_BITS[t.dtype]
-    bits = _host_array(t, bits_dtype)
+    bits = host_array(t).view(bits_dtype)
     if not bits.size:
         return 0
     exponents = np.bitwise_and(bits, mask)
@@ -240,13 +224,13 @@ class ExpertEngine:
             raise InvalidArgument(
                 f"hidden_scales: shape {list(scales.shape)} does not match [T, H/{BLOCK}] = [{tokens}, {hidden // BLOCK}] (hidden_states {list(q.shape)})"
             )
-        scale_bytes = _host_array(scales)
+        scale_bytes = host_array(scales)
         largest = int(scale_bytes.max()) if scale_bytes.size else 0
         if largest == 255:  # E8M0's NaN; locate the culprit
             bad = np.argwhere(scale_bytes == 255)
             row, block = (int(v) for v in bad[0])
             raise InvalidArgument(f"hidden_scales: {len(bad)} scale byte(s) are 255 (E8M0 NaN), first at row {row}, block {block}")
-        magnitudes = np.bitwise_and(_host_array(q), 0x7F)
+        magnitudes = np.bitwise_and(host_array(q), 0x7F)
         if magnitudes.size and int(magnitudes.max()) == 0x7F:  # e4m3's NaN codes 0x7F/0xFF (one pass in the common case)
             nan = int(np.count_nonzero(magnitudes == 0x7F))
             raise InvalidArgument(f"hidden_states: {nan} MXFP8 value(s) are NaN (e4m3 codes 0x7F/0xFF)")
@@ -256,8 +240,8 @@ class ExpertEngine:
             # (the largest scale is known: straight to the bit operations, without mxfp8_dequantize_fast's own read of it)
             return mxfp8_dequantize_into(as_tensor(q), as_tensor(scales), torch.empty(q.shape, dtype=self.model_dtype)), None
         x = mxfp8_dequantize_fast(as_tensor(q), as_tensor(scales), self.model_dtype)
-        if _nonfinite(x):
-            count = _nonfinite(x)
+        count = _nonfinite(x)
+        if count:
             raise InvalidArgument(
                 f"hidden_states: {count} MXFP8 value(s) are NaN or overflow {self.model_dtype} when dequantized (hidden_scales too large?)"
             )
@@ -320,7 +304,7 @@ class ExpertEngine:
         if apply_router_weight_on_input and ids.shape[1] != 1:
             raise InvalidArgument(f"apply_router_weight_on_input: needs top-k == 1, got k = {ids.shape[1]} (topk_ids)")
         num_experts = self.config.num_experts
-        id_values = _host_array(ids)
+        id_values = host_array(ids)
         if id_values.size:
             low, high = int(id_values.min()), int(id_values.max())
             if low < 0 or high >= num_experts:

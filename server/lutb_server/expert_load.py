@@ -20,10 +20,10 @@ from typing import Protocol
 
 import numpy as np
 import torch
-
-from lutb_client.codec import WireTensor
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+from lutb_client.codec import WireTensor, host_array
 
 METRIC = "lutb_expert_tokens"
 """Family name; the exported sample is ``lutb_expert_tokens_total``."""
@@ -75,8 +75,7 @@ class ExpertLoad(Collector):
         if self._engine is not engine:
             self.bind(engine)
         held = self._held.get(request.layer)
-        ids = request.topk_ids
-        ids = ids.numpy() if isinstance(ids, WireTensor) else ids.detach().cpu().numpy()
+        ids = host_array(request.topk_ids)
         if held is None or ids.size == 0:
             return
         counts = np.bincount(ids.reshape(-1), minlength=self._num_experts)[: self._num_experts]

@@ -20,9 +20,12 @@ from __future__ import annotations
 import mmap
 import os
 from collections import deque
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+
+from lutb_client.codec import WireTensor, pack_bytes
 
 ALIGN = 256
 """Bytes every tensor's offset is a multiple of (cache lines, and any dtype's alignment)."""
@@ -72,6 +75,7 @@ class SharedArena:
         self._owner = owner
         self._map = mmap.mmap(fd, size)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        self._array = self._bytes.numpy()  # the same bytes for numpy (write)
         self._typed: dict[str, torch.Tensor] = {}  # the whole arena as a flat tensor of each dtype met (for view)
         self._geometry: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, tuple[int, ...], int, int]] = {}
         """(dtype, shape) -> (flat tensor of that dtype, strides, bytes, itemsize): view's arithmetic, once per shape."""
@@ -97,6 +101,7 @@ class SharedArena:
     def close(self) -> None:
         """Unmap and close the descriptor (the memory goes when both processes have closed it)."""
         self._bytes = torch.empty(0, dtype=torch.uint8)
+        self._array = self._bytes.numpy()
         self._typed.clear()
         self._geometry.clear()
         try:
@@ -184,10 +189,9 @@ class SharedArena:
         # one as_strided instead of slice + two views: ~3x cheaper, and a batch makes 8 of them
         return flat.as_strided(shape, strides, offset // itemsize)
 
-
-    def write(self, slot: Slot | tuple[int, str, tuple[int, ...]], parts: list[bytes | memoryview]) -> None:
-        """Copy ``parts`` (buffers of bytes, e.g. :func:`lutb_client.codec.host_bytes`) one after another into
-        ``slot``, which they must fill exactly: one ``memcpy`` each, no tensor made.
+    def write(self, slot: Slot | tuple[int, str, tuple[int, ...]], parts: Sequence[torch.Tensor | WireTensor]) -> None:
+        """Copy ``parts`` (CPU tensors or WireTensors of the slot's dtype) one after another into ``slot``, which they
+        must fill exactly (:func:`lutb_client.codec.pack_bytes`: one copy each, no torch call for a WireTensor).
 
         Raises:
             ValueError: the parts do not hold the slot's bytes, or the slot lies outside the arena.
@@ -196,15 +200,7 @@ class SharedArena:
         end = offset + _nbytes(getattr(torch, dtype), shape)
         if offset < 0 or end > self.size:
             raise ValueError(f"slot {tuple(slot)} lies outside the arena ({self.size} bytes)")
-        at = offset
-        for part in parts:
-            n = memoryview(part).nbytes
-            if at + n > end:
-                raise ValueError(f"the parts hold more bytes than slot {tuple(slot)}")
-            self._map[at:at + n] = part
-            at += n
-        if at != end:
-            raise ValueError(f"the parts hold {at - offset} bytes, slot {tuple(slot)} {end - offset}")
+        pack_bytes(parts, self._array[offset:end])
 
     def read(self, offset: int, nbytes: int) -> bytes:
         """A copy of ``nbytes`` of the arena from ``offset`` (one ``memcpy``, no tensor made)."""

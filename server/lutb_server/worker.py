@@ -57,7 +57,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import numpy as np
 import torch
 
-from lutb_client.codec import WireTensor, as_tensor, host_bytes
+from lutb_client.codec import WireTensor, as_tensor, pack_bytes
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts
 from lutb_kernels.experts.graphs import DEFAULT_MAX_TOKENS, CudaGraphExperts, GraphInputs, StaticBuffers, is_capture_safe
@@ -171,13 +171,7 @@ class _Buffers:
         flat = self._bytes.get(name)
         if flat is None:
             flat = self._bytes[name] = self._bufs[name].numpy()
-        offset = 0
-        for part in parts:
-            data = np.frombuffer(host_bytes(part), dtype=np.uint8)
-            flat[offset:offset + data.size] = data
-            offset += data.size
-        if offset != view.numel() * view.element_size():
-            raise ValueError(f"{name}: the parts hold {offset} bytes, a {tuple(shape)} {dtype} batch {view.numel() * view.element_size()}")
+        pack_bytes(parts, flat[:view.numel() * view.element_size()])
         return view
 
     @property
@@ -437,30 +431,27 @@ class ComputeWorker:
             if err != 0:
                 log.warning("cudaHostUnregister failed (cudaError %d)", err)
 
+    def _in_registered(self, t: object) -> bool:
+        """Whether ``t`` is a contiguous CPU tensor lying wholly inside memory given to :meth:`register_host_memory`
+        (a compute process's views of its serving processes' arenas): the device's copy engine reads and writes it
+        there."""
+        if not isinstance(t, torch.Tensor) or not t.is_contiguous():
+            return False
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        return any(a <= start and end <= b for a, b in self._registered.items())
+
     def _by_dma(self, into: Sequence[torch.Tensor | None] | None) -> list[bool] | None:
         """Per destination, whether it lies inside registered memory (the device writes it); None when none does."""
         if into is None or not self._registered:
             return None
-        spans = self._registered.items()
-        direct = [dest is not None and any(a <= dest.data_ptr() < b for a, b in spans) for dest in into]
+        direct = [self._in_registered(dest) for dest in into]
         return direct if any(direct) else None
 
     def _registered_sources(self, requests: list[PreparedRequest]) -> bool:
-        """Whether every request's ``x`` is a contiguous CPU tensor inside memory given to
-        :meth:`register_host_memory` (a compute process's views of its serving processes' arenas), so that the
-        device's copy engine can read it there: no gathering into the pinned staging first."""
-        if not self._registered:
-            return False
-        spans = self._registered.items()
-        for r in requests:
-            x = r.x
-            if not isinstance(x, torch.Tensor) or not x.is_contiguous():
-                return False
-            start = x.data_ptr()
-            end = start + x.numel() * x.element_size()
-            if not any(a <= start and end <= b for a, b in spans):
-                return False
-        return True
+        """Whether every request's ``x`` lies in registered memory (:meth:`_in_registered`), so that the device copies
+        it from there: no gathering into the pinned staging first."""
+        return bool(self._registered) and all(self._in_registered(r.x) for r in requests)
 
     def _gather(self, requests: list[PreparedRequest], buffers: _Buffers, *, with_x: bool = True
                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -661,7 +661,7 @@ class ProcessComputeWorker:
             assert self._arena is not None
             *placed, out = (tuple(slot) for slot in slots)  # plain tuples pickle ~3x cheaper than Slots
             for parts, slot in zip(inputs, placed):
-                self._arena.write(slot, [host_bytes(part) for part in parts])
+                self._arena.write(slot, parts)
             x, ids, w, *scales = placed
         else:
             self.inline_batches += 1
@@ -741,14 +741,12 @@ class ProcessComputeWorker:
         outputs: list[WireTensor] = []
         if result is None:  # in the output slot: each request's bytes copied out before the span is given back
             assert self._arena is not None and slots is not None
-            offset, dtype_str, (_, *row) = slots[-1]
-            dtype = getattr(torch, dtype_str)
-            row_bytes = dtype.itemsize * math.prod(row)
-            for n in tokens:
-                outputs.append(WireTensor(dtype, (n, *row), self._arena.read(offset, n * row_bytes)))
-                offset += n * row_bytes
+            offset, dtype, shape = slots[-1]
+            outputs = _split_rows(self._arena.read, offset, getattr(torch, dtype), shape, tokens)
         elif not isinstance(result, BaseException):
-            outputs = _split_wire(WireTensor.from_message(result), tokens)
+            whole = WireTensor.from_message(result)
+            outputs = [whole] if len(tokens) == 1 else _split_rows(
+                lambda at, n: whole.data[at:at + n], 0, whole.dtype, whole.shape, tokens)
         if slots is not None:
             with self._lock:
                 if self._arena is not None and self._gone is None:
@@ -788,14 +786,15 @@ def _joined(parts: list[torch.Tensor | WireTensor], shape: tuple[int, ...]) -> W
     return WireTensor(parts[0].dtype, shape, b"".join(host_bytes(part) for part in parts))
 
 
-def _split_wire(whole: WireTensor, tokens: list[int]) -> list[WireTensor]:
-    """``whole`` split along dim 0 into parts of ``tokens`` rows (copies of its bytes; itself for one part)."""
-    if len(tokens) == 1:
-        return [whole]
-    row_bytes = whole.nbytes // max(whole.shape[0], 1)
-    parts, offset = [], 0
+def _split_rows(read: Callable[[int, int], bytes], offset: int, dtype: torch.dtype, shape: Sequence[int],
+                tokens: list[int]) -> list[WireTensor]:
+    """A batch's output of ``shape`` (``dtype``, from ``offset`` of what ``read(offset, nbytes)`` copies out: the
+    arena, or an inline message's bytes) as one WireTensor per request of ``tokens`` rows."""
+    _, *row = shape
+    row_bytes = dtype.itemsize * math.prod(row)
+    parts = []
     for n in tokens:
-        parts.append(WireTensor(whole.dtype, (n, *whole.shape[1:]), whole.data[offset:offset + n * row_bytes]))
+        parts.append(WireTensor(dtype, (n, *row), read(offset, n * row_bytes)))
         offset += n * row_bytes
     return parts
 

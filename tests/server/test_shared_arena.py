@@ -84,13 +84,13 @@ def test_a_slot_outside_the_arena_is_refused(arena: SharedArena) -> None:
 def test_write_fills_a_slot_with_the_parts_bytes_and_read_returns_them(arena: SharedArena, splits: list[int]) -> None:
     """``write`` puts the parts one after another (WireTensor bytes and numpy views of torch tensors alike),
     touches nothing outside the slot, and the other process's mapping sees it; ``read`` copies bytes back out."""
-    from lutb_client.codec import WireTensor, encode_tensor, host_bytes
+    from lutb_client.codec import WireTensor, encode_tensor
 
     whole = torch.randn(sum(splits), 5).to(torch.bfloat16)
     parts, row = [], 0
     for i, n in enumerate(splits):  # alternate the two forms a request tensor can take
         part = whole[row:row + n]
-        parts.append(host_bytes(WireTensor.from_message(encode_tensor(part)) if i % 2 else part))
+        parts.append(WireTensor.from_message(encode_tensor(part)) if i % 2 else part)
         row += n
     arena.memory.fill_(0xAB)
     slot = Slot(2 * ALIGN, "bfloat16", (sum(splits), 5))
@@ -106,13 +106,16 @@ def test_write_fills_a_slot_with_the_parts_bytes_and_read_returns_them(arena: Sh
 
 
 def test_write_refuses_parts_that_do_not_fill_the_slot(arena: SharedArena) -> None:
+    from lutb_client.codec import WireTensor
+
     slot = Slot(0, "float32", (2, 3))
+    five, two = WireTensor(torch.float32, (5,), b"\0" * 20), WireTensor(torch.float32, (2,), b"\0" * 8)
     with pytest.raises(ValueError, match="hold 20 bytes"):
-        arena.write(slot, [b"\0" * 20])
+        arena.write(slot, [five])
     with pytest.raises(ValueError, match="more bytes"):
-        arena.write(slot, [b"\0" * 20, b"\0" * 8])
+        arena.write(slot, [five, two])
     with pytest.raises(ValueError, match="outside"):
-        arena.write(Slot(7 * ALIGN, "float32", (ALIGN,)), [b""])
+        arena.write(Slot(7 * ALIGN, "float32", (ALIGN,)), [])
     with pytest.raises(ValueError, match="outside"):
         arena.read(8 * ALIGN - 4, 8)
 

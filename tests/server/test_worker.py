@@ -566,3 +566,29 @@ def test_staging_takes_wire_tensors_and_torch_tensors(forms: list[str], dtype: t
     if "wire" in forms:
         with pytest.raises(ValueError, match="bytes"):
             buffers.fill("x", (whole.shape[0] + 1, 6), dtype, parts)
+
+
+def test_what_counts_as_registered_memory(engine: ExpertEngine) -> None:
+    """The predicates behind the DMA paths (their copies run on CUDA only): a contiguous CPU tensor wholly inside a
+    registered span counts; one straddling its end, a strided view, a WireTensor or anything outside does not."""
+    from lutb_client.codec import WireTensor, encode_tensor
+
+    worker = ComputeWorker(engine)
+    big = torch.zeros(8192, dtype=torch.uint8)
+    memory = big[:4096]  # the registered span: the first half
+    inside = memory[256:1280].view(torch.bfloat16).view(8, 64)
+    straddling = big[4000:4200]
+    outside = torch.zeros(8, 64, dtype=torch.bfloat16)
+    assert not worker._in_registered(inside)  # nothing registered yet
+    worker._registered[memory.data_ptr()] = memory.data_ptr() + memory.numel()  # as register_host_memory records it
+    assert worker._in_registered(inside) and worker._in_registered(memory)
+    assert not worker._in_registered(memory[4000:].view(torch.uint8).unsqueeze(0).expand(2, -1))  # not contiguous
+    assert not worker._in_registered(inside.t())
+    assert not worker._in_registered(outside) and not worker._in_registered(straddling)
+    assert not worker._in_registered(WireTensor.from_message(encode_tensor(outside)))
+    assert worker._by_dma([inside, None, outside]) == [True, False, False]
+    assert worker._by_dma([outside, None]) is None and worker._by_dma(None) is None
+    r = _requests(engine, [8], seed=2)[0]
+    in_memory = PreparedRequest(r.layer, memory[:8 * 128 * 2].view(torch.bfloat16).view(8, 128), r.topk_ids,
+                                r.topk_weights, False, "combined")
+    assert worker._registered_sources([in_memory, in_memory]) and not worker._registered_sources([in_memory, r])
