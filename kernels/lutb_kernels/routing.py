@@ -35,7 +35,8 @@ def moe_align_block_size(
     A route is one (token, slot) pair; its flat index is ``token * k + slot``.
 
     Args:
-        topk_ids: int32/int64 ``[T, k]`` global expert ids in ``[0, num_experts)``.
+        topk_ids: int32/int64 ``[T, k]`` global expert ids in ``[0, num_experts)``. Ids outside that
+            range (-1: a padding route) get no rows, as in :func:`~lutb_kernels.routing_triton.moe_align_block_size_triton`.
         block_m: rows per block of the grouped GEMM.
         num_experts: the global expert count.
         expert_map: optional int32 ``[num_experts]`` mapping a global id to the local
@@ -61,11 +62,12 @@ def moe_align_block_size(
     max_padded = max_padded_routes(num_routes, block_m, num_experts)
     num_blocks = -(-max_padded // block_m)
 
-    if expert_map is None:
+    valid = (flat >= 0) & (flat < num_experts)
+    if expert_map is None or not num_experts:
         local = flat
-    else:
-        local = expert_map.to(device=device, dtype=torch.long)[flat]
-    held = local >= 0
+    else:  # clamped: an id out of range must not index the map (-1 would read its last entry)
+        local = expert_map.to(device=device, dtype=torch.long)[flat.clamp(0, num_experts - 1)]
+    held = valid & (local >= 0) & (local < num_experts)
     if held_out is not None:
         check_held_out(held_out, num_routes, device)
         held_out.view(-1).copy_(held)

@@ -110,16 +110,20 @@ def test_block_m_one_and_single_expert() -> None:
     _check(torch.zeros(5, 1, dtype=torch.int32), 16, 1, torch.tensor([-1], dtype=torch.int32))
 
 
-def test_ids_out_of_range_get_no_rows() -> None:
-    """Not the reference's contract (it indexes out of range): the kernel must stay in bounds."""
-    ids = torch.tensor([[0, 9], [-1, 2], [1, 3]], dtype=torch.int32)  # 9, -1 and 3 are not experts of 3
-    held = torch.ones(3, 2, dtype=torch.bool)
-    sorted_ids, expert_ids, total = moe_align_block_size_triton(ids, 4, 3, held_out=held)  # 6 + 3 * 3 = 15 rows, 4 blocks
-    assert held.tolist() == [[True, False], [False, True], [True, False]]
-    assert int(total) == 12 and sorted_ids.numel() == 15
-    assert sorted_ids[:12].tolist() == [0, 6, 6, 6, 4, 6, 6, 6, 3, 6, 6, 6]
-    assert expert_ids.tolist() == [0, 1, 2, -1]
-    assert (sorted_ids[12:] == 6).all()
+@pytest.mark.parametrize("align", [moe_align_block_size_triton, moe_align_block_size], ids=["triton", "torch"])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_ids_out_of_range_get_no_rows(align, mapped: bool) -> None:  # noqa: ANN001
+    """Ids outside [0, E) (-1: CudaGraphExperts' padding routes) get no rows and are not held, with or without a
+    map: the kernel stays in bounds, and the torch op must not read the map's last entry for -1."""
+    ids = torch.tensor([[0, 9], [-1, 2], [1, 3], [-1, -1]], dtype=torch.int32)  # 9, -1 and 3 are not experts of 3
+    emap = torch.tensor([0, 1, 2], dtype=torch.int32) if mapped else None
+    held = torch.ones(4, 2, dtype=torch.bool)
+    sorted_ids, expert_ids, total = align(ids, 4, 3, emap, held_out=held)  # 8 + 3 * 3 = 17 rows, 5 blocks
+    assert held.tolist() == [[True, False], [False, True], [True, False], [False, False]]
+    assert int(total) == 12 and sorted_ids.numel() == 17
+    assert sorted_ids[:12].tolist() == [0, 8, 8, 8, 4, 8, 8, 8, 3, 8, 8, 8]
+    assert expert_ids.tolist() == [0, 1, 2, -1, -1]
+    assert (sorted_ids[12:] == 8).all()
 
 
 def test_bad_arguments_refused() -> None:
