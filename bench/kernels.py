@@ -407,7 +407,8 @@ def _packed_only(name: str):  # noqa: ANN202
     return LutBPackedExperts(cfg, layer, "cuda")
 
 
-# "held": whole layers (these) build no held mask since whole_layer; the stage stays for shards.
+# "held": every forward has the routing kernel write the held mask since 2026-12-06 (padding routes, id -1, are not
+# held); "held (emap index)" is the three torch launches it replaced, kept for comparison.
 STAGES_NOT_SUMMED = ("whole forward", "moe_align_block_size (triton)", "held (emap index)", "moe_align_block_size (triton) + held")
 
 

@@ -11,6 +11,7 @@ from lutb_kernels.experts.graphs import (
     CHUNK_FACTOR,
     CudaGraphExperts,
     GraphKey,
+    PAD_ROUTE,
     StaticBuffers,
     bucket_for,
     is_capture_safe,
@@ -41,6 +42,10 @@ class CaptureSafeReference(ReferenceExperts):
     def forward_unchecked(self, x, topk_ids, topk_weights, *, apply_router_weight_on_input=False,  # noqa: ANN001
                           output_mode="combined", nonfinite=None, out=None):
         self.calls.append((x.shape[0], topk_ids.shape[1], apply_router_weight_on_input, output_mode))
+        # padding routes (-1): the reference takes no such id; expert 0 with weight 0 adds nothing either (not held by
+        # the shard fixture; the whole one computes row by row, and a padding row's x is 0)
+        padding = topk_ids == PAD_ROUTE
+        topk_ids, topk_weights = topk_ids.masked_fill(padding, 0), topk_weights.masked_fill(padding, 0)
         if nonfinite is not None and not bool(torch.isfinite(x).all()):
             nonfinite.fill_(1)
             x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
@@ -120,9 +125,14 @@ def test_refuses_unsafe_backends_and_graphs_on_cpu(shard: CaptureSafeReference) 
         CudaGraphExperts(shard, use_graphs=True)
 
 
-def test_pad_expert_prefers_one_not_held(shard: CaptureSafeReference, whole: RowwiseReference) -> None:
-    assert CudaGraphExperts(shard, use_graphs=False).pad_expert == 0  # not held: padding costs no GEMM rows
-    assert CudaGraphExperts(whole, use_graphs=False).pad_expert == 0  # all held: a held one, weight 0
+def test_padding_routes_go_to_no_expert(shard: CaptureSafeReference, whole: RowwiseReference) -> None:
+    """Padding rows route to -1, whole layer or shard: no expert, so no GEMM rows (a held expert's would cost them)."""
+    assert PAD_ROUTE == -1
+    for inner in (shard, whole):
+        wrapper = CudaGraphExperts(inner, max_tokens=8, use_graphs=False)
+        inner.calls.clear()
+        wrapper.forward_unchecked(*_batch(3, 2, inner.config.num_experts, seed=1))
+        assert bool((wrapper._entries[GraphKey(4, 2, False, "combined")].ids[3:] == -1).all())
     assert CudaGraphExperts(whole, use_graphs=False).name == "reference"
 
 
@@ -147,7 +157,7 @@ def test_padding_does_not_change_real_rows(request: pytest.FixtureRequest, fixtu
         assert inner.calls == [(bucket, k, on_input, mode)]
         entry = wrapper._entries[GraphKey(bucket, k, on_input, mode)]
         assert bool((entry.x[tokens:] == 0).all()) and bool((entry.w[tokens:] == 0).all())
-        assert bool((entry.ids[tokens:] == wrapper.pad_expert).all())
+        assert bool((entry.ids[tokens:] == PAD_ROUTE).all())
 
 
 @pytest.mark.parametrize("held", [[0, 1, 2, 3], [1, 3]], ids=["whole", "shard"])
@@ -191,7 +201,7 @@ def test_layers_share_input_rows_and_outputs() -> None:
         assert torch.equal(got, layers[layer].forward(x, ids, w)), (layer, tokens)
         if tokens <= 16:
             rows = wrappers[layer]._entries[GraphKey(bucket_for(tokens, wrappers[layer].buckets), 2, False, "combined")].rows
-            assert bool((rows.x[tokens:] == 0).all()) and bool((rows.ids[tokens:] == wrappers[layer].pad_expert).all())
+            assert bool((rows.x[tokens:] == 0).all()) and bool((rows.ids[tokens:] == PAD_ROUTE).all())
     shared = {key: e.rows for key, e in wrappers[0]._entries.items()}
     assert all(e.rows is shared[key] for key, e in wrappers[1]._entries.items() if key in shared) and shared
     assert all(e.out_buffer is wrappers[0]._entries[key].out_buffer for key, e in wrappers[1]._entries.items() if key in shared)
@@ -266,7 +276,7 @@ def test_mxfp8_input_is_dequantized_inside_the_graph(request: pytest.FixtureRequ
         want = inner.forward(dense, ids, w)
         bucket = bucket_for(tokens, wrapper.buckets)
         if mxfp8 and bucket is not None:  # whatever the x rows hold now must not reach the result
-            rows = wrapper._buffers.rows(bucket, 2, H, torch.bfloat16, torch.device("cpu"), wrapper.pad_expert)
+            rows = wrapper._buffers.rows(bucket, 2, H, torch.bfloat16, torch.device("cpu"))
             rows.x[:tokens].fill_(float("nan"))
         inner.calls.clear()
         got = wrapper.forward_unchecked(q if mxfp8 else x, ids, w, x_scales=scales if mxfp8 else None)
@@ -277,7 +287,7 @@ def test_mxfp8_input_is_dequantized_inside_the_graph(request: pytest.FixtureRequ
         assert inner.calls == [(bucket, 2, False, "combined")]
         rows = wrapper._entries[GraphKey(bucket, 2, False, "combined")].rows
         dequantized = rows.dequantized
-        assert bool((rows.x[tokens:] == 0).all()) and bool((rows.ids[tokens:] == wrapper.pad_expert).all())
+        assert bool((rows.x[tokens:] == 0).all()) and bool((rows.ids[tokens:] == PAD_ROUTE).all())
         if rows.xq is not None:
             assert bool((rows.xq[tokens:].view(torch.uint8) == 0).all()) and bool((rows.xs[tokens:] == 0).all())
     assert set(wrapper.graphs) == {GraphKey(b, 2, False, "combined") for b in (2, 4, 8, 16)}  # one graph whichever input
@@ -385,7 +395,7 @@ def _eager_twin(inner, wrapper, x, ids, w, on_input: bool, mode: str) -> torch.T
     parts = []
     for start in range(0, tokens, largest):
         stop = min(start + largest, tokens)
-        args = _padded(x[start:stop], ids[start:stop], w[start:stop], bucket_for(stop - start, wrapper.buckets), wrapper.pad_expert)
+        args = _padded(x[start:stop], ids[start:stop], w[start:stop], bucket_for(stop - start, wrapper.buckets), PAD_ROUTE)
         parts.append(inner.forward_unchecked(*args, apply_router_weight_on_input=on_input, output_mode=mode)[:stop - start].clone())
     return torch.cat(parts)
 
@@ -393,8 +403,8 @@ def _eager_twin(inner, wrapper, x, ids, w, on_input: bool, mode: str) -> torch.T
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["packed", "emulated"])
 @pytest.mark.parametrize(("held", "k", "mode", "on_input"), [
-    (list(range(6)), 4, "combined", False),       # a shard: pad expert 6 is not held
-    (list(range(8)), 2, "combined", False),       # every expert held: pad rows go to expert 0 with weight 0
+    (list(range(6)), 4, "combined", False),       # a shard
+    (list(range(8)), 2, "combined", False),       # every expert held: padding routes (-1) still get no rows
     (list(range(8)), 3, "route_major", False),
     ([1, 3, 5], 1, "combined", True),
 ])

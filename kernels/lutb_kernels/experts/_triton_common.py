@@ -6,13 +6,16 @@ The skeleton (spec section 4, for every backend that batches the experts with gr
     routing = moe_align_block_size(topk_ids, route_block, E, expert_map, held_out=held)
                                                                   one Triton launch at decode sizes, torch ops above
                                                                   (triton_routing_wins); held: bool [T, k], the
-                                                                  route's expert is held here (None: whole layer)
+                                                                  route's expert is held here
     y = backend._routed_forward(...)                              [T*k, H], rows of held routes
     flag check (host sync: NaN/Inf met by an MXFP8 quantization)
     combined:    moe_combine(y, held)   (float32 sum over held routes, rounded to d)
     route-major: y with the rows of routes not held zeroed        [T, k, H]
 
-``forward_unchecked`` is the same without the checks and syncs, for CUDA-graph capture.
+``forward_unchecked`` is the same without the checks and syncs, for CUDA-graph capture. It also takes padding
+routes (id -1, what :class:`~lutb_kernels.experts.graphs.CudaGraphExperts` fills a bucket's unused rows with):
+not held, so they get no GEMM rows and the activation's NaN/Inf check skips them; a whole layer's route-major rows
+for them are left unspecified (only padding tokens have them, and nobody reads those).
 Nothing here imports triton; the ops import their kernels when first launched.
 """
 
@@ -118,7 +121,7 @@ class RoutedTritonExperts(LayerExperts):
         super().__init__(config, weights, device)
         self._emap = self.expert_map()
         self.whole_layer = self.num_local_experts == config.num_experts
-        """Every expert of the layer is held: every (valid) route is, so no held mask is built."""
+        """Every expert of the layer is held: every route but padding is, so route-major output skips the masking."""
 
     def launch_key(self, num_tokens: int, top_k: int) -> tuple:
         """What picks the compiled kernels of a forward over ``num_tokens`` tokens of ``top_k`` routes each.
@@ -172,7 +175,7 @@ class RoutedTritonExperts(LayerExperts):
         self,
         x: torch.Tensor,
         topk_weights: torch.Tensor,
-        held: torch.Tensor | None,
+        held: torch.Tensor,
         routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         top_k: int,
         route_block: int,
@@ -183,7 +186,7 @@ class RoutedTritonExperts(LayerExperts):
     ) -> torch.Tensor:
         """Spec steps 1-6 for the held routes: ``[T*k, H]`` in ``x.dtype`` (other rows unspecified).
 
-        ``held``: bool ``[T, k]``, the routes whose expert is held here; None when all are.
+        ``held``: bool ``[T, k]``, the routes whose expert is held here (not padding, and for a shard its own).
         """
         raise NotImplementedError
 
@@ -232,7 +235,8 @@ class RoutedTritonExperts(LayerExperts):
     ) -> torch.Tensor:
         """:meth:`forward` without validation and without host syncs (CUDA-graph capturable).
 
-        The caller vouches for the arguments (as :meth:`forward` checks them) and, when it
+        The caller vouches for the arguments (as :meth:`forward` checks them, except that an id may be -1: a padding
+        route, which costs no GEMM rows and adds nothing) and, when it
         passes an int32 ``[1]`` ``nonfinite`` flag, reads it afterwards: 1 means an MXFP8
         quantization met NaN/Inf and the output must not be used. ``out``: optional ``[T, H]``
         in the model dtype that receives a ``combined`` output (ignored for ``route_major``).
@@ -250,8 +254,9 @@ class RoutedTritonExperts(LayerExperts):
             nonfinite = torch.zeros(1, dtype=torch.int32, device=self.device)
         x = x.contiguous()
         weights = topk_weights.float().contiguous()
-        # [T, k]: which routes go to experts held here, written by the routing op (no mask for a whole layer)
-        held = None if self.whole_layer else torch.empty((tokens, top_k), dtype=torch.bool, device=self.device)
+        # [T, k]: which routes go to experts held here, written by the routing op; a whole layer needs it for padding
+        # routes (id -1), whose activation rows are never computed and must not reach the NaN/Inf check
+        held = torch.empty((tokens, top_k), dtype=torch.bool, device=self.device)
         route_block = self.route_block(tokens * top_k)
         align = moe_align_block_size_triton if triton_routing_wins(topk_ids.numel(), self.config.num_experts) else moe_align_block_size
         routing = align(topk_ids, route_block, self.config.num_experts, expert_map=self._emap, held_out=held)
@@ -262,5 +267,5 @@ class RoutedTritonExperts(LayerExperts):
         )
         if output_mode == "route_major":
             y = y.view(tokens, top_k, hidden)
-            return y if held is None else y.masked_fill(~held.unsqueeze(-1), 0)
+            return y if self.whole_layer else y.masked_fill(~held.unsqueeze(-1), 0)
         return moe_combine(y, held, top_k, out=out)

@@ -54,8 +54,9 @@ class LayerExperts(ABC):
     of the shapes only, allocations only through torch's caching allocator, NaN/Inf only
     flagged (``nonfinite |= 1``, never cleared, never raised), each token's output a
     function of its own row alone for a given batch size (padding rows cannot change real
-    rows), and a ``combined`` output written into ``out`` (``[T, H]``, model dtype) and returned
-    when ``out`` is given. :class:`lutb_kernels.experts.graphs.CudaGraphExperts` captures only such backends."""
+    rows), a route of id -1 (a padding route, :data:`lutb_kernels.experts.graphs.PAD_ROUTE`) taken as no
+    expert's (no GEMM rows, nothing added to the output, outside the NaN/Inf check), and a ``combined`` output
+    written into ``out`` (``[T, H]``, model dtype) and returned when ``out`` is given. :class:`lutb_kernels.experts.graphs.CudaGraphExperts` captures only such backends."""
 
     def __init__(self, config: CheckpointConfig, weights: LayerWeights, device: torch.device | str) -> None:
         self.config = config

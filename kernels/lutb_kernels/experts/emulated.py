@@ -83,7 +83,7 @@ class LutBEmulationTritonExperts(RoutedTritonExperts):
         expected = self.held_routes(routes)
         grouped_gemm(a1, self.w13, h, None, sorted_ids, expert_ids, ntpp, top_k, block_m=route_block, allow_tf32=True,
                      held_routes=expected)
-        a2 = act_mxfp8_qdq(h, self.config.activation, mode, row_mask=held.reshape(-1) if held is not None else None, nonfinite=nonfinite)  # type: ignore[arg-type]
+        a2 = act_mxfp8_qdq(h, self.config.activation, mode, row_mask=held.reshape(-1), nonfinite=nonfinite)  # type: ignore[arg-type]
         y = torch.empty((routes, self.config.hidden_size), dtype=x.dtype, device=self.device)
         grouped_gemm(a2, self.w2, y, topk_weights if weight_on_output else None, sorted_ids, expert_ids, ntpp, 1,
                      block_m=route_block, allow_tf32=True, held_routes=expected)

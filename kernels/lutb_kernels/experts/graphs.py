@@ -9,8 +9,8 @@ output_mode)``, one captured graph of ``forward_unchecked`` on static input rows
 outputs are the graph's own). The wrappers given one :class:`StaticBuffers` share those rows and
 outputs: a worker's layers, whose graphs replay one at a time. A batch of ``T`` tokens runs the graph of the smallest
 bucket ``B >= T`` (buckets: powers of two up to ``max_tokens``, and ``max_tokens``
-itself): rows ``T..B-1`` are *padding* (hidden state 0, router weight 0, every route to
-:attr:`CudaGraphExperts.pad_expert`) and the output is sliced to ``T`` rows. A batch above
+itself): rows ``T..B-1`` are *padding* (hidden state 0, router weight 0, every route
+:data:`PAD_ROUTE`) and the output is sliced to ``T`` rows. A batch above
 the largest bucket runs in *chunks*, up to ``max_chunked_tokens`` tokens (by default
 :data:`CHUNK_FACTOR` times the largest bucket): consecutive replays of the largest bucket's
 graph and one smaller for the rest, their outputs copied into one tensor, all on the stream
@@ -31,10 +31,10 @@ layers keep one graph per variant and bucket whichever input comes. Padding rows
 which dequantizes to ``x = 0``.
 
 Padding never changes a real row: a capture-safe backend computes each token from its
-own row and routes only. The pad expert is a global id this layer does *not* hold when
-there is one (its routes get no GEMM rows at all, so padding is free), else the first
-held expert (its pad rows compute zeros: ``x = 0`` gives ``h = 0`` and ``act(0) = 0`` for
-every activation, and the weight is 0).
+own row and routes only. Nor does it cost GEMM work: a padding route's id, :data:`PAD_ROUTE` (-1), is no expert,
+so the routing gives it no rows (``LayerExperts.capture_safe``). Until 2026-12-06 a layer holding every expert
+padded with its first expert instead, whose rows then came to the bucket's unused tokens times top-k: a qwen3 batch
+of 272 tokens, in the 512-token graph, ran 1920 padding rows through that expert.
 
 Which graphs exist: :meth:`CudaGraphExperts.capture` captures one variant for every
 bucket at start-up (the server captures ``combined`` output, weights on the output, its
@@ -72,6 +72,8 @@ DEFAULT_MAX_VARIANTS = 8
 """Most (top_k, weighting, output mode) variants one layer captures graphs for."""
 CHUNK_FACTOR = 8
 """Batches of up to this many times the largest bucket run as chunks of graph replays (see the module docstring)."""
+PAD_ROUTE = -1
+"""The expert id of every route of a padding row: no expert, so it gets no GEMM rows and adds nothing."""
 
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
@@ -136,10 +138,9 @@ class _InputRows:
     and for MXFP8 input (made on first use) its codes ``xq [B, H]`` and scales ``xs [B, H/32]``, which
     :meth:`dequantize` turns into ``x``."""
 
-    def __init__(self, bucket: int, top_k: int, hidden: int, dtype: torch.dtype, device: torch.device, pad_expert: int) -> None:
-        self.pad_expert = pad_expert
+    def __init__(self, bucket: int, top_k: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         self.x = torch.zeros((bucket, hidden), dtype=dtype, device=device)
-        self.ids = torch.full((bucket, top_k), pad_expert, dtype=torch.int32, device=device)
+        self.ids = torch.full((bucket, top_k), PAD_ROUTE, dtype=torch.int32, device=device)
         self.w = torch.zeros((bucket, top_k), dtype=torch.float32, device=device)
         self._codes: torch.Tensor | None = None  # uint8 [B, H]: xq's bytes (zeroed as bytes)
         self.xq: torch.Tensor | None = None
@@ -204,7 +205,7 @@ class _InputRows:
         """Make rows ``tokens..`` padding again (only those a previous, larger batch wrote), in every row set."""
         if self.real_rows > tokens:
             self.x[tokens:self.real_rows].zero_()
-            self.ids[tokens:self.real_rows].fill_(self.pad_expert)
+            self.ids[tokens:self.real_rows].fill_(PAD_ROUTE)
             self.w[tokens:self.real_rows].zero_()
             if self._codes is not None and self.xs is not None:
                 self._codes[tokens:self.real_rows].zero_()
@@ -223,15 +224,15 @@ class StaticBuffers:
     """
 
     def __init__(self) -> None:
-        self._rows: dict[tuple[int, int, int, torch.dtype, str, int], _InputRows] = {}
+        self._rows: dict[tuple[int, int, int, torch.dtype, str], _InputRows] = {}
         self._outputs: dict[tuple[int, int, torch.dtype, str], torch.Tensor] = {}
 
-    def rows(self, bucket: int, top_k: int, hidden: int, dtype: torch.dtype, device: torch.device, pad_expert: int) -> _InputRows:
+    def rows(self, bucket: int, top_k: int, hidden: int, dtype: torch.dtype, device: torch.device) -> _InputRows:
         """The rows of this shape (made on first use)."""
-        key = (bucket, top_k, hidden, dtype, str(device), pad_expert)
+        key = (bucket, top_k, hidden, dtype, str(device))
         rows = self._rows.get(key)
         if rows is None:
-            rows = self._rows[key] = _InputRows(bucket, top_k, hidden, dtype, device, pad_expert)
+            rows = self._rows[key] = _InputRows(bucket, top_k, hidden, dtype, device)
         return rows
 
     def output(self, bucket: int, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -343,19 +344,11 @@ class CudaGraphExperts(LayerExperts):
             raise ValueError(f"max_chunked_tokens must be >= 0 or None, got {max_chunked_tokens}")
         largest = self.buckets[-1] if self.buckets else 0
         self.max_chunked_tokens = CHUNK_FACTOR * largest if max_chunked_tokens is None else max_chunked_tokens
-        self.pad_expert = self._choose_pad_expert()
         self._buffers = StaticBuffers() if buffers is None else buffers
         self._entries: dict[GraphKey, _Entry] = {}
         self._variants: set[tuple[int, bool, str]] = set()
         self._dequantize = dequantize_into_op(self.device)  # MXFP8 input: the rows' dequantization graphs, or eagerly
         self.capture_seconds = 0.0
-
-    def _choose_pad_expert(self) -> int:
-        held = set(self.expert_ids.tolist())
-        for e in range(self.config.num_experts):
-            if e not in held:
-                return e
-        return int(self.expert_ids[0])
 
     # -- LayerExperts ------------------------------------------------------------------------
 
@@ -429,7 +422,7 @@ class CudaGraphExperts(LayerExperts):
         entry = self._entries.get(key)
         if entry is None:
             hidden, dtype = self.config.hidden_size, self.config.torch_dtype
-            rows = self._buffers.rows(key.bucket, key.top_k, hidden, dtype, self.device, self.pad_expert)
+            rows = self._buffers.rows(key.bucket, key.top_k, hidden, dtype, self.device)
             out = self._buffers.output(key.bucket, hidden, dtype, self.device) if key.output_mode == "combined" else None
             entry = _Entry(key, rows, out, self.device)
             self._entries[key] = entry
@@ -593,6 +586,7 @@ __all__ = [
     "CudaGraphExperts",
     "GraphInputs",
     "GraphKey",
+    "PAD_ROUTE",
     "StaticBuffers",
     "bucket_for",
     "is_capture_safe",

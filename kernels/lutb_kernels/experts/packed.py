@@ -177,7 +177,7 @@ class LutBPackedExperts(RoutedTritonExperts):
             a1, s1 = mxfp8_quantize(x, mode, k_order=order, row_weight=row_weight, nonfinite=nonfinite)  # type: ignore[arg-type]
         h = torch.empty((routes, self.w13.shape[1] * 128), dtype=x.dtype, device=self.device)
         gemm(a1, s1, self.w13, h, None, routing, top_k, route_block)
-        row_mask = held.reshape(-1) if held is not None else None
+        row_mask = held.reshape(-1)
         if dequantized:
             a2, s2 = act_mxfp8_qdq(h, self.config.activation, mode, row_mask=row_mask, k_order=order,  # type: ignore[arg-type]
                                    out_dtype=a_dtype, nonfinite=nonfinite), None

@@ -82,11 +82,47 @@ def test_forward_unchecked_writes_a_combined_output_into_out(backend: str, held:
     assert ex.forward_unchecked(x[:0], ids[:0], w[:0], out=empty) is empty
 
 
-def test_whole_layer_builds_no_held_mask() -> None:
-    """A layer holding every expert (in any order) skips the held mask; a shard builds it."""
+def test_whole_layer() -> None:
+    """A layer holding every expert (in any order) is whole; one holding some is a shard."""
     cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=4)
     assert LutBPackedExperts(cfg, make_layer(cfg, [2, 0, 3, 1]), "cpu").whole_layer
     assert not LutBPackedExperts(cfg, make_layer(cfg, [0, 1, 2]), "cpu").whole_layer
+
+
+@pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
+@pytest.mark.parametrize("held", [[2, 0, 3, 1], [1, 3]], ids=["whole", "shard"])
+@pytest.mark.parametrize("mode", ["combined", "route_major"])
+def test_padding_routes_get_no_rows(backend: str, held: list[int], mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens padded as CudaGraphExperts pads a bucket (x 0, weights 0, every id -1) get no GEMM rows, whole layer
+    or shard: the routing's rows in use are those of the real tokens alone; the real tokens' outputs are the
+    reference's, and nothing is flagged."""
+    import lutb_kernels.experts._triton_common as common
+    from lutb_kernels.routing import moe_align_block_size
+
+    totals = []
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        routing = moe_align_block_size(*args, **kwargs)
+        totals.append(int(routing[2]))
+        return routing
+
+    monkeypatch.setattr(common, "moe_align_block_size_triton", spy)
+    monkeypatch.setattr(common, "moe_align_block_size", spy)
+    cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=4, activation="silu", dtype="float32")
+    layer = make_layer(cfg, held, seed=8)
+    real, bucket = 5, 8
+    x, ids, w = make_batch(real, 2, 4, 128, cfg.torch_dtype, seed=9)
+    xp, idp, wp = torch.zeros(bucket, 128), torch.full((bucket, 2), -1, dtype=torch.int32), torch.zeros(bucket, 2)
+    xp[:real], idp[:real], wp[:real] = x, ids, w
+    ex = _make(backend, cfg, layer)
+    flag = torch.zeros(1, dtype=torch.int32)
+    got = ex.forward_unchecked(xp, idp, wp, output_mode=mode, nonfinite=flag)
+    want = ReferenceExperts(cfg, layer, "cpu").forward(x, ids, w, output_mode=mode)
+    assert int(flag) == 0 and rel_l2(got[:real], want) <= TOL[torch.float32]
+    block = ex.route_block(bucket * 2)
+    assert totals == [int(moe_align_block_size(ids, block, 4, ex.expert_map())[2])]  # the real tokens' rows only
+    if mode == "route_major" and not ex.whole_layer:
+        assert not got[real:].any()  # a shard's routes not held are zeros
 
 
 @pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
