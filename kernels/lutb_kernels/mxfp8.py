@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+import numpy as np
 import torch
 
 from lutb_kernels.errors import NonFiniteInputError
@@ -117,12 +118,16 @@ FAST_DEQUANTIZE_MAX_SCALE = 246
 normal float32 up to ``s = 246`` (above, it hands over to :func:`mxfp8_dequantize`)."""
 
 
-def e4m3_nan_count(q: torch.Tensor) -> int:
-    """How many elements of a float8_e4m3fn tensor are NaN (codes 0x7F and 0xFF); one byte pass."""
-    magnitude = q.view(torch.uint8) & 0x7F
-    if not magnitude.numel() or int(magnitude.max()) != 0x7F:  # the common case: one cheap reduction
+def e4m3_nan_count(q: torch.Tensor | np.ndarray) -> int:
+    """How many float8_e4m3fn values are NaN (codes 0x7F and 0xFF); one byte pass in the common case.
+
+    ``q``: a float8_e4m3fn tensor, or its codes as a uint8 numpy array (a server's view of the bytes it received:
+    no torch call)."""
+    codes = q.view(torch.uint8).cpu().numpy() if isinstance(q, torch.Tensor) else q
+    magnitude = np.bitwise_and(codes, 0x7F)
+    if not magnitude.size or int(magnitude.max()) != 0x7F:  # the common case: one cheap reduction
         return 0
-    return int((magnitude == 0x7F).sum())
+    return int(np.count_nonzero(magnitude == 0x7F))
 
 
 def mxfp8_dequantize_fast(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -208,7 +208,7 @@ class ExpertEngine:
         Raises:
             InvalidArgument: the message names the field.
         """
-        from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize_fast, mxfp8_dequantize_into, mxfp8_max_finite_scale
+        from lutb_kernels.mxfp8 import BLOCK, e4m3_nan_count, mxfp8_dequantize_fast, mxfp8_dequantize_into, mxfp8_max_finite_scale
 
         hidden = self.config.hidden_size
         if q.dtype != torch.float8_e4m3fn:
@@ -230,9 +230,8 @@ class ExpertEngine:
             bad = np.argwhere(scale_bytes == 255)
             row, block = (int(v) for v in bad[0])
             raise InvalidArgument(f"hidden_scales: {len(bad)} scale byte(s) are 255 (E8M0 NaN), first at row {row}, block {block}")
-        magnitudes = np.bitwise_and(host_array(q), 0x7F)
-        if magnitudes.size and int(magnitudes.max()) == 0x7F:  # e4m3's NaN codes 0x7F/0xFF (one pass in the common case)
-            nan = int(np.count_nonzero(magnitudes == 0x7F))
+        nan = e4m3_nan_count(host_array(q))
+        if nan:
             raise InvalidArgument(f"hidden_states: {nan} MXFP8 value(s) are NaN (e4m3 codes 0x7F/0xFF)")
         if largest <= mxfp8_max_finite_scale(self.model_dtype):  # every value finite: no pass over x to check it
             if self.device.type == "cuda":

@@ -204,4 +204,6 @@ def test_dequantize_into_on_the_gpu_equals_the_reference(dtype: torch.dtype) -> 
 def test_e4m3_nan_count_finds_both_nan_codes() -> None:
     codes = torch.tensor([0x00, 0x7F, 0x7E, 0xFF, 0x80, 0xFE], dtype=torch.uint8).view(torch.float8_e4m3fn)
     assert e4m3_nan_count(codes) == 2
+    assert e4m3_nan_count(codes.view(torch.uint8).numpy()) == 2  # the codes as a server reads them off the wire
+    assert e4m3_nan_count(codes[:0]) == 0
     assert int(torch.isnan(codes.float()).sum()) == 2  # the same two, by torch's own conversion
