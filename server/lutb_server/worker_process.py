@@ -217,6 +217,13 @@ class _Connection:
     def fileno(self) -> int:  # for select
         return self.sock.fileno()
 
+    def close(self) -> None:
+        """Unmap the arena (if any) and close the socket: the serving process is gone."""
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        self.sock.close()
+
     def handshake(self) -> None:
         """Receive the serving process's arena (its first message: one byte, the descriptor attached)."""
         kind, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
@@ -411,11 +418,16 @@ class _Inbox:
         return batches
 
     def release_closed(self) -> None:
-        """Un-page-lock the arenas of connections that are gone and have no batch left to run."""
+        """Let go of the connections that are gone and have no batch left to run: un-page-lock their arenas, unmap
+        them and close their sockets."""
         for c in [c for c in self.closed if all(batch[0] is not c for batch in self.ahead)]:
             self.closed.remove(c)
-            if c.arena is not None:
-                self._worker.unregister_host_memory(c.arena.memory)
+            self._let_go(c)
+
+    def _let_go(self, c: _Connection) -> None:
+        if c.arena is not None:
+            self._worker.unregister_host_memory(c.arena.memory)
+        c.close()
 
     def _handshake(self, c: _Connection) -> None:
         self.waiting.remove(c)
@@ -428,6 +440,7 @@ class _Inbox:
             self.open.append(c)
         except (EOFError, OSError) as exc:
             log.warning("a serving process left before its handshake (%s)", exc)
+            self._let_go(c)
 
     def _take(self, c: _Connection) -> None:
         """Read ``c``'s next message: a batch joins ``ahead``; EOF (or the stop) closes the connection. A batch read
@@ -557,6 +570,7 @@ class ProcessComputeWorker:
         self._loop_thread: threading.Thread | None = None  # only for a private loop
         self._on_gone = on_gone
         self._closing = False
+        self._starting: socket.socket | None = None  # the socket start() waits on for the child's "ready"
         self.info: dict[str, Any] = {}
         self.batches = 0
         self._process: BaseProcess | None = process
@@ -596,7 +610,12 @@ class ProcessComputeWorker:
             ours = self._connection
         process = self._process
         arena = SharedArena.create(self.arena_bytes) if self.arena_bytes else None
+        with self._lock:
+            self._starting = ours  # close() meanwhile shuts it: the wait below ends
+            closed = self._closing
         try:
+            if closed:
+                raise EOFError("closed before it started")
             if arena is not None:
                 socket.send_fds(ours, [b"A"], [arena.fd])
             else:
@@ -604,12 +623,19 @@ class ProcessComputeWorker:
             kind, payload = _recv(ours)
         except (EOFError, OSError):
             kind, payload = "failed", None
-        if kind != "ready":
+        with self._lock:
+            self._starting = None
+            closed = self._closing
+        if kind != "ready" or closed:
             ours.close()
             if arena is not None:
                 arena.close()
             if process is not None:
+                if closed:
+                    process.terminate()
                 process.join(5)
+            if closed:
+                raise ComputeWorkerGone("the compute worker is closed (it was closed before or while it started)")
             if payload is None:
                 code = process.exitcode if process is not None else "unknown"
                 raise ComputeWorkerGone(f"the compute process exited while starting (exit code {code})")
@@ -680,13 +706,24 @@ class ProcessComputeWorker:
     def close(self, timeout: float | None = None) -> None:
         """Let the child finish this worker's queued batches and disconnect; where this process
         started the child, wait for it to exit (it does once every front end has disconnected;
-        terminated after ``timeout`` seconds).
+        terminated after ``timeout`` seconds). While :meth:`start` still waits for the child on another thread (a
+        server stopped while loading), this ends that wait at once: ``start`` raises :class:`ComputeWorkerGone` and
+        the child it spawned is terminated. A closed worker does not start again.
 
         Blocking: call it off the I/O loop.
         """
+        with self._lock:
+            self._closing = True
+            starting = self._starting
         if not self._started:
+            if starting is not None:  # start() is waiting for the child's "ready" on another thread: end that wait
+                try:
+                    starting.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                if self._process is not None:
+                    self._process.terminate()  # it was loading; start() reaps it
             return
-        self._closing = True
         assert self._loop is not None
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._write, None)

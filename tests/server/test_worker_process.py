@@ -629,6 +629,87 @@ def test_the_next_batches_are_read_while_a_call_runs(monkeypatch: pytest.MonkeyP
     assert events == ["call 2", "read", "call 1", "read", "answer 3", "call 1", "read", "answer 4"]
 
 
+def test_close_while_start_waits_for_the_child_ends_the_wait() -> None:
+    """A server stopped while its compute process loads (SIGTERM during start-up): ``close()`` from another thread
+    ends ``start()``'s wait for "ready" at once (ComputeWorkerGone), the child sees its serving process go, and the
+    worker does not start afterwards."""
+    import socket
+    import threading
+
+    from lutb_server import worker_process as wp
+
+    ours, theirs = socket.socketpair()
+    child_saw: list[bytes] = []
+
+    def slow_child() -> None:  # shakes hands, then "loads" far longer than the test waits
+        socket.recv_fds(theirs, 1, 1)
+        theirs.settimeout(30)
+        child_saw.append(theirs.recv(1))  # b"": the serving process went away
+
+    child = threading.Thread(target=slow_child, daemon=True)
+    child.start()
+    worker = wp.ProcessComputeWorker(wp.WorkerSpec("unused", "reference", "cpu"), connection=ours, arena_bytes=1 << 20)
+    outcome: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            worker.start()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - examined below
+            outcome.append(exc)
+
+    starting = threading.Thread(target=start)
+    began = time.monotonic()
+    starting.start()
+    time.sleep(0.3)
+    worker.close(10)
+    starting.join(10)
+    child.join(10)
+    try:
+        assert not starting.is_alive() and time.monotonic() - began < 5
+        assert len(outcome) == 1 and isinstance(outcome[0], wp.ComputeWorkerGone), outcome
+        assert child_saw == [b""] and not worker._started
+        with pytest.raises(wp.ComputeWorkerGone):
+            worker.start()  # closed: it does not start again
+    finally:
+        theirs.close()
+
+
+def test_a_serving_process_gone_during_the_handshake_leaves_nothing_page_locked() -> None:
+    """A serving process that sent its arena and left before the child said ready (killed while the child loaded):
+    the child un-page-locks and unmaps that arena and closes the socket, instead of holding them until it exits."""
+    import socket
+
+    from lutb_server import worker_process as wp
+    from lutb_server.shared_arena import SharedArena
+
+    class Worker:
+        def __init__(self) -> None:
+            self.registered: set[int] = set()
+
+        def register_host_memory(self, memory) -> bool:
+            self.registered.add(memory.data_ptr())
+            return True
+
+        def unregister_host_memory(self, memory) -> None:
+            self.registered.discard(memory.data_ptr())
+
+    front, child = socket.socketpair()
+    arena = SharedArena.create(1 << 20)
+    try:
+        socket.send_fds(front, [b"A"], [arena.fd])
+        front.close()  # gone before the child's "ready"
+        worker = Worker()
+        c = wp._Connection(child)
+        inbox = wp._Inbox([c], worker, ("ready", {}))
+        inbox.read()  # the handshake: attached and page-locked, then the "ready" cannot be sent
+        assert not inbox and not inbox.waiting and not inbox.open and not inbox.closed
+        assert worker.registered == set() and c.arena is None and child.fileno() == -1
+    finally:
+        arena.close()
+        child.close()
+
+
 def test_a_closed_connections_arena_stays_page_locked_until_its_last_batch_ran() -> None:
     """_Inbox: a batch and then the stop, both read while calls run (two calls of one round): the batch still runs
     (the inbox is not done while it waits), and the arena is un-page-locked only after the call that ran it, never
@@ -647,7 +728,7 @@ def test_a_closed_connections_arena_stays_page_locked_until_its_last_batch_ran()
     front, child = socket.socketpair()
     try:
         c = wp._Connection(child)
-        c.arena = SimpleNamespace(memory="arena A", size=0)  # type: ignore[assignment]
+        c.arena = SimpleNamespace(memory="arena A", size=0, close=lambda: events.append(("unmap", "arena A")))  # type: ignore[assignment]
         inbox = wp._Inbox([], Worker(), None)
         inbox.open.append(c)
         x, ids, w = torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)
@@ -662,7 +743,8 @@ def test_a_closed_connections_arena_stays_page_locked_until_its_last_batch_ran()
         (batch,) = inbox.pop()
         assert batch[0] is c and torch.equal(batch[2].x, x) and batch[3] is None
         inbox.release_closed()  # after the call that ran it
-        assert events == [("unregister", "arena A")] and not inbox and inbox.received == 1
+        assert events == [("unregister", "arena A"), ("unmap", "arena A")] and not inbox and inbox.received == 1
+        assert c.arena is None and c.sock.fileno() == -1  # its mapping and socket are let go too
     finally:
         front.close()
         child.close()
