@@ -40,3 +40,21 @@ def test_sm107_support_reasons() -> None:
     assert not ok and reason
     if native_op_registered().ok is False:
         assert "not registered" in native_op_registered().reason
+
+
+def test_a_triton_older_than_the_kernels_need_is_refused(monkeypatch) -> None:
+    """The routing kernel's masked ``tl.histogram`` needs triton >= 3.4: an older one is refused with the reason (not
+    left to fail at the first compile); a version that cannot be read passes."""
+    import pytest
+
+    from lutb_kernels.experts import _triton_common as common
+
+    if not common.triton_present().ok:
+        pytest.skip("triton is not installed")
+    for version, ok in [("3.3.1", False), ("3.2.0", False), ("2.3.1", False), ("3.4.0", True), ("3.6.0", True),
+                        ("3.10.0+git1a2b", True), ("4.0.0", True), (None, True), ("unknown", True)]:
+        monkeypatch.setattr(common, "_installed_version", lambda package, v=version: v)
+        support = common.triton_present()
+        assert support.ok is ok, (version, support)
+        if not ok:
+            assert support.reason.startswith(f"triton {version.rsplit('.', 1)[0]} is older than 3.4"), support.reason
