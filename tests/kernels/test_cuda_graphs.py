@@ -230,6 +230,19 @@ def test_refuses_a_negative_chunk_limit(shard: CaptureSafeReference, bad: int) -
         CudaGraphExperts(shard, max_tokens=16, use_graphs=False, max_chunked_tokens=bad)
 
 
+@pytest.mark.parametrize("tokens", [3, 4, 5, 40], ids=["graph", "bucket", "chunks", "eager"])
+@pytest.mark.parametrize("bad", ["hidden", "dtype"])
+def test_forward_refuses_hidden_states_the_static_rows_would_convert(shard: CaptureSafeReference, tokens: int,
+                                                                    bad: str) -> None:
+    """``forward`` refuses x of another width or dtype on every path, as the wrapped backend's ``forward`` does (a
+    graph's static rows would broadcast a [T, 1] x, or round another dtype, without a word)."""
+    wrapper = CudaGraphExperts(shard, max_tokens=4, use_graphs=False, max_chunked_tokens=16)
+    x, ids, w = _batch(tokens, 2, 8, seed=tokens)
+    x = x[:, :1].contiguous() if bad == "hidden" else x.to(torch.float16 if x.dtype != torch.float16 else torch.float32)
+    with pytest.raises(ValueError, match="hidden_states"):
+        wrapper.forward(x, ids, w)
+
+
 def test_static_inputs_path_and_returned_view(shard: CaptureSafeReference) -> None:
     wrapper = CudaGraphExperts(shard, max_tokens=8, use_graphs=False)
     x, ids, w = _batch(6, 2, 8, seed=7)

@@ -379,9 +379,20 @@ class CudaGraphExperts(LayerExperts):
         apply_router_weight_on_input: bool = False,
         output_mode: OutputMode = "combined",
     ) -> torch.Tensor:
-        """Validate (host syncs), run :meth:`forward_unchecked`, refuse NaN/Inf; returns a new tensor."""
+        """Validate (host syncs), run :meth:`forward_unchecked`, refuse NaN/Inf; returns a new tensor.
+
+        Raises:
+            ValueError: what the wrapped backend's ``forward`` refuses, and here also ``x`` not ``[T, H]`` in the
+                model dtype on this device (a graph's static rows would broadcast or convert it silently).
+        """
         check_forward_args(x, topk_ids, topk_weights, num_experts=self.config.num_experts,
                            apply_router_weight_on_input=apply_router_weight_on_input, output_mode=output_mode)
+        if x.shape[1] != self.config.hidden_size or x.dtype != self.config.torch_dtype:
+            raise ValueError(f"hidden_states must be [T, {self.config.hidden_size}] {self.config.torch_dtype}, "
+                             f"got {tuple(x.shape)} {x.dtype}")
+        for name, t in (("hidden_states", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if t.device != self.device:
+                raise ValueError(f"{name} must be on {self.device}, got {t.device}")
         flag = torch.zeros(1, dtype=torch.int32, device=self.device)
         out = self.forward_unchecked(x, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
                                      output_mode=output_mode, nonfinite=flag)
