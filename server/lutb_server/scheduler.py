@@ -113,6 +113,11 @@ class _Running:
     rerun: asyncio.Task[None] | None = None
 
 
+WORKER_CLOSE_TIMEOUT_S = 30.0
+"""How long :meth:`BatchScheduler.close` lets the worker finish: a thread worker's last batch, or a compute process
+that has to exit (terminated after this, so that a stuck child cannot hold the server's shutdown forever)."""
+
+
 class BatchScheduler:
     """Pools requests into experts calls (see the module docstring).
 
@@ -179,7 +184,7 @@ class BatchScheduler:
                 item.future.set_exception(Unavailable("server is shutting down; request not computed"))
         self._set_depth()
         if self._loop is not None:
-            await asyncio.to_thread(self.worker.close)
+            await asyncio.to_thread(self.worker.close, WORKER_CLOSE_TIMEOUT_S)
 
     @property
     def queue_depth(self) -> int:

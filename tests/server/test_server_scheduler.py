@@ -260,3 +260,31 @@ def test_a_lone_request_goes_to_the_worker_without_a_dispatcher_task() -> None:
             await s.close()
 
     _run(body())
+
+
+def test_close_gives_the_worker_a_finite_time() -> None:
+    """The worker's close gets a timeout (a compute process that does not exit is terminated after it), so a stuck
+    worker cannot hold the server's shutdown forever."""
+    from lutb_server.scheduler import WORKER_CLOSE_TIMEOUT_S
+
+    class Worker:
+        timeouts: list[float | None] = []
+
+        def start(self) -> None:
+            pass
+
+        def submit(self, requests):  # pragma: no cover - nothing is submitted
+            raise AssertionError
+
+        def close(self, timeout: float | None = None) -> None:
+            self.timeouts.append(timeout)
+
+    worker = Worker()
+
+    async def body() -> None:
+        s = BatchScheduler(FakeEngine(), worker=worker)
+        await s.start()
+        await s.close()
+
+    _run(body())
+    assert worker.timeouts == [WORKER_CLOSE_TIMEOUT_S] and 0 < WORKER_CLOSE_TIMEOUT_S < float("inf")
