@@ -335,7 +335,8 @@ def test_static_inputs_for_mxfp8_input(shard: CaptureSafeReference) -> None:
 
 def test_variants_are_bounded(shard: CaptureSafeReference) -> None:
     wrapper = CudaGraphExperts(shard, max_tokens=4, use_graphs=False, max_variants=2)
-    assert wrapper.capture(2) == 3  # buckets 1, 2, 4
+    assert wrapper.capture(2, buckets=(64, 0, 2)) == 1  # sizes no bucket holds are skipped, not the end of the list
+    assert wrapper.capture(2) == 2  # buckets 1 and 4: 2 was captured already
     assert wrapper.capture(2) == 0
     assert set(wrapper.graphs) == {GraphKey(b, 2, False, "combined") for b in (1, 2, 4)}
     x, ids, w = _batch(3, 3, 8, seed=9)

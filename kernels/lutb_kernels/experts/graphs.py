@@ -482,14 +482,15 @@ class CudaGraphExperts(LayerExperts):
         buckets: tuple[int, ...] | None = None,
         mxfp8_input: bool = False,
     ) -> int:
-        """Capture (or, without graphs, prepare) the graphs of one variant for every bucket, and with ``mxfp8_input``
-        the dequantization graphs of their rows (shared: those another layer captured count once); returns how many
-        graphs were captured."""
+        """Capture (or, without graphs, prepare) the graphs of one variant for every bucket (or for the buckets of the
+        sizes in ``buckets``; sizes no bucket holds are skipped), and with ``mxfp8_input`` the dequantization graphs of
+        their rows (shared: those another layer captured count once); returns how many graphs were captured. Nothing
+        when the variant is one beyond ``max_variants``."""
         done = 0
         for bucket in self.buckets if buckets is None else buckets:
             key = self.key_for(bucket, top_k, apply_router_weight_on_input, output_mode)
-            if key is None:
-                break
+            if key is None:  # no bucket holds it (0 or above the largest), or a variant beyond max_variants
+                continue
             if key not in self._entries:
                 self._entry(key)
                 done += 1
