@@ -854,7 +854,7 @@ def split_k_reduce_kernel(
     off = (route64 * N)[:, None] + cols[None, :]
     acc = tl.load(ws_ptr + off, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(ws_ptr + s * num_valid * N + off, mask=mask, other=0.0)
+        acc += tl.load(ws_ptr + (s * num_valid).to(tl.int64) * N + off, mask=mask, other=0.0)  # 64-bit, as off
     if MUL_WEIGHT:
         wt = tl.load(topk_w_ptr + route, mask=valid, other=0.0)
         acc = acc * wt[:, None]
