@@ -32,7 +32,7 @@ from lutb_kernels.checkpoint import DTYPES, CheckpointConfig, LayerWeights
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts, Support
 from lutb_kernels.mxfp8 import SCALE_MODES
-from lutb_kernels.reference import OutputMode, check_forward_args
+from lutb_kernels.reference import OutputMode
 from lutb_kernels.routing import moe_align_block_size
 from lutb_kernels.routing_triton import moe_align_block_size_triton, triton_routing_wins
 from lutb_kernels.tiles import TILE
@@ -216,18 +216,6 @@ class RoutedTritonExperts(LayerExperts):
         ``held``: bool ``[T, k]``, the routes whose expert is held here (not padding, and for a shard its own).
         """
         raise NotImplementedError
-
-    def _check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      apply_router_weight_on_input: bool, output_mode: OutputMode) -> None:
-        check_forward_args(
-            x, topk_ids, topk_weights, num_experts=self.config.num_experts,
-            apply_router_weight_on_input=apply_router_weight_on_input, output_mode=output_mode,
-        )
-        if x.shape[1] != self.config.hidden_size:
-            raise ValueError(f"hidden_states must have {self.config.hidden_size} columns, got {x.shape[1]}")
-        for name, t in (("hidden_states", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            if t.device != self.device:
-                raise ValueError(f"{name} must be on {self.device}, got {t.device}")
 
     def forward(
         self,

@@ -9,7 +9,7 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights
-from lutb_kernels.reference import OutputMode
+from lutb_kernels.reference import OutputMode, check_forward_args
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
@@ -63,6 +63,20 @@ class LayerExperts(ABC):
         self.device = resolve_device(device)
         self.expert_ids = weights.expert_ids.to(torch.int32)
         self.num_local_experts = int(self.expert_ids.numel())
+
+    def _check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      apply_router_weight_on_input: bool, output_mode: OutputMode) -> None:
+        """What ``forward`` refuses (ValueError naming the argument): :func:`~lutb_kernels.reference.check_forward_args`,
+        ``x`` without ``hidden_size`` columns, and any tensor not on :attr:`device`."""
+        check_forward_args(
+            x, topk_ids, topk_weights, num_experts=self.config.num_experts,
+            apply_router_weight_on_input=apply_router_weight_on_input, output_mode=output_mode,
+        )
+        if x.shape[1] != self.config.hidden_size:
+            raise ValueError(f"hidden_states must have {self.config.hidden_size} columns, got {x.shape[1]}")
+        for name, t in (("hidden_states", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if t.device != self.device:
+                raise ValueError(f"{name} must be on {self.device}, got {t.device}")
 
     @classmethod
     @abstractmethod

@@ -62,7 +62,7 @@ from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts, Support
 from lutb_kernels.mxfp8 import BLOCK
 from lutb_kernels.mxfp8_triton import dequantize_into_op
-from lutb_kernels.reference import OutputMode, check_forward_args
+from lutb_kernels.reference import OutputMode
 
 log = logging.getLogger(__name__)
 
@@ -385,14 +385,9 @@ class CudaGraphExperts(LayerExperts):
             ValueError: what the wrapped backend's ``forward`` refuses, and here also ``x`` not ``[T, H]`` in the
                 model dtype on this device (a graph's static rows would broadcast or convert it silently).
         """
-        check_forward_args(x, topk_ids, topk_weights, num_experts=self.config.num_experts,
-                           apply_router_weight_on_input=apply_router_weight_on_input, output_mode=output_mode)
-        if x.shape[1] != self.config.hidden_size or x.dtype != self.config.torch_dtype:
-            raise ValueError(f"hidden_states must be [T, {self.config.hidden_size}] {self.config.torch_dtype}, "
-                             f"got {tuple(x.shape)} {x.dtype}")
-        for name, t in (("hidden_states", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            if t.device != self.device:
-                raise ValueError(f"{name} must be on {self.device}, got {t.device}")
+        self._check_inputs(x, topk_ids, topk_weights, apply_router_weight_on_input, output_mode)
+        if x.dtype != self.config.torch_dtype:
+            raise ValueError(f"hidden_states must be {self.config.torch_dtype} (the checkpoint's model dtype), got {x.dtype}")
         flag = torch.zeros(1, dtype=torch.int32, device=self.device)
         out = self.forward_unchecked(x, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
                                      output_mode=output_mode, nonfinite=flag)
