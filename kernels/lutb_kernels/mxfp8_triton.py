@@ -26,9 +26,11 @@ Triton is optional: importing this module never imports triton.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import math
 import os
+import re
 from collections.abc import Callable
 from typing import Literal
 
@@ -45,12 +47,37 @@ KOrder = Literal["natural", "decoder"]
 K_ORDERS = ("natural", "decoder")
 
 
-def triton_available() -> bool:
-    """True when triton can be imported (the optional ``cuda`` extra)."""
+MIN_TRITON = (3, 4)
+"""The oldest triton the kernels compile with: the routing kernel counts with ``tl.histogram(..., mask=)``, which
+triton 3.4 introduced (3.2 and 3.3, what torch 2.6 and 2.7 ship, refuse it). Tested with 3.6.0."""
+
+
+def triton_installed() -> bool:
+    """True when triton can be imported (the optional ``cuda`` extra); triton is not imported."""
     try:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):  # a stub in sys.modules without a spec
         return False
+
+
+def triton_release() -> tuple[int, int] | None:
+    """The installed triton's ``(major, minor)`` from its package metadata (``3.4.0+git1234`` -> ``(3, 4)``); None
+    where there is none or it cannot be read."""
+    try:
+        version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:  # importable without metadata (a source tree on the path)
+        return None
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def triton_available() -> bool:
+    """True when triton is installed and not older than :data:`MIN_TRITON` (a version that cannot be read is given
+    the benefit of the doubt)."""
+    if not triton_installed():
+        return False
+    release = triton_release()
+    return release is None or release >= MIN_TRITON
 
 
 def interpreting() -> bool:

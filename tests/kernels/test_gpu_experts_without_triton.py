@@ -44,17 +44,30 @@ def test_sm107_support_reasons() -> None:
 
 def test_a_triton_older_than_the_kernels_need_is_refused(monkeypatch) -> None:
     """The routing kernel's masked ``tl.histogram`` needs triton >= 3.4: an older one is refused with the reason (not
-    left to fail at the first compile); a version that cannot be read passes."""
+    left to fail at the first compile), and the Triton MXFP8 ops are not chosen either; a version that cannot be read
+    passes."""
+    import importlib.metadata
+
     import pytest
 
+    from lutb_kernels import mxfp8_triton
     from lutb_kernels.experts import _triton_common as common
 
     if not common.triton_present().ok:
         pytest.skip("triton is not installed")
+
+    def metadata(version: str | None):
+        def read(package: str) -> str:
+            assert package == "triton"
+            if version is None:
+                raise importlib.metadata.PackageNotFoundError(package)
+            return version
+        return read
+
     for version, ok in [("3.3.1", False), ("3.2.0", False), ("2.3.1", False), ("3.4.0", True), ("3.6.0", True),
                         ("3.10.0+git1a2b", True), ("4.0.0", True), (None, True), ("unknown", True)]:
-        monkeypatch.setattr(common, "_installed_version", lambda package, v=version: v)
+        monkeypatch.setattr(importlib.metadata, "version", metadata(version))
         support = common.triton_present()
-        assert support.ok is ok, (version, support)
+        assert support.ok is ok and mxfp8_triton.triton_available() is ok, (version, support)
         if not ok:
             assert support.reason.startswith(f"triton {version.rsplit('.', 1)[0]} is older than 3.4"), support.reason

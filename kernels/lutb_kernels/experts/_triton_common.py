@@ -21,9 +21,6 @@ Nothing here imports triton; the ops import their kernels when first launched.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import re
 from typing import ClassVar
 
 import torch
@@ -32,6 +29,7 @@ from lutb_kernels.checkpoint import DTYPES, CheckpointConfig, LayerWeights
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts, Support
 from lutb_kernels.mxfp8 import SCALE_MODES
+from lutb_kernels.mxfp8_triton import MIN_TRITON, triton_installed, triton_release
 from lutb_kernels.reference import OutputMode
 from lutb_kernels.routing import moe_align_block_size
 from lutb_kernels.routing_triton import moe_align_block_size_triton, triton_routing_wins
@@ -40,39 +38,17 @@ from lutb_kernels.tiles import TILE
 # ----------------------------------------------------------------------------- support predicates
 
 
-MIN_TRITON = (3, 4)
-"""The oldest triton the kernels compile with: the routing kernel counts with ``tl.histogram(..., mask=)``, which
-triton 3.4 introduced (3.2 and 3.3, what torch 2.6 and 2.7 ship, refuse it). Tested with 3.6.0."""
-
-
 def triton_present() -> Support:
-    """triton is installed, and new enough (:data:`MIN_TRITON`; a version that cannot be read is given the benefit
-    of the doubt). Reads the package metadata only: triton is not imported."""
-    try:
-        found = importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):  # a stub in sys.modules without a spec
-        found = False
-    if not found:
+    """triton is installed, and not older than :data:`~lutb_kernels.mxfp8_triton.MIN_TRITON` (a version that cannot be
+    read is given the benefit of the doubt). Reads the package metadata only: triton is not imported."""
+    if not triton_installed():
         return Support(False, "triton is not installed (install the 'cuda' extra)")
-    version = _release(_installed_version("triton"))
-    if version is not None and version < MIN_TRITON:
+    release = triton_release()
+    if release is not None and release < MIN_TRITON:
         need = ".".join(map(str, MIN_TRITON))
-        return Support(False, f"triton {'.'.join(map(str, version))} is older than {need}, which the kernels need "
+        return Support(False, f"triton {'.'.join(map(str, release))} is older than {need}, which the kernels need "
                               f"(upgrade triton to >= {need}, with a torch built for it)")
     return Support(True, "triton present")
-
-
-def _installed_version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:  # importable without metadata (a source tree on the path)
-        return None
-
-
-def _release(version: str | None) -> tuple[int, int] | None:
-    """``(major, minor)`` of a version string such as ``3.6.0`` or ``3.4.0+git1234``; None where it has none."""
-    match = re.match(r"(\d+)\.(\d+)", version or "")
-    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def cuda_device(device: torch.device) -> Support:
