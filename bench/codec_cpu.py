@@ -3,9 +3,11 @@
 
     PYTHONPATH=kernels:client:server python bench/codec_cpu.py [--tokens 16] [--hidden 2048]
 
-Times, in a tight loop on one thread (torch intra-op threads 1, as a CUDA server runs): decoding
-the request's hidden states (`decode_tensor`), the validation's finiteness pass (`_all_finite`),
-encoding the output into a fresh response and serialising it. Warm numbers: a lower bound for
+Times, in a tight loop on one thread (torch intra-op threads 1, as a CUDA server runs): the request's
+hidden states as the server takes them (`WireTensor.from_message`, the message's bytes kept) and as a
+client decodes them (`decode_tensor`, a writable tensor), the validation's finiteness pass
+(`lutb_server.engine._nonfinite`, numpy on the bit patterns), and encoding the output into a fresh
+response and serialising it. Warm numbers: a lower bound for
 what the server pays per request, where the event loop often starts cold.
 """
 
@@ -19,7 +21,7 @@ import torch
 
 from lutb_client import codec
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
-from lutb_server.engine import _all_finite
+from lutb_server.engine import _nonfinite
 
 
 def per_call_us(fn: Callable[[], object], n: int = 2000) -> float:
@@ -45,9 +47,11 @@ def main() -> int:
         codec.encode_tensor(x, out=response.output)
         return response.SerializeToString()
 
+    wire = codec.WireTensor.from_message(msg)
     rows = [
+        ("WireTensor.from_message (the server's)", per_call_us(lambda: codec.WireTensor.from_message(msg))),
         ("decode_tensor (bytes -> writable tensor)", per_call_us(lambda: codec.decode_tensor(msg))),
-        ("_all_finite (validation pass)", per_call_us(lambda: _all_finite(x))),
+        ("_nonfinite (validation pass)", per_call_us(lambda: _nonfinite(wire))),
         ("encode into a fresh response + serialise", per_call_us(respond)),
     ]
     print(f"{args.tokens} x {args.hidden} bfloat16 ({x.numel() * 2} bytes), warm, us per call")

@@ -353,3 +353,9 @@ def test_saturation_says_where_tokens_stop_growing_and_the_compute_side_is_busy(
     assert got == {"bf16 stream T=16": "still growing at C=128; compute busy >= 0.9 from C=64",
                    "bf16 unary T=16": "flat from C=8 (100 tok/s); compute at most 0.62 busy"}
     assert serving._saturation(rows) == {"bf16 stream T=16": "still growing at C=128", "bf16 unary T=16": "flat from C=8 (100 tok/s)"}
+
+
+def test_codec_cpu_bench_runs() -> None:
+    """bench/codec_cpu.py imports what the request path uses today (it once named a function the engine had renamed)."""
+    proc = _run_bench("codec_cpu.py", ["--tokens", "2", "--hidden", "64"], timeout=120)
+    assert "_nonfinite" in proc.stdout and "WireTensor.from_message" in proc.stdout
