@@ -354,7 +354,7 @@ class ExpertServer:
                 await asyncio.wrap_future(worker.call(worker.warm_up, warm_up_limit(s)))  # compiles, before SERVING
                 weight_bytes, gpu_memory = engine.weight_bytes, None
             scheduler = BatchScheduler(
-                engine, max_batch_tokens=s.max_batch_tokens, max_wait_us=s.max_wait_us,
+                engine, max_batch_tokens=s.max_batch_tokens, max_wait_us=s.max_wait_us, batches_in_flight=s.batches_in_flight,
                 max_queue_requests=s.max_queue_requests, metrics=self.metrics, backend_name=engine.backend.name,
                 worker=worker,
             )

@@ -1,9 +1,9 @@
 """The batching scheduler: pools concurrent requests into experts calls run off the event loop.
 
 Requests arrive validated (:class:`~lutb_server.engine.PreparedRequest`). The
-scheduler keeps one batch in flight on the compute worker
+scheduler keeps up to ``batches_in_flight`` batches (default one) on the compute worker
 (:class:`~lutb_server.worker.ComputeWorker`: staging buffers, device copies, CUDA
-graphs) and takes the next one the moment the worker is free (continuous batching):
+graphs) and takes the next one the moment one of them is done (continuous batching):
 every waiting request with the oldest one's
 :attr:`~lutb_server.engine.PreparedRequest.pool_key` (layer, top-k, weighting, output
 mode), oldest first, up to ``max_batch_tokens`` (a larger request runs alone),
@@ -17,7 +17,11 @@ worker's done-callback schedules the batch's completion on the loop directly. A 
 request thus costs one thread hop to the worker and one back, and no extra turns of the
 event loop (each turn, with the wake-up of a task, measured 10-25 us on the CPU sandbox).
 
-``max_wait_us`` (default 0): when the worker is idle, how long the oldest request may
+``batches_in_flight`` > 1 hands the next batch over while earlier ones still compute: a
+compute process that merges several front ends' batches then finds it waiting at the start
+of its next call, instead of receiving it only after this front end has had its answer.
+
+``max_wait_us`` (default 0): when the worker has room for a batch, how long the oldest request may
 wait for company (from its arrival; cut short once a full batch is queued). Under load
 the worker is busy and requests pool while they wait for it anyway, so a wait only adds
 latency to lone requests; it can help bursty open-loop traffic whose requests arrive
@@ -124,12 +128,13 @@ class BatchScheduler:
     Args:
         engine: runs one (pooled) experts call, blocking.
         max_batch_tokens: most tokens per pooled call.
-        max_wait_us: how long the oldest request waits for company when the worker is idle (0: never).
+        max_wait_us: how long the oldest request waits for company when the worker has room (0: never).
         max_queue_requests: most requests waiting (not yet in a batch).
         metrics: where to record queue wait, compute, batch sizes; none if None.
         backend_name: the ``backend`` label of those metrics.
         worker: runs the batches (a :class:`~lutb_server.worker.BatchWorker`); default ``ComputeWorker(engine)``
             (started and closed with the scheduler).
+        batches_in_flight: most batches handed to the worker and not yet answered (>= 1).
     """
 
     def __init__(
@@ -142,8 +147,12 @@ class BatchScheduler:
         metrics: ServerMetrics | None = None,
         backend_name: str = "",
         worker: BatchWorker | None = None,
+        batches_in_flight: int = 1,
     ) -> None:
+        if batches_in_flight < 1:
+            raise ValueError(f"batches_in_flight must be >= 1, got {batches_in_flight}")
         self._engine = engine
+        self.batches_in_flight = batches_in_flight
         self.worker = worker if worker is not None else ComputeWorker(engine)
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_us / 1e6
@@ -152,7 +161,7 @@ class BatchScheduler:
         self._backend = backend_name
         self._pending: deque[_Item] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._running: _Running | None = None  # the batch on the worker (or being rerun request by request)
+        self._running: list[_Running] = []  # batches on the worker (or being rerun request by request), oldest first
         self._timer: asyncio.TimerHandle | None = None  # pooling wait (max_wait_us > 0) of the oldest request
         self._timer_due = 0.0
         self._closed = False
@@ -171,13 +180,13 @@ class BatchScheduler:
         """Stop dispatching; waiting requests fail with UNAVAILABLE; wait for the running call."""
         self._closed = True
         self._cancel_timer()
-        running, self._running = self._running, None
-        if running is not None:  # its results are not awaited any more
-            for item in running.batch:
+        running, self._running = self._running, []
+        for batch in running:  # their results are not awaited any more
+            for item in batch.batch:
                 _fail(item, Unavailable("server is shutting down; request not answered"))
-            if running.rerun is not None:
-                running.rerun.cancel()
-                await asyncio.gather(running.rerun, return_exceptions=True)
+            if batch.rerun is not None:
+                batch.rerun.cancel()
+                await asyncio.gather(batch.rerun, return_exceptions=True)
         while self._pending:
             item = self._pending.popleft()
             if not item.future.done():
@@ -196,7 +205,7 @@ class BatchScheduler:
     async def submit(self, request: PreparedRequest, *, deadline: float | None = None) -> ForwardResult:
         """Queue ``request`` and wait for its result.
 
-        With the worker idle (and no pooling wait) the request goes to the worker from
+        With room on the worker (and no pooling wait) the request goes to the worker from
         here, on the caller's own task: no wake-up of a dispatcher in between.
 
         Args:
@@ -220,7 +229,7 @@ class BatchScheduler:
         item = _Item(request, deadline, self._loop.create_future())
         self._pending.append(item)
         self._set_depth()
-        if self._running is None:
+        if len(self._running) < self.batches_in_flight:
             self._dispatch()
         try:
             return await item.future
@@ -230,19 +239,22 @@ class BatchScheduler:
 
     # -- dispatching -----------------------------------------------------------------------
     #
-    # Event-driven, on the loop thread, with one batch in flight: a batch starts when a request
-    # arrives to an idle worker (from submit), when the worker finishes one (_on_done), or when
-    # the oldest request's pooling wait ends (the timer). The worker's done-callback schedules
+    # Event-driven, on the loop thread, with up to batches_in_flight batches on the worker: a batch
+    # starts when a request arrives while the worker has room (from submit), when the worker finishes
+    # one (_on_done), or when the oldest request's pooling wait ends (the timer). The worker's done-callback schedules
     # _on_done on the loop directly (one thread hop back per batch, no dispatcher task to wake).
 
     def _dispatch(self) -> None:
-        """Worker free: start the next batch if one is due, else arm the timer for the oldest request's wait."""
-        if self._running is not None or self._closed:
-            return
+        """Start batches while the worker has room and one is due; arm the timer for the oldest request's wait if it is not."""
+        while len(self._running) < self.batches_in_flight and not self._closed and self._start_batch():
+            pass
+
+    def _start_batch(self) -> bool:
+        """Hand the next batch to the worker if one is due (True), else arm the timer for the oldest request's wait."""
         self._drop_dead()
         if not self._pending:
             self._cancel_timer()
-            return
+            return False
         head = self._pending[0]
         due = head.enqueued + self.max_wait_s
         if due > time.monotonic() and self._pooled_tokens(head) < self.max_batch_tokens:
@@ -251,19 +263,20 @@ class BatchScheduler:
                 assert self._loop is not None
                 self._timer_due = due
                 self._timer = self._loop.call_later(max(0.0, due - time.monotonic()), self._on_timer)
-            return
+            return False
         self._cancel_timer()
         batch = self._take_batch()
         if not batch:
-            return
+            return False
         started = time.monotonic()  # the hand-over (a compute process's copies and message) counts as hand-off, not queue
         try:
             job = self.worker.submit([i.request for i in batch])
         except Exception as exc:  # noqa: BLE001 - the worker is gone (closing): nothing will compute these
             for item in batch:
                 _fail(item, Unavailable(f"compute worker unavailable ({exc}); request not computed"))
-            return
-        running = self._running = _Running(batch, started, job)
+            return True
+        running = _Running(batch, started, job)
+        self._running.append(running)
         loop = self._loop
         assert loop is not None
 
@@ -277,6 +290,7 @@ class BatchScheduler:
                 pass
 
         job.add_done_callback(done)
+        return True
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -290,26 +304,26 @@ class BatchScheduler:
     def _on_done(self, running: _Running) -> None:
         """The worker finished ``running`` (on the loop): next batch to the worker first, then hand out results."""
         returned = time.monotonic()
-        if running is not self._running:  # closed meanwhile: its requests were failed already
+        if running not in self._running:  # closed meanwhile: its requests were failed already
             return
-        self._running = None
         batch = running.batch
         try:
             try:
                 result = running.job.result()
-            except Exception as exc:  # noqa: BLE001 - any failure of the call: rerun its requests alone
-                self._running = running
+            except Exception as exc:  # noqa: BLE001 - any failure of the call: rerun its requests alone (it keeps its place)
                 assert self._loop is not None
                 running.rerun = self._loop.create_task(self._rerun_alone(running, exc), name="lutb-rerun")
                 return
+            self._running.remove(running)
             self._dispatch()  # the device must not idle while this batch's results are handed out
             self._complete(batch, running.started, returned, result)
         except Exception:  # pragma: no cover - a scheduler bug must not stop serving
             log.exception("scheduler dispatch failed")
             for item in batch:
                 _fail(item, RuntimeError("scheduler dispatch failed"))
-            if self._running is None:
-                self._dispatch()
+            if running in self._running:
+                self._running.remove(running)
+            self._dispatch()
 
     def _pooled_tokens(self, head: _Item) -> int:
         key = head.request.pool_key
@@ -366,7 +380,7 @@ class BatchScheduler:
     async def _rerun_alone(self, running: _Running, exc: Exception) -> None:
         """A batch failed: fail a lone request; rerun each of a pooled batch alone so only the culprit fails.
 
-        The worker counts as busy meanwhile; the next batch is dispatched when this is done.
+        The batch keeps its place on the worker meanwhile; the next batch is dispatched when this is done.
         """
         batch, started = running.batch, running.started
         try:
@@ -391,8 +405,8 @@ class BatchScheduler:
                     self._record_call(item.request.layer, compute_s, call_tokens, 1, item.request.tokens, single.path,
                                       handoff_s, wait_s)
         finally:
-            if self._running is running:
-                self._running = None
+            if running in self._running:
+                self._running.remove(running)
                 self._dispatch()
 
     def _complete(self, batch: list[_Item], started: float, returned: float, result: BatchOutput) -> None:

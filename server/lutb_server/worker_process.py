@@ -372,8 +372,8 @@ class _Inbox:
 
     Each round: :meth:`read` (blocks while nothing is ready), :meth:`pop` the batches, run them with
     :meth:`read_arrived` as the call's ``overlap`` (the next round's batches, read while the device works), then
-    :meth:`release_closed`. A serving process has one batch in flight, so one message is read per connection
-    at a time.
+    :meth:`release_closed`. Each read of a connection takes every whole message it brought (a serving process may
+    have several batches in flight: ``batches_in_flight``).
     """
 
     def __init__(self, connections: list[_Connection], worker: Any, ready: object, memory: tuple[int, int] = (0, 0)) -> None:
@@ -404,13 +404,13 @@ class _Inbox:
             if c in self.waiting:
                 self._handshake(c)
             else:
-                self._take(c)
+                self._take_all(c)
 
     def read_arrived(self) -> None:
         """While a call runs on the device: read the batches that have arrived (never waits for one)."""
         buffered = [c for c in self.open if c.buffered]
         for c in buffered + [c for c in select.select(self.open, [], [], 0)[0] if c not in buffered]:
-            self._take(c)
+            self._take_all(c)
 
     def pop(self) -> list[_Batch]:
         """The batches read so far, to run now."""
@@ -441,6 +441,12 @@ class _Inbox:
         except (EOFError, OSError) as exc:
             log.warning("a serving process left before its handshake (%s)", exc)
             self._let_go(c)
+
+    def _take_all(self, c: _Connection) -> None:
+        """One message of ``c`` (its read may wait for the rest of a frame), then every whole one already buffered."""
+        self._take(c)
+        while c in self.open and c.buffered:
+            self._take(c)
 
     def _take(self, c: _Connection) -> None:
         """Read ``c``'s next message: a batch joins ``ahead``; EOF (or the stop) closes the connection. A batch read

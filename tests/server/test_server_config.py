@@ -76,6 +76,15 @@ def test_front_ends_need_metrics_ports_within_range() -> None:
     assert load_settings({**kwargs, "metrics_port": 0}).metrics_port == 0  # metrics off
 
 
+def test_batches_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings({}).batches_in_flight == 1
+    assert _parse(["--batches-in-flight", "3"]).batches_in_flight == 3
+    monkeypatch.setenv("LUTB_BATCHES_IN_FLIGHT", "2")
+    assert load_settings({}).batches_in_flight == 2
+    with pytest.raises(ValidationError, match="batches_in_flight"):
+        load_settings({"batches_in_flight": 0})
+
+
 def test_config_flag_and_bad_values(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("backend: reference\nvalidate_checkpoint: false\n")

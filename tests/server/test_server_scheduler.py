@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from lutb_server.engine import PreparedRequest
 from lutb_server.errors import DeadlineExpired, QueueFull, Unavailable
 from lutb_server.metrics import ServerMetrics
 from lutb_server.scheduler import BatchScheduler
+from lutb_server.worker import BatchOutput
 
 H = 4
 POISON = 7.0
@@ -288,3 +290,120 @@ def test_close_gives_the_worker_a_finite_time() -> None:
 
     _run(body())
     assert worker.timeouts == [WORKER_CLOSE_TIMEOUT_S] and 0 < WORKER_CLOSE_TIMEOUT_S < float("inf")
+
+
+class HeldWorker:
+    """A worker whose batches wait until the test releases them (any order); records what it was handed."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.jobs: list[tuple[list[PreparedRequest], Future]] = []
+
+    def start(self) -> None:
+        pass
+
+    def close(self, timeout: float | None = None) -> None:
+        pass
+
+    def submit(self, requests: list[PreparedRequest]) -> Future:
+        future: Future = Future()
+        self.jobs.append((requests, future))
+        return future
+
+    def release(self, index: int) -> None:
+        requests, future = self.jobs[index]
+        x = torch.cat([r.x for r in requests])
+        try:
+            out = self.engine.forward(0, x, torch.cat([r.topk_ids for r in requests]), None)
+        except ValueError as exc:
+            future.set_exception(exc)
+            return
+        future.set_result(BatchOutput(list(torch.split(out, [r.tokens for r in requests])), 0.001, x.shape[0], "eager"))
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
+def test_batches_in_flight_bounds_what_the_worker_holds(in_flight: int) -> None:
+    """Up to ``batches_in_flight`` batches go to the worker before any is answered, each as soon as a request
+    arrives with room; the rest pool and go over as answers free room; any order of answers delivers each result."""
+    worker = HeldWorker(FakeEngine())
+    requests = [_req(t) for t in (1, 2, 3, 4, 5)]
+
+    async def body():
+        s = BatchScheduler(worker.engine, max_wait_us=0, worker=worker, batches_in_flight=in_flight)
+        await s.start()
+        try:
+            futures = []
+            for r in requests:
+                futures.append(asyncio.ensure_future(s.submit(r)))
+                await asyncio.sleep(0)  # each request reaches the scheduler on its own
+            await asyncio.sleep(0.01)
+            handed = [sum(r.tokens for r in reqs) for reqs, _ in worker.jobs]
+            assert handed == [1, 2, 3][:in_flight], handed
+            assert s.queue_depth == len(requests) - in_flight
+            worker.release(in_flight - 1)  # the newest first: its results come back, and the rest go over as one batch
+            await asyncio.sleep(0.01)
+            assert [sum(r.tokens for r in reqs) for reqs, _ in worker.jobs][in_flight:] == [sum((1, 2, 3, 4, 5)[in_flight:])]
+            assert s.queue_depth == 0
+            for i in range(len(worker.jobs)):
+                if i != in_flight - 1:
+                    worker.release(i)
+            results = await asyncio.gather(*futures)
+        finally:
+            await s.close()
+        for r, result in zip(requests, results):
+            assert torch.equal(result.output, r.x * 2)
+
+    _run(body())
+
+
+def test_a_failing_batch_among_several_in_flight_fails_only_its_culprit() -> None:
+    worker = HeldWorker(FakeEngine())
+    good, bad, late = _req(2), _req(3, fill=POISON), _req(4)
+
+    async def body():
+        s = BatchScheduler(worker.engine, max_wait_us=0, worker=worker, batches_in_flight=2)
+        await s.start()
+        try:
+            first = asyncio.ensure_future(s.submit(good))
+            await asyncio.sleep(0)
+            second = asyncio.ensure_future(s.submit(bad))
+            await asyncio.sleep(0.01)
+            third = asyncio.ensure_future(s.submit(late))  # no room: waits
+            await asyncio.sleep(0.01)
+            assert len(worker.jobs) == 2
+            worker.release(1)  # the poisoned one fails; alone, it is not rerun
+            with pytest.raises(ValueError):
+                await second
+            await asyncio.sleep(0.01)
+            assert len(worker.jobs) == 3  # its room went to the waiting request
+            worker.release(2)
+            worker.release(0)
+            return await first, await third
+        finally:
+            await s.close()
+
+    a, c = _run(body())
+    assert torch.equal(a.output, good.x * 2) and torch.equal(c.output, late.x * 2)
+
+
+def test_close_fails_every_batch_in_flight() -> None:
+    worker = HeldWorker(FakeEngine())
+
+    async def body():
+        s = BatchScheduler(worker.engine, max_wait_us=0, worker=worker, batches_in_flight=2)
+        await s.start()
+        calls = []
+        for t in (1, 2, 3):
+            calls.append(asyncio.ensure_future(s.submit(_req(t))))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        await s.close()
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = _run(body())
+    assert all(isinstance(r, Unavailable) for r in results), results
+
+
+def test_batches_in_flight_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="batches_in_flight"):
+        BatchScheduler(FakeEngine(), batches_in_flight=0)
