@@ -141,12 +141,17 @@ def worker_spec(plan: EnginePlan, settings: ServerSettings) -> WorkerSpec:
 
 
 def arena_bytes(plan: EnginePlan, settings: ServerSettings) -> int:
-    """Shared memory between the serving process and the compute process: room for two batches of
-    ``max_batch_tokens`` in flight, hidden states in and combined outputs back (a batch that does
-    not fit, e.g. a large route-major one, travels through the socket instead)."""
+    """Shared memory between the serving process and the compute process, in bytes: ``batches_in_flight + 1``
+    batches of ``max_batch_tokens`` tokens, hidden states in and combined outputs back (a batch that does not fit,
+    e.g. a large route-major one, travels through the socket instead).
+
+    Each batch takes one unbroken span of the ring (:class:`~lutb_server.shared_arena.SharedArena`). With N batches
+    in flight, N - 1 of them may hold spans anywhere when the next full one comes, so the ring needs one full batch
+    of room beyond N to always find it contiguous space (with N = 1 the ring is empty then and the spare is unused).
+    """
     config = plan.checkpoint.config
     per_token = 2 * config.hidden_size * config.torch_dtype.itemsize + 8 * max(settings.cuda_graph_top_k, 8)
-    return 2 * settings.max_batch_tokens * per_token
+    return (settings.batches_in_flight + 1) * settings.max_batch_tokens * per_token
 
 
 def _address(host: str, port: int) -> str:

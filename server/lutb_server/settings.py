@@ -52,13 +52,13 @@ class ServerSettings(BaseSettings):
         8192, ge=1, description="most tokens pooled into one experts call (a larger single request runs alone)"
     )
     max_wait_us: int = Field(
-        0, ge=0, description="how long the oldest request waits for company when the worker is idle, in microseconds "
+        0, ge=0, description="how long the oldest request waits for company when the worker has room for a batch, in microseconds "
         "(0: never; under load requests pool while the worker is busy anyway)"
     )
     batches_in_flight: int = Field(
         1, ge=1, le=64, description="most batches a serving process has handed to the compute worker and not had answered; "
         "above 1 the next batch goes over while earlier ones compute (a compute process merging several front ends' "
-        "batches then finds it there when its next call starts)",
+        "batches then finds it there when its next call starts); each front end's shared arena holds N + 1 full batches",
     )
     max_queue_requests: int = Field(
         1024, ge=1, description="requests waiting in the scheduler before new ones get RESOURCE_EXHAUSTED"

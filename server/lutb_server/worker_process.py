@@ -489,7 +489,7 @@ def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[l
 
 def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max_tokens: int,
                 during: Callable[[], None] | None = None) -> None:
-    """Run ``batches`` (one per serving process at most), merged by :func:`merge_groups`, and answer each;
+    """Run ``batches`` (up to ``batches_in_flight`` per serving process), merged by :func:`merge_groups`, and answer each;
     ``during`` runs while each call's device work runs (``ComputeWorker.run``'s ``overlap``).
 
     Outputs are written by the worker straight into their serving processes' output slots

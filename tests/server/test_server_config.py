@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ from lutb_kernels.experts.base import LayerExperts, Support
 from lutb_server import backends
 from lutb_server.backends import AUTO_ORDER, BACKENDS, BackendEntry, choose_backend, load_class, resolve_device
 from lutb_server.cli import serve_cmd
+from lutb_server.app import arena_bytes
 from lutb_server.errors import BackendUnavailableError
 from lutb_server.settings import ServerSettings, env_name, flag_name, load_settings
+from lutb_server.shared_arena import SharedArena, arena_supported
 
 FIXED_NAMES = {
     "checkpoint": "LUTB_CHECKPOINT", "host": "LUTB_HOST", "port": "LUTB_PORT", "metrics_port": "LUTB_METRICS_PORT",
@@ -292,3 +295,36 @@ def test_a_backend_of_ones_own_by_import_path() -> None:
     for bad in ("fastest", "pkg.mod:", ":Class", "pkg mod:Class"):
         with pytest.raises(ValueError, match="package.module:Class"):
             ServerSettings(backend=bad)
+
+
+@pytest.mark.skipif(not arena_supported(), reason="needs os.memfd_create (Linux)")
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
+def test_arena_holds_a_full_batch_beside_the_others_in_flight(in_flight: int) -> None:
+    """With N batches in flight, a full batch finds an unbroken span whatever spans the other N - 1 hold: here a
+    small batch went first and was answered while full ones stayed (the ring's worst hole). Sized for two batches
+    whatever N, the third full batch found no room at N = 2 and went inline through the socket."""
+    hidden, top_k, full_tokens = 256, 8, 64
+    settings = load_settings({"max_batch_tokens": full_tokens, "batches_in_flight": in_flight, "cuda_graph_top_k": top_k})
+    plan = SimpleNamespace(checkpoint=SimpleNamespace(config=SimpleNamespace(hidden_size=hidden, torch_dtype=torch.bfloat16)))
+
+    def shapes(tokens: int) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        return [(torch.bfloat16, (tokens, hidden)), (torch.int32, (tokens, top_k)), (torch.float32, (tokens, top_k)),
+                (torch.bfloat16, (tokens, hidden))]
+
+    arena = SharedArena.create(arena_bytes(plan, settings))  # type: ignore[arg-type]
+    try:
+        small = arena.place(shapes(1))
+        assert small is not None
+        held = [arena.place(shapes(full_tokens)) for _ in range(in_flight - 1)]
+        assert all(h is not None for h in held)
+        arena.release(small[0].offset)  # the small batch answered first
+        for _ in range(3):  # each full batch answered oldest first while the next ones go over
+            nxt = arena.place(shapes(full_tokens))
+            assert nxt is not None, f"a full batch found no room with {in_flight - 1} other(s) in flight"
+            held.append(nxt)
+            if len(held) >= in_flight:
+                oldest = held.pop(0)
+                assert oldest is not None
+                arena.release(oldest[0].offset)
+    finally:
+        arena.close()
