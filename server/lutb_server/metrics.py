@@ -21,6 +21,9 @@ lutb_weight_bytes                        gauge                                  
 lutb_gpu_memory_allocated_bytes          gauge     device                                torch.cuda.memory_allocated (GPU only)
 lutb_gpu_memory_reserved_bytes           gauge     device                                torch.cuda.memory_reserved (GPU only)
 lutb_expert_tokens_total                 counter   layer, expert                         tokens per held expert (only with expert_metrics)
+lutb_compute_batches_inline_total        counter                                         batches sent to the compute process through its
+                                                                                         socket: the shared arena had no room (process
+                                                                                         worker only; should stay near 0)
 process_cpu_seconds_total, process_*     (various)                                       this serving process: CPU, memory, open files
                                                                                          (prometheus_client's ProcessCollector; Linux)
 ======================================== ========= ===================================== ===========================================
@@ -41,7 +44,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -67,6 +70,17 @@ class _GpuMemoryCollector(Collector):
         reserved.add_metric([self.device], float(reserved_bytes))
         yield allocated
         yield reserved
+
+
+class _InlineBatchesCollector(Collector):
+    """Reports at scrape time how many batches went to the compute process inline (``read()``: a running count)."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("lutb_compute_batches_inline", "Batches sent to the compute process through its "
+                                  "socket because the shared arena had no room", value=float(self.read()))
 
 
 def torch_gpu_memory(device: str) -> Callable[[], tuple[int, int]]:
@@ -134,11 +148,14 @@ class ServerMetrics:
         self.port: int | None = None
 
     def describe_backend(self, *, backend: str, device: str, compute_capability: str, dtype: str, activation: str,
-                         content_hash: str, weight_bytes: int, gpu_memory: Callable[[], tuple[int, int]] | None = None) -> None:
+                         content_hash: str, weight_bytes: int, gpu_memory: Callable[[], tuple[int, int]] | None = None,
+                         inline_batches: Callable[[], int] | None = None) -> None:
         """Set the backend info and weight gauge; add the GPU memory gauges on a CUDA device.
 
         ``gpu_memory() -> (allocated, reserved)`` bytes: where the device's memory is counted
         (default: this process's torch allocator; a compute process reports its own).
+        ``inline_batches()``: the compute process worker's count of batches sent inline
+        (``lutb_compute_batches_inline_total``); None: no such worker, no metric.
         """
         self.backend_info.info({
             "backend": backend, "device": device, "compute_capability": compute_capability or "none",
@@ -147,6 +164,8 @@ class ServerMetrics:
         self.weight_bytes.set(weight_bytes)
         if device.startswith("cuda"):
             self.registry.register(_GpuMemoryCollector(device, gpu_memory or torch_gpu_memory(device)))
+        if inline_batches is not None:
+            self.registry.register(_InlineBatchesCollector(inline_batches))
 
     def serve(self, host: str, port: int, *, other_front_ends: list[int] | None = None) -> int:
         """Serve ``/metrics`` over HTTP on ``host:port`` in a daemon thread; returns the bound port.

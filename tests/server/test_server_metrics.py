@@ -84,8 +84,24 @@ def test_metrics_count_the_calls(tiny_checkpoint: Path) -> None:
     info = [labels for (name, labels) in samples if name == "lutb_backend_info"]
     assert len(info) == 1 and dict(info[0])["backend"] == "reference" and dict(info[0])["device"] == "cpu"
     assert not any(name.startswith("lutb_gpu_memory") for name, _ in samples)  # CPU: no GPU gauges
+    assert not any(name.startswith("lutb_compute_batches_inline") for name, _ in samples)  # worker thread: no arena
     if sys.platform.startswith("linux"):  # the serving process's own (ProcessCollector reads /proc)
         assert _get(samples, "process_cpu_seconds_total") > 0 and _get(samples, "process_resident_memory_bytes") > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the shared arena needs memfd_create (Linux)")
+def test_batches_the_arena_cannot_hold_are_counted(tiny_checkpoint: Path) -> None:
+    """A compute process's batches go through its shared arena, sized for max_batch_tokens; a request larger than
+    that runs alone and goes inline through the socket: counted, so an operator sees the slow path being taken."""
+    port = free_port()
+    with ServerThread(checkpoint=tiny_checkpoint, metrics_port=port, compute_worker="process", max_batch_tokens=4) as server:
+        with ExpertClient(server.address) as client:
+            client.forward(0, *_batch(2, 1))  # fits the arena
+            assert _get(_scrape(port), "lutb_compute_batches_inline_total") == 0
+            client.forward(0, *_batch(64, 2))  # 64 tokens > (1 + 1) x 4: inline
+            client.forward(0, *_batch(3, 3))
+        samples = _scrape(port)
+    assert _get(samples, "lutb_compute_batches_inline_total") == 1
 
 
 def test_two_servers_in_one_process_keep_separate_metrics(tiny_checkpoint: Path) -> None:
