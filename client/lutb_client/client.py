@@ -207,12 +207,12 @@ class _Connections:
         self.timeout = _check_timeout(timeout)
         self._closed = False
         self._backoff = _Backoff(retries, backoff_s, max_backoff_s)
+        self._wire = _HiddenWire(wire)  # checked before any channel opens: a bad value leaks none
         self._open_channel = channel_opener(target, connections, aio=self._AIO, credentials=credentials,
                                             max_message_bytes=max_message_bytes, channel_options=channel_options)
         self._channels = [self._open_channel() for _ in range(connections)]
         self._take_stubs()
         self._ids = itertools.count(1)
-        self._wire = _HiddenWire(wire)
 
     def _take_stubs(self) -> None:
         """Calls and streams take the channels' stubs in turn from now on."""
@@ -303,9 +303,10 @@ class ExpertClient(_Connections):
         self._wire.learn(info)
         return info
 
-    def _hidden(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _hidden(self, hidden_states: torch.Tensor, timeout: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``hidden_states`` in the wire's encoding (the MXFP8 wire learns the model's scale rule first, within ``timeout``)."""
         if not self._wire.ready:
-            self.model_info()
+            self.model_info(timeout=timeout)
         return self._wire.encode(hidden_states)
 
     def forward_detailed(
@@ -320,12 +321,13 @@ class ExpertClient(_Connections):
         timeout: float | None = None,
     ) -> ForwardResult:
         """:meth:`forward`, also returning the server's timing."""
-        hidden_states, scales = self._hidden(hidden_states)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)  # the wire's first model info too
+        hidden_states, scales = self._hidden(hidden_states, timeout)
         request = build_request(
             layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
             output_mode=output_mode, request_id=next(self._ids), hidden_scales=scales,
         )
-        response = self._call(lambda t: self._stub.Forward(request, timeout=t), timeout)
+        response = self._call(lambda t: self._stub.Forward(request, timeout=t), max(deadline - time.monotonic(), 0.0))
         return parse_response(response)
 
     def forward(
@@ -402,6 +404,7 @@ class ForwardStream:
         self._pending: deque[tuple[int, Future[Any], bool | None]] = deque()  # detailed; None: raw
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._in_flight = max_in_flight  # for the message of a send that found no room
         self._ids = ids
         self._closed = False
         self._error: ExpertServiceError | None = None
@@ -453,24 +456,28 @@ class ForwardStream:
         )
         return self._write(request, detailed)
 
-    def send(self, request: pb.ForwardRequest) -> Future[pb.ForwardResponse]:
+    def send(self, request: pb.ForwardRequest, *, timeout: float | None = None) -> Future[pb.ForwardResponse]:
         """Send an already built request (its ``request_id`` unique on this stream).
 
         Returns the future of the raw :class:`ForwardResponse`, whose ``status`` the caller
         reads (a per-request error does not fail the future; a broken stream does, with
-        :class:`ExpertServiceError`). Blocks while ``max_in_flight`` are outstanding.
+        :class:`ExpertServiceError`). Blocks while ``max_in_flight`` are outstanding: at most
+        ``timeout`` seconds (None: until one is answered), then DEADLINE_EXCEEDED, nothing sent.
         """
-        return self._write(request, None)
+        return self._write(request, None, timeout)
 
     @property
     def broken(self) -> bool:
         """The stream ended or failed: nothing more can be sent on it."""
         return self._closed or self._error is not None
 
-    def _write(self, request: pb.ForwardRequest, detailed: bool | None) -> Future[Any]:
+    def _write(self, request: pb.ForwardRequest, detailed: bool | None, timeout: float | None = None) -> Future[Any]:
         request_id = request.request_id
         future: Future[Any] = Future()
-        self._slots.acquire()
+        if not self._slots.acquire(timeout=timeout):
+            raise ExpertServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"no room on the stream within {timeout:.3f} s ({self._in_flight} requests unanswered)",
+                                     request_id)
         with self._lock:
             if self._closed or self._error is not None:
                 self._slots.release()
@@ -561,9 +568,10 @@ class AsyncExpertClient(_Connections):
         self._wire.learn(info)
         return info
 
-    async def _hidden(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    async def _hidden(self, hidden_states: torch.Tensor, timeout: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As :meth:`ExpertClient._hidden`."""
         if not self._wire.ready:
-            await self.model_info()
+            await self.model_info(timeout=timeout)
         return self._wire.encode(hidden_states)
 
     async def forward_detailed(
@@ -578,12 +586,13 @@ class AsyncExpertClient(_Connections):
         timeout: float | None = None,
     ) -> ForwardResult:
         """:meth:`forward`, also returning the server's timing."""
-        hidden_states, scales = await self._hidden(hidden_states)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)  # the wire's first model info too
+        hidden_states, scales = await self._hidden(hidden_states, timeout)
         request = build_request(
             layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
             output_mode=output_mode, request_id=next(self._ids), hidden_scales=scales,
         )
-        response = await self._call(lambda t: self._stub.Forward(request, timeout=t), timeout)
+        response = await self._call(lambda t: self._stub.Forward(request, timeout=t), max(deadline - time.monotonic(), 0.0))
         return parse_response(response)
 
     async def forward(
@@ -620,6 +629,10 @@ class AsyncForwardStream:
     ``await submit(...)`` sends a request and returns an ``asyncio.Future`` of its
     output; ``await forward(...)`` sends and waits. Responses arrive in request order;
     an error on one request fails only its future.
+
+    One task of the stream's own writes the requests, in the order they were submitted: a caller
+    cancelled while it waits (its own deadline, ``asyncio.wait_for``) can then never leave a request
+    counted as sent but not written, which would pair every later response with the wrong request.
     """
 
     def __init__(self, stub: pb_grpc.ExpertServiceStub, *, timeout: float | None, max_in_flight: int,
@@ -631,8 +644,19 @@ class AsyncForwardStream:
         self._ids = ids
         self._closed = False
         self._error: ExpertServiceError | None = None
-        self._write_lock = asyncio.Lock()
+        self._requests: asyncio.Queue[pb.ForwardRequest | None] = asyncio.Queue()  # None: half-close
+        self._writer = asyncio.ensure_future(self._write_all())
         self._reader = asyncio.ensure_future(self._read())
+
+    async def _write_all(self) -> None:
+        """Write the queued requests in order, then half-close; a failed write cancels the call, so the reader
+        fails every pending request with the stream's status."""
+        try:
+            while (request := await self._requests.get()) is not None:
+                await self._call.write(request)
+            await self._call.done_writing()
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            self._call.cancel()
 
     async def _read(self) -> None:
         try:
@@ -692,23 +716,16 @@ class AsyncForwardStream:
 
     async def _write(self, request: pb.ForwardRequest, detailed: bool | None) -> asyncio.Future[Any]:
         request_id = request.request_id
-        await self._slots.acquire()
+        await self._slots.acquire()  # the only wait: a caller cancelled here has sent nothing
+        if self._closed or self._error is not None:
+            self._slots.release()
+            error = self._error or ExpertServiceError(grpc.StatusCode.FAILED_PRECONDITION, "stream is closed")
+            raise ExpertServiceError(error.code, error.message, request_id)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         if detailed is None:  # a sender may stop waiting (its own deadline): no "never retrieved" noise then
             future.add_done_callback(_retrieve)
-        async with self._write_lock:  # pending order must equal write order
-            if self._closed or self._error is not None:
-                self._slots.release()
-                error = self._error or ExpertServiceError(grpc.StatusCode.FAILED_PRECONDITION, "stream is closed")
-                raise ExpertServiceError(error.code, error.message, request_id)
-            self._pending.append((request_id, future, detailed))
-            try:
-                await self._call.write(request)
-            except (grpc.RpcError, asyncio.InvalidStateError) as err:
-                # The reader fails every pending future with the stream's status.
-                if isinstance(err, grpc.RpcError):
-                    raise ExpertServiceError.from_rpc_error(err, request_id) from None
-                raise ExpertServiceError(grpc.StatusCode.UNAVAILABLE, f"stream is broken: {err}", request_id) from None
+        self._pending.append((request_id, future, detailed))  # pending order is write order: the writer takes them in turn
+        self._requests.put_nowait(request)
         return future
 
     async def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -719,16 +736,14 @@ class AsyncForwardStream:
         """Cancel the stream now: outstanding futures fail with CANCELLED."""
         self._closed = True
         self._call.cancel()
+        self._writer.cancel()
 
     async def close(self) -> None:
-        """Half-close the stream and wait for the remaining responses."""
+        """Half-close the stream (after the requests sent so far are written) and wait for the remaining responses."""
         if not self._closed:
             self._closed = True
-            async with self._write_lock:
-                try:
-                    await self._call.done_writing()
-                except (grpc.RpcError, asyncio.InvalidStateError):
-                    pass
+            self._requests.put_nowait(None)
+        await asyncio.gather(self._writer, return_exceptions=True)
         await self._reader
 
     async def __aenter__(self) -> AsyncForwardStream:

@@ -661,6 +661,12 @@ class _ShardedCore:
         self._ids = itertools.count(1)
         self._topology: _Topology | None = None
         self.infos: tuple[pb.ModelInfo, ...] = ()
+        self._closed = False
+
+    def _check_open(self) -> None:
+        """Raises FAILED_PRECONDITION (:class:`ExpertServiceError`) once :meth:`close` was called."""
+        if self._closed:
+            raise ExpertServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the client is closed")
 
     # topology -----------------------------------------------------------------------------
 
@@ -769,18 +775,24 @@ class _ShardedCore:
         return next(self._turns[shard]) % self.connections
 
     def _unary_stub(self, shard: int) -> pb_grpc.ExpertServiceStub:
+        self._check_open()
         return self._stubs[shard][self._turn(shard)]
 
     def _lane(self, shard: int) -> Any:
         """The next of the shard's open streams, (re)opened when missing or broken (any thread, or the event loop)."""
         with self._lanes_lock:
+            self._check_open()
             k = self._turn(shard)
             lane = self._lanes[shard][k]
             if lane is None or lane.broken:
                 if lane is not None:
                     lane.cancel()
-                lane = self._lanes[shard][k] = self._stream_class(
-                    self._stubs[shard][k], timeout=None, max_in_flight=LANE_MAX_IN_FLIGHT, ids=self._ids)
+                try:
+                    lane = self._lanes[shard][k] = self._stream_class(
+                        self._stubs[shard][k], timeout=None, max_in_flight=LANE_MAX_IN_FLIGHT, ids=self._ids)
+                except (ValueError, grpc.aio.UsageError):  # grpc's closed channel: closed by another thread meanwhile
+                    self._check_open()
+                    raise
             return lane
 
     def _drop_lane(self, shard: int, lane: Any) -> None:
@@ -932,13 +944,16 @@ class ShardedExpertClient(_ShardedCore):
 
         return done
 
-    def _stream_send(self, sub: _Sub, request: pb.ForwardRequest) -> tuple[float, Any, Any]:
-        """Send one sub-request on the shard's lane: ``(started, lane, future or the error)``."""
+    def _stream_send(self, sub: _Sub, request: pb.ForwardRequest, attempt_end: float) -> tuple[float, Any, Any]:
+        """Send one sub-request on the shard's lane, waiting for room on it until ``attempt_end``: ``(started, lane,
+        future or the error)``. A lane with no room by then (its answers stopped coming) is dropped."""
+        lane = self._lane(sub.shard)  # before booking the send: raises once the client is closed
         started = self._sent(sub)
-        lane = self._lane(sub.shard)
         try:
-            return started, lane, lane.send(request)
+            return started, lane, lane.send(request, timeout=max(attempt_end - time.monotonic(), 0.0))
         except ExpertServiceError as err:
+            if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._drop_lane(sub.shard, lane)
             return started, lane, err
 
     def _stream_result(self, sub: _Sub, started: float, lane: Any, sent: Any, attempt_end: float, deadline: float) -> Any:
@@ -975,6 +990,8 @@ class ShardedExpertClient(_ShardedCore):
         self._set_infos(infos)
 
     def close(self) -> None:
+        """Close the streams and connections; calls made afterwards fail with FAILED_PRECONDITION."""
+        self._closed = True
         self._cancel_lanes()
         for channels in self._channels:
             for channel in channels:
@@ -998,6 +1015,7 @@ class ShardedExpertClient(_ShardedCore):
         timeout: float | None = None,
     ) -> ShardedForwardResult:
         """:meth:`forward`, also returning the shards that computed it and the failover rounds."""
+        self._check_open()
         call = _Call(self, layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input, output_mode)
         self._count_call()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -1006,8 +1024,10 @@ class ShardedExpertClient(_ShardedCore):
             attempt = self._attempt_timeout(deadline)
             if self.transport == "stream":
                 attempt_end = time.monotonic() + attempt
-                lanes = deque((sub, *self._stream_send(sub, request)) for sub, request in round_)
+                lanes: deque[tuple[_Sub, float, Any, Any]] = deque()
                 try:
+                    for sub, request in round_:
+                        lanes.append((sub, *self._stream_send(sub, request, attempt_end)))
                     while lanes:
                         sub, started, lane, sent_on = lanes.popleft()
                         call.absorb(sub, self._stream_result(sub, started, lane, sent_on, attempt_end, deadline), deadline)
@@ -1018,11 +1038,15 @@ class ShardedExpertClient(_ShardedCore):
                 call.end_round(deadline)
                 continue
             sent = []
-            for sub, request in round_:
-                future = self._unary_stub(sub.shard).Forward.future(request, timeout=attempt)
-                future.add_done_callback(self._on_done(sub, self._sent(sub)))
-                sent.append((sub, future))
             try:
+                for sub, request in round_:
+                    try:
+                        future = self._unary_stub(sub.shard).Forward.future(request, timeout=attempt)
+                    except ValueError:  # grpc's closed channel: closed by another thread meanwhile
+                        self._check_open()
+                        raise
+                    future.add_done_callback(self._on_done(sub, self._sent(sub)))
+                    sent.append((sub, future))
                 for sub, future in sent:
                     try:
                         response: Any = future.result()
@@ -1128,6 +1152,8 @@ class AsyncShardedExpertClient(_ShardedCore):
         self._set_infos(infos)
 
     async def close(self) -> None:
+        """Close the streams and connections; calls made afterwards fail with FAILED_PRECONDITION."""
+        self._closed = True
         self._cancel_lanes()
         for channels in self._channels:
             for channel in channels:
@@ -1146,15 +1172,21 @@ class AsyncShardedExpertClient(_ShardedCore):
 
     async def _send(self, sub: _Sub, request: pb.ForwardRequest, timeout: float, deadline: float) -> Any:
         started = self._sent(sub)
+        attempt_end = time.monotonic() + timeout  # one deadline for the send (room on the lane) and the answer
         response = None
         lane = None
         try:
             if self.transport == "unary":
-                response = await self._unary_stub(sub.shard).Forward(request, timeout=timeout)
+                try:
+                    response = await self._unary_stub(sub.shard).Forward(request, timeout=timeout)
+                except grpc.aio.UsageError:  # grpc's closed channel: closed by another task meanwhile
+                    self._check_open()
+                    raise
                 return response
             lane = self._lane(sub.shard)
             future = await asyncio.wait_for(lane.send(request), timeout)
-            outcome = _message_outcome(await asyncio.wait_for(asyncio.shield(future), timeout))  # a late answer is dropped
+            outcome = _message_outcome(await asyncio.wait_for(asyncio.shield(future),  # a late answer is dropped
+                                                              max(attempt_end - time.monotonic(), 0.0)))
             if not isinstance(outcome, ExpertServiceError):
                 response = outcome
             return outcome
@@ -1165,6 +1197,7 @@ class AsyncShardedExpertClient(_ShardedCore):
                 self._drop_lane(sub.shard, lane)
             return ExpertServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout:.3f} s")
         except ExpertServiceError as err:
+            self._check_open()  # closed meanwhile: that, not a broken lane
             return self._lane_broke(sub.shard, err)
         finally:
             self._answered(sub.shard, started, response)
@@ -1181,6 +1214,7 @@ class AsyncShardedExpertClient(_ShardedCore):
         timeout: float | None = None,
     ) -> ShardedForwardResult:
         """As :meth:`ShardedExpertClient.forward_detailed`."""
+        self._check_open()
         await self.connect()
         call = _Call(self, layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input, output_mode)
         self._count_call()

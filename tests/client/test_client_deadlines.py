@@ -1,0 +1,197 @@
+"""Deadlines, cancellation and closing, as a caller meets them: a caller that gives up, a shard that stops
+answering, a client used after close. Each case once broke a stream or outlived its deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import lutb_client.sharded as sharded
+from lutb_client import AsyncExpertClient, AsyncShardedExpertClient, ExpertClient, ExpertServiceError, ShardedExpertClient
+from lutb_kernels.checkpoint import Checkpoint
+from lutb_server.backends import BackendChoice
+from lutb_server.engine import ExpertEngine
+from lutb_server.testing import SLEEP_EXPERTS_ENV, ServerThread, SleepExperts, free_port, make_tiny_checkpoint
+
+HIDDEN = 128
+
+
+def _batch(tokens: int, k: int = 2, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(tokens, 8, generator=gen).argsort(dim=1)[:, :k].to(torch.int32)
+    return x, ids, torch.rand(tokens, k, generator=gen)
+
+
+@pytest.fixture(scope="module")
+def every_expert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "all", layers=(0,), num_experts=8)
+
+
+@pytest.fixture(scope="module")
+def server(every_expert: Path) -> Iterator[ServerThread]:
+    with ServerThread(checkpoint=every_expert, max_wait_us=0) as running:
+        yield running
+
+
+@pytest.fixture
+def slow_server(every_expert: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ServerThread]:
+    """Every experts call takes 1.5 s (the fake backend), so answers are late on purpose."""
+    monkeypatch.setenv(SLEEP_EXPERTS_ENV, "1500000,0")
+    checkpoint = Checkpoint(every_expert)
+    choice = BackendChoice("sleep", SleepExperts, torch.device("cpu"), "test")
+    with ServerThread(engine_loader=lambda: ExpertEngine(checkpoint, choice, validate_tiles=False)) as running:
+        yield running
+
+
+class _SlowConnectProxy:
+    """A TCP proxy to ``port`` that holds every new connection ``delay_s`` before relaying it."""
+
+    def __init__(self, port: int, delay_s: float) -> None:
+        self.target, self.delay_s, self.port = port, delay_s, free_port()
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(asyncio.start_server(self._relay, "127.0.0.1", self.port))
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(self.delay_s)
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+
+        async def pipe(a: asyncio.StreamReader, b: asyncio.StreamWriter) -> None:
+            try:
+                while data := await a.read(65536):
+                    b.write(data)
+                    await b.drain()
+            except OSError:
+                pass
+            finally:
+                b.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def test_a_caller_giving_up_on_a_stream_leaves_the_others_their_own_answers(server: ServerThread) -> None:
+    """The first request's caller gives up while the stream still connects. Its request goes out anyway (one writer
+    writes every request in turn); it used to be counted as sent but never written, so the next response was paired
+    with the wrong request and the stream failed as out of order."""
+    proxy = _SlowConnectProxy(int(server.address.rsplit(":", 1)[1]), delay_s=1.0)
+
+    async def body() -> None:
+        async with AsyncExpertClient(f"127.0.0.1:{proxy.port}", timeout=10) as client:
+            async with client.stream() as stream:
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(stream.forward(0, *_batch(2, seed=1)), 0.3)
+                assert not stream.broken
+                x, ids, w = _batch(3, seed=2)
+                out = await asyncio.wait_for(stream.forward(0, x, ids, w), 10)
+                with ExpertClient(server.address) as direct:
+                    torch.testing.assert_close(out, direct.forward(0, x, ids, w), rtol=0, atol=0)
+
+    try:
+        asyncio.run(body())
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("aio", [False, True], ids=["sync", "async"])
+def test_the_mxfp8_wire_learning_the_model_keeps_the_calls_deadline(aio: bool) -> None:
+    """wire="mxfp8" asks for the model's info before the first call: within that call's deadline, not the client's."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)  # accepts, never speaks HTTP/2
+    target = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        start = time.monotonic()
+        with pytest.raises(ExpertServiceError):
+            if aio:
+                async def body() -> None:
+                    async with AsyncExpertClient(target, timeout=6, retries=0, wire="mxfp8") as client:
+                        await client.forward(0, *_batch(2), timeout=0.5)
+
+                asyncio.run(body())
+            else:
+                with ExpertClient(target, timeout=6, retries=0, wire="mxfp8") as client:
+                    client.forward(0, *_batch(2), timeout=0.5)
+        assert time.monotonic() - start < 3
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+def test_a_closed_sharded_client_raises_the_clients_error(server: ServerThread, transport: str) -> None:
+    client = ShardedExpertClient([server.address], transport=transport)
+    client.forward(0, *_batch(2))
+    client.close()
+    with pytest.raises(ExpertServiceError, match="closed"):
+        client.forward(0, *_batch(2))
+    assert all(s.outstanding == 0 for s in client.stats().shards)
+
+    async def body() -> None:
+        aclient = AsyncShardedExpertClient([server.address], transport=transport)
+        await aclient.connect()
+        await aclient.forward(0, *_batch(2))
+        await aclient.close()
+        with pytest.raises(ExpertServiceError, match="closed"):
+            await aclient.forward(0, *_batch(2))
+
+    asyncio.run(body())
+
+
+def test_a_full_lane_to_a_stalled_shard_keeps_the_deadline(slow_server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard's stream holds at most LANE_MAX_IN_FLIGHT unanswered requests; once full, a call waits for room only
+    until its deadline (it used to block until an answer came), and the full lane is dropped."""
+    monkeypatch.setattr(sharded, "LANE_MAX_IN_FLIGHT", 2)  # stands for 1024 unanswered requests
+    with ShardedExpertClient([slow_server.address]) as client:
+        for _ in range(2):
+            with pytest.raises(ExpertServiceError):
+                client.forward(0, *_batch(2), timeout=0.3)
+        start = time.monotonic()
+        with pytest.raises(ExpertServiceError):
+            client.forward(0, *_batch(2), timeout=0.3)
+        assert time.monotonic() - start < 0.8
+
+
+def test_an_async_sharded_attempt_has_one_deadline(slow_server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiting for room on a lane and waiting for the answer share the attempt's time (each used to get all of it)."""
+    monkeypatch.setattr(sharded, "LANE_MAX_IN_FLIGHT", 1)
+
+    async def body() -> float:
+        async with AsyncShardedExpertClient([slow_server.address]) as client:
+            first = asyncio.ensure_future(client.forward(0, *_batch(2), timeout=10))
+            await asyncio.sleep(0.05)
+            start = time.monotonic()
+            with pytest.raises(ExpertServiceError):  # ~1.5 s for the slot, then ~1.5 s more for the answer
+                await client.forward(0, *_batch(2, seed=1), timeout=2.0)
+            elapsed = time.monotonic() - start
+            await first
+            return elapsed
+
+    assert asyncio.run(body()) < 2.5
+
+
+def test_a_bad_wire_opens_no_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[object] = []
+    monkeypatch.setattr("lutb_client.client.channel_opener", lambda *a, **k: (lambda: opened.append(1)))
+    with pytest.raises(ValueError):
+        ExpertClient("127.0.0.1:1", wire="fp4")
+    assert not opened
