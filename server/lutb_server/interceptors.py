@@ -33,7 +33,9 @@ def split_method(full: str) -> tuple[str, str]:
 
 def status_of(context: Any, exc: BaseException | None) -> grpc.StatusCode:
     """The status a call ended with, from its context and the exception (if any) its handler raised."""
-    if isinstance(exc, asyncio.CancelledError):  # gRPC cancels a handler when its deadline passes, too
+    # gRPC cancels a handler when its deadline passes, too; a streaming handler blocked writing to a client that went
+    # away is closed instead (GeneratorExit)
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
         remaining = context.time_remaining() if hasattr(context, "time_remaining") else None
         return cancelled_status(None if remaining is None else time.monotonic() + remaining)
     code = context.code() if hasattr(context, "code") else None

@@ -6,7 +6,9 @@ name                                     type      labels                       
 lutb_grpc_requests_total                 counter   service, method, code                 finished gRPC calls
 lutb_grpc_request_duration_seconds       histogram service, method                       server-side call latency
 lutb_grpc_requests_in_flight             gauge     service, method                       calls being handled
-lutb_forward_requests_total              counter   rpc, code                             forward requests (unary and each stream message)
+lutb_forward_requests_total              counter   rpc, code                             forward requests the servicer handled (unary
+                                                                                         and each stream message; not unary calls the
+                                                                                         gate refused while loading or draining)
 lutb_queue_wait_seconds                  histogram backend, layer                        time from enqueue to the start of its batch
 lutb_compute_seconds                     histogram backend, layer                        one experts call (a pooled batch)
 lutb_batch_tokens                        histogram backend, layer                        tokens per experts call

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -12,6 +13,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from lutb_client import ExpertClient, ExpertServiceError
+from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
+from lutb_client.codec import encode_tensor
 from lutb_server.testing import ServerThread, free_port
 
 HIDDEN = 128
@@ -102,6 +106,38 @@ def test_batches_the_arena_cannot_hold_are_counted(tiny_checkpoint: Path) -> Non
             client.forward(0, *_batch(3, 3))
         samples = _scrape(port)
     assert _get(samples, "lutb_compute_batches_inline_total") == 1
+
+
+def _big_route_major(request_id: int) -> pb.ForwardRequest:
+    """64 tokens, top-8, answered route-major: 128 KiB per response, so an unread stream fills flow control fast."""
+    request = pb.ForwardRequest(request_id=request_id, layer=0, output_mode=pb.ROUTE_MAJOR)
+    x, ids, w = _batch(64, request_id)
+    encode_tensor(x, out=request.hidden_states)
+    encode_tensor(torch.randint(0, 8, (64, 8), dtype=torch.int32), out=request.topk_ids)
+    encode_tensor(torch.rand(64, 8), out=request.topk_weights)
+    return request
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_a_stream_abandoned_while_the_server_writes_is_not_a_server_error(tiny_checkpoint: Path, how: str) -> None:
+    """A client that stops reading, then cancels or lets its deadline pass: gRPC closes the handler blocked in its
+    write (GeneratorExit, not CancelledError), which was counted as UNKNOWN, i.e. a server error."""
+    port = free_port()
+    with ServerThread(checkpoint=tiny_checkpoint, metrics_port=port) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            call = pb_grpc.ExpertServiceStub(channel).ForwardStream(
+                iter([_big_route_major(i) for i in range(40)]), timeout=2.0 if how == "deadline" else None)
+            next(call)  # then stop reading: the server blocks writing
+            time.sleep(0.5)
+            if how == "cancel":
+                call.cancel()
+            end = time.monotonic() + 10
+            codes: dict[str, float] = {}
+            while time.monotonic() < end and not codes:
+                codes = {dict(labels)["code"]: value for (name, labels), value in _scrape(port).items()
+                         if name == "lutb_grpc_requests_total" and dict(labels)["method"] == "ForwardStream"}
+                time.sleep(0.1)
+    assert codes == {"CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED": 1.0}
 
 
 def test_two_servers_in_one_process_keep_separate_metrics(tiny_checkpoint: Path) -> None:
