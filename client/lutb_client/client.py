@@ -650,12 +650,12 @@ class AsyncForwardStream:
 
     async def _write_all(self) -> None:
         """Write the queued requests in order, then half-close; a failed write cancels the call, so the reader
-        fails every pending request with the stream's status."""
+        fails every pending request with the stream's status (or CANCELLED)."""
         try:
             while (request := await self._requests.get()) is not None:
                 await self._call.write(request)
             await self._call.done_writing()
-        except (grpc.RpcError, asyncio.InvalidStateError):
+        except Exception:  # noqa: BLE001 - any write failure (the call ended, its channel closed): the stream is over
             self._call.cancel()
 
     async def _read(self) -> None:
