@@ -86,6 +86,13 @@ class _SlowConnectProxy:
         await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
 
     def stop(self) -> None:
+        async def cancel_relays() -> None:
+            relays = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in relays:
+                task.cancel()
+            await asyncio.gather(*relays, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel_relays(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
 
