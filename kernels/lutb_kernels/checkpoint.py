@@ -294,11 +294,16 @@ class Checkpoint:
         with open_safetensors(self._where[name]) as f:
             return f.get_tensor(name)
 
-    def layer(self, layer: int, *, check: bool = True) -> LayerWeights:
+    def layer(self, layer: int, *, check: bool = True, tiles: bool = False) -> LayerWeights:
         """Load one layer (memory-mapped CPU tensors).
 
         Args:
-            check: validate shapes, dtypes and expert ids (cheap); tiles are checked by :meth:`validate`.
+            check: validate shapes, dtypes and expert ids (cheap).
+            tiles: with ``check``, also every tile (spec section 1's rules: reads every byte of the layer, as
+                :meth:`validate` does for all layers).
+
+        Raises:
+            LutBFormatError: a check failed (naming file, tensor and tile).
 
         Raises:
             KeyError: the checkpoint has no such layer.
@@ -307,7 +312,7 @@ class Checkpoint:
             raise KeyError(f"checkpoint {self.path} has no layer {layer}; it has {self.layers}")
         weights = LayerWeights(*(self._tensor(f"layers.{layer}.{p}") for p in ("w13", "w2", "expert_ids")))
         if check:
-            check_layer(self.config, layer, weights, tiles=False, where=self._files_of(layer))
+            check_layer(self.config, layer, weights, tiles=tiles, where=self._files_of(layer))
         return weights
 
     def _files_of(self, layer: int) -> str:

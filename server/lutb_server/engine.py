@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from lutb_client.codec import WireTensor, as_tensor, host_array
-from lutb_kernels.checkpoint import Checkpoint, CheckpointConfig, check_layer
+from lutb_kernels.checkpoint import Checkpoint, CheckpointConfig
 from lutb_kernels.experts.base import LayerExperts
 from lutb_kernels.reference import OutputMode
 from lutb_server.backends import BackendChoice
@@ -160,9 +160,7 @@ class ExpertEngine:
             if not load_experts:
                 self._expert_ids[layer] = checkpoint.expert_ids(layer).tolist()
                 continue
-            weights = checkpoint.layer(layer)
-            if validate_tiles:
-                check_layer(self.config, layer, weights, tiles=True, where=str(checkpoint.path))
+            weights = checkpoint.layer(layer, tiles=validate_tiles)
             self._layers[layer] = backend.cls(self.config, weights, self.device)
             self._expert_ids[layer] = self._layers[layer].expert_ids.tolist()
         if load_experts:

@@ -155,3 +155,29 @@ def test_scale_mode_is_identity(server: ServerThread, client_checkpoint: Path, t
     report = run_check(NodeSide(server.address), ReferenceSide(floor), force=True, suites=["magnitudes", "normal"], **SMALL)
     assert report.forced and {d["field"] for d in report.differences} == {"content_hash", "mxfp8_scale_mode"}
     assert "FORCED   mxfp8_scale_mode differs" in report.format_text()
+
+
+def test_the_local_judge_names_a_bad_tile(client_checkpoint: Path, tmp_path: Path) -> None:
+    """The reference judge checks its layer's tiles (spec section 1) as a server does: a reserved scale byte is named
+    with its tensor and tile, not met later as NaN weights and a refused MXFP8 quantization."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from lutb_client.check import CheckError
+    from lutb_client.check.suites import Batch
+
+    ckpt = Checkpoint(client_checkpoint)
+    write_checkpoint(tmp_path / "bad", ckpt.config, {layer: ckpt.layer(layer) for layer in ckpt.layers})
+    layer = ckpt.layers[0]
+    file = tmp_path / "bad" / f"layer-{layer:05d}.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
+        meta = dict(f.metadata())
+    tensors[f"layers.{layer}.w2"][0, 0, 0, 16] = 255  # a reserved E8M0 scale byte
+    save_file(tensors, str(file), metadata=meta)
+    judge = ReferenceSide(tmp_path / "bad", device="cpu")
+    x = torch.randn(2, ckpt.config.hidden_size).to(torch.bfloat16)
+    ids = ckpt.expert_ids(layer)[:2].repeat(2, 1).to(torch.int32)
+    batch = Batch(0, "unit", "bad tile", layer, x, ids, torch.full((2, 2), 0.5))
+    with pytest.raises(CheckError, match=rf"layers\.{layer}\.w2: tile \(0, 0, 0\): scale byte 255"):
+        judge.forward(batch)
