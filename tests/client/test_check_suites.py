@@ -41,8 +41,16 @@ def test_batches_are_deterministic_and_independent_of_the_selection() -> None:
 
 def test_batch_kinds() -> None:
     shape = _shape()
-    batches = {b.part: b for b in make_batches(list(SUITES), shape, [0], cap=16, seed=0, headroom=lambda layer: 2.0**30)}
-    assert batches["single_token"].tokens == 1 and batches["max_tokens"].tokens == 16 and batches["normal"].tokens == 16
+    every = make_batches(list(SUITES), shape, [0], cap=16, seed=0, headroom=lambda layer: 2.0**30)
+    assert all(b.tokens <= 16 for b in every)  # requests of at most the cap
+    tokens: dict[str, int] = {}
+    for b in every:
+        tokens[b.part] = tokens.get(b.part, 0) + b.tokens
+    batches = {}
+    for b in every:
+        batches.setdefault(b.part, b)  # each part's first request
+    # a standard batch holds 64 tokens whatever the cap (judged strictly), sent as 4 requests of 16
+    assert tokens["single_token"] == 1 and tokens["max_tokens"] == 16 and tokens["normal"] == 64
     woi = batches["weights_on_input"]
     assert woi.apply_router_weight_on_input and woi.topk_ids.shape[1] == 1 and woi.output_mode == "combined"
     assert batches["route_major"].output_mode == "route_major" and batches["normal"].output_mode == "combined"
@@ -116,3 +124,30 @@ def test_route_rows_by_expert() -> None:
     rows = route_rows_by_expert(got, got.clone(), ids)
     assert sorted(rows) == [0, 1, 3]
     assert torch.equal(rows[3][0], torch.stack([got[0, 1], got[1, 0]]))
+
+
+def test_a_small_cap_still_judges_standard_rows_strictly() -> None:
+    """With requests of at most 8 tokens, a standard part still holds 64 tokens, so its row is judged at the strict
+    tolerance: a node 5x beyond it used to pass with --tokens 8 (every row then judged at 10x the tolerance)."""
+    parts: dict[str, int] = {}
+    for b in make_batches(["normal"], _shape(), [0], cap=8, seed=0):
+        assert b.tokens <= 8
+        parts[b.part] = parts.get(b.part, 0) + b.tokens
+    assert parts == {"normal": 64}
+
+
+def test_rows_where_the_judge_answers_nan_fail() -> None:
+    """Two nodes answering the same NaN used to pass: nothing finite was compared, so rel L2 was 0."""
+    from lutb_client.check.report import Row
+
+    nan = torch.full((64, 8), float("nan"))
+    both = ErrorStats()
+    both.add(nan, nan)
+    row = Row("normal", 0, both, tokens=64)
+    row.judge(1e-2)
+    assert not row.ok and "judge's output holds 512 NaN/Inf" in row.reasons[0]
+    fine = ErrorStats()
+    fine.add(torch.ones(64, 8), torch.ones(64, 8))
+    row = Row("normal", 0, fine, tokens=64)
+    row.judge(1e-2)
+    assert row.ok

@@ -160,4 +160,10 @@ def test_a_layer_named_twice_is_checked_once(server: ServerThread, tiny_checkpoi
                  "--layers", "0", "0", "--json", str(report)]) == 0
     data = json.loads(report.read_text())
     assert data["layers_checked"] == [0]
-    assert [row["tokens"] for row in data["layers"] if row["suite"] == "normal"] == [16]  # not 32: sent once
+    assert [row["tokens"] for row in data["layers"] if row["suite"] == "normal"] == [64]  # not 128: sent once
+
+
+def test_a_node_against_itself_is_refused(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its answers equal themselves whatever they are: such a check used to pass and prove nothing."""
+    assert _run(["check", server.address, "--against", server.address, *FAST]) == 2
+    assert "against itself" in capsys.readouterr().err

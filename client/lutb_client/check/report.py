@@ -60,6 +60,8 @@ class Row:
             reasons.append(f"{len(self.errors)} request(s) failed: {self.errors[0]}")
         if self.stats.nonfinite_mismatch:
             reasons.append(f"{self.stats.nonfinite_mismatch} NaN/Inf element(s) not matching the judge's")
+        if self.stats.nan_ref or self.stats.inf_ref:  # spec section 6: no NaN; matching ones would prove nothing
+            reasons.append(f"the judge's output holds {self.stats.nan_ref + self.stats.inf_ref} NaN/Inf element(s)")
         rel = self.stats.rel_l2
         if not rel <= self.limit:
             reasons.append(f"rel L2 {rel:.3e} > {self.limit:g} ({self.judged})")

@@ -25,8 +25,8 @@ def _add_batch_options(parser: argparse.ArgumentParser) -> None:
                         help="input suite(s), repeatable or comma-separated: normal, heavy_tailed, magnitudes, coverage, "
                              "single_token, max_tokens, weights_on_input, route_major, all (default: all)")
     parser.add_argument("--tokens", type=positive_int, default=1024, metavar="N",
-                        help="largest request in tokens: standard batches use min(64, N), the max_tokens batch "
-                             "min(N, max_tokens_per_request) (default: 1024)")
+                        help="largest request in tokens: standard batches (64 tokens) go as requests of at most N, "
+                             "the max_tokens batch is min(N, max_tokens_per_request) (default: 1024)")
     parser.add_argument("--topk", type=positive_int, default=8, metavar="K", help="routes per token, capped at the expert count (default: 8)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the suites (default: 0)")
     parser.add_argument("--timeout", type=positive_float, default=120.0, metavar="S", help="deadline of each call in seconds (default: 120)")
@@ -87,6 +87,8 @@ def run_check(args: argparse.Namespace) -> int:
         return _fail("check", "give either TARGET or --replay FILE")
     if args.against == "reference" and not args.checkpoint:
         return _fail("check", "--against reference needs --checkpoint DIR (the local copy of the node's checkpoint)")
+    if args.target is not None and args.against == args.target:
+        return _fail("check", f"{args.target} judged against itself proves nothing: give --against another node or reference")
     sides: list[Side] = []
     try:
         target: Side = open_recording(args.replay) if args.replay else NodeSide(args.target, timeout=args.timeout)
