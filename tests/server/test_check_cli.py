@@ -167,3 +167,34 @@ def test_a_node_against_itself_is_refused(server: ServerThread, capsys: pytest.C
     """Its answers equal themselves whatever they are: such a check used to pass and prove nothing."""
     assert _run(["check", server.address, "--against", server.address, *FAST]) == 2
     assert "against itself" in capsys.readouterr().err
+
+
+def test_record_refuses_an_unwritable_out_before_asking_the_node(server: ServerThread, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--out naming a folder used to fail with a traceback (exit 1) after every batch had been sent."""
+    assert _run(["record", server.address, "--out", str(tmp_path), *FAST, "--suite", "normal"]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["layers not a list", "batch listed twice"])
+def test_a_damaged_record_is_refused(server: ServerThread, tiny_checkpoint: Path, tmp_path: Path, damage: str,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A record whose metadata lies is a bad file (exit 2), not a mismatch (exit 1) nor a pass."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    rec = tmp_path / "node.lutbrec.safetensors"
+    assert _run(["record", server.address, "--out", str(rec), *FAST, "--suite", "normal"]) == 0
+    with safe_open(str(rec), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        header = dict(f.metadata())
+    meta = json.loads(header["record"])
+    if damage == "layers not a list":
+        meta["model_info"]["layers"] = "0,1"
+    else:
+        meta["batches"].append(dict(meta["batches"][0]))
+    header["record"] = json.dumps(meta)
+    save_file(tensors, str(rec), metadata=header)
+    capsys.readouterr()
+    assert _run(["check", "--replay", str(rec), "--checkpoint", str(tiny_checkpoint), *FAST]) == 2
+    assert "record" in capsys.readouterr().err

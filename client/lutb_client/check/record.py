@@ -61,8 +61,28 @@ def _key(i: int, name: str) -> str:
     return f"batch.{i:06d}.{name}"
 
 
+def check_writable(path: str | Path) -> None:
+    """Make sure a record can be written at ``path`` before a node is asked anything: its folder is made, and a
+    file there can be created.
+
+    Raises:
+        OSError: ``path`` is a folder, or its folder cannot be made or written.
+    """
+    out = Path(path)
+    if out.is_dir():
+        raise IsADirectoryError(f"{out} is a folder; give a file name (e.g. {out / 'node.lutbrec.safetensors'})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    probe = out.parent / f".{out.name}.write-test"
+    probe.touch()
+    probe.unlink()
+
+
 def write_recording(path: str | Path, rec: Recording) -> Path:
-    """Write ``rec`` to ``path`` (one safetensors file, format above); returns the path."""
+    """Write ``rec`` to ``path`` (one safetensors file, format above); returns the path.
+
+    Raises:
+        OSError: the file cannot be written (safetensors' own errors come as OSError too).
+    """
     tensors: dict[str, torch.Tensor] = {}
     entries = []
     for b in rec.batches:
@@ -85,10 +105,15 @@ def write_recording(path: str | Path, rec: Recording) -> Path:
         "batches": entries,
     }
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out), metadata={
-        "format": RECORD_FORMAT, "format_version": str(RECORD_VERSION), "record": json.dumps(meta),
-    })
+    check_writable(out)
+    try:
+        save_file(tensors, str(out), metadata={
+            "format": RECORD_FORMAT, "format_version": str(RECORD_VERSION), "record": json.dumps(meta),
+        })
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError
+        raise OSError(f"cannot write {out}: {exc}") from None
     return out
 
 
@@ -112,8 +137,12 @@ def read_recording(path: str | Path) -> Recording:
             batches: list[Batch] = []
             outputs: dict[int, torch.Tensor] = {}
             errors: dict[int, dict[str, str]] = {}
+            seen: set[int] = set()
             for e in meta["batches"]:
                 i = int(e["index"])
+                if i in seen:
+                    raise RecordError(f"{path}: batch {i} is listed twice")
+                seen.add(i)
                 for part in ("hidden_states", "topk_ids", "topk_weights"):
                     if _key(i, part) not in names:
                         raise RecordError(f"{path}: batch {i} lacks tensor {_key(i, part)}")
@@ -134,6 +163,16 @@ def read_recording(path: str | Path) -> Recording:
             missing = [k for k in _MODEL_INFO_KEYS if not isinstance(info, dict) or k not in info]
             if missing:
                 raise RecordError(f"{path}: the record's model_info lacks {', '.join(missing)}")
+            layers = info["layers"]
+            if not isinstance(layers, list) or not all(
+                    isinstance(entry, dict) and isinstance(entry.get("layer"), int) and isinstance(entry.get("expert_ids"), list)
+                    and all(isinstance(e, int) for e in entry["expert_ids"]) for entry in layers):
+                raise RecordError(f"{path}: the record's model_info.layers is not a list of "
+                                  "{layer: int, expert_ids: [int]}")
+            listed = {_key(i, part) for i in seen for part in ("hidden_states", "topk_ids", "topk_weights", "output")}
+            stray = sorted(names - listed)
+            if stray:
+                raise RecordError(f"{path}: tensors no batch lists: {', '.join(stray[:3])}{' ...' if len(stray) > 3 else ''}")
             recording = Recording(
                 address=str(meta["address"]), model_info=info, batches=batches, outputs=outputs, errors=errors,
                 suites=list(meta.get("suites", [])), seed=int(meta.get("seed", 0)), tokens=int(meta.get("tokens", 0)),

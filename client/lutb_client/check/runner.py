@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lutb_client.check.compare import ErrorStats, route_rows_by_expert
-from lutb_client.check.record import Recording, read_recording, write_recording
+from lutb_client.check.record import Recording, check_writable, read_recording, write_recording
 from lutb_client.check.report import POOLED, CheckReport, Row
 from lutb_client.check.suites import Batch, NodeShape, headroom_probe, make_batches, resolve_suites
 from lutb_client.codec import dtype_name, to_torch_dtype
@@ -403,6 +403,7 @@ def record_node(
     """
     suite_names = resolve_suites(suites)
     chosen = _select_layers(target.info, layers, target.address)
+    check_writable(out)  # before the node is asked anything
     cap = _cap(tokens, target.info)
     shape = _shape(target.info, topk, cap)
     headroom: dict[int, float] = {}
