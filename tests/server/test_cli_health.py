@@ -139,3 +139,22 @@ def test_registered_with_the_lutb_command() -> None:
     from lutb_server import cli
 
     assert "lutb_server.cli.health_cmd" in cli.SUBCOMMAND_MODULES
+
+
+def test_a_bad_log_level_is_a_usage_error() -> None:
+    """It used to raise from logging after parsing (exit 1, which `lutb health` means as 'not serving')."""
+    from lutb_server.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--log-level", "bogus", "health", "127.0.0.1:1"])
+    assert exc.value.code == 2
+
+
+def test_python_m_runs_the_command() -> None:
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(root / d) for d in ("kernels", "client", "server")))
+    proc = subprocess.run([sys.executable, "-m", "lutb_server.cli", "--help"], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0 and "health" in proc.stdout

@@ -13,6 +13,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 # Order here is the order in `lutb --help`.
 SUBCOMMAND_MODULES = (
     "lutb_server.cli.serve_cmd",  # serve
@@ -30,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lutb",
         description="Serve, inspect and check 3-bit LUT-B Mixture-of-Experts experts.",
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+                        help=f"logging level: {', '.join(LOG_LEVELS)} (default: INFO)")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
@@ -40,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lutb`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(args.run(args) or 0)
 
 

@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("--plot", default=None, metavar="FILE.png", help="draw the error distributions per layer and expert (needs matplotlib)")
     check.add_argument("--force", action="store_true", help="compare even when checkpoint hash or MXFP8 scale mode differ (flagged in the report)")
     check.add_argument("--device", default="auto", help="device of the local reference: auto (cuda if present), cpu, cuda[:N] (default: auto)")
-    check.add_argument("--top", type=int, default=10, metavar="N", help="expert rows printed besides the failing ones (default: 10)")
+    check.add_argument("--top", type=int, default=10, metavar="N", help="expert rows printed, worst first; every failing one even beyond N (default: 10)")
     check.set_defaults(run=run_check)
 
     record = subparsers.add_parser(
