@@ -8,8 +8,10 @@ environment variables (``LUTB_MAX_WAIT_US=200``), a YAML file (``--config FILE``
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -213,9 +215,28 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
+OTHER_ENV = frozenset({"LUTB_SLEEP_EXPERTS", "LUTB_DEPLOY_TOOLS"})
+"""``LUTB_*`` variables that are not settings but are read elsewhere (the fake backend, the deploy tests)."""
+
+
+def unknown_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One message per ``LUTB_*`` variable of ``environ`` (default: this process's) that no setting reads, with the
+    nearest setting's name: pydantic-settings ignores such variables, so a misspelt one would pass unnoticed.
+    (A YAML file's unknown keys are refused outright.)"""
+    environ = os.environ if environ is None else environ
+    known = {env_name(name) for name in ServerSettings.model_fields} | OTHER_ENV
+    messages = []
+    for key in sorted(environ):
+        upper = key.upper()
+        if upper.startswith(ENV_PREFIX) and upper not in known:
+            near = difflib.get_close_matches(upper, sorted(known - OTHER_ENV), n=1)
+            messages.append(f"{key} is not a setting; ignored" + (f" (did you mean {near[0]}?)" if near else ""))
+    return messages
+
+
 def load_settings(cli: dict[str, Any] | None = None) -> ServerSettings:
     """Build the settings: ``cli`` (only flags actually given) over ``LUTB_*`` env over the YAML file over defaults."""
     return ServerSettings(**(cli or {}))
 
 
-__all__ = ["BUILTIN_BACKENDS", "ServerSettings", "env_name", "flag_name", "load_settings"]
+__all__ = ["BUILTIN_BACKENDS", "OTHER_ENV", "ServerSettings", "env_name", "flag_name", "load_settings", "unknown_env"]

@@ -328,3 +328,15 @@ def test_arena_holds_a_full_batch_beside_the_others_in_flight(in_flight: int) ->
                 arena.release(oldest[0].offset)
     finally:
         arena.close()
+
+
+def test_a_misspelt_variable_is_named_with_the_setting_it_missed() -> None:
+    """pydantic-settings ignores LUTB_* variables that match no setting; `lutb serve` warns about each."""
+    from lutb_server.settings import unknown_env
+
+    env = {"LUTB_FRONTENDS": "8", "LUTB_SHUTDOWN_GRACE": "120", "LUTB_PORT": "1", "LUTB_SLEEP_EXPERTS": "1,0", "HOME": "/"}
+    assert unknown_env(env) == [
+        "LUTB_FRONTENDS is not a setting; ignored (did you mean LUTB_FRONT_ENDS?)",
+        "LUTB_SHUTDOWN_GRACE is not a setting; ignored (did you mean LUTB_SHUTDOWN_GRACE_S?)",
+    ]
+    assert unknown_env({env_name(name): "x" for name in ServerSettings.model_fields}) == []

@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from lutb_server.app import serve
     from lutb_server.cpu_placement import allowed_cpus, choose_compute_cpu
     from lutb_server.errors import BackendUnavailableError
+    from lutb_server.settings import unknown_env
 
     log = logging.getLogger("lutb_server.serve")
     try:
@@ -88,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError) as exc:
         print(f"lutb serve: invalid settings: {exc}", file=sys.stderr)
         return EXIT_STARTUP_ERROR
+    for message in unknown_env():
+        log.warning("%s", message)
     log.info("settings: %s", settings.model_dump_json())
 
     def ready(server: Any) -> None:
