@@ -328,12 +328,14 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
         log.info("%s", tune_malloc())  # inline batches (no shared arena) are large messages
         checkpoint = Checkpoint(spec.checkpoint)
         device = resolve_device(spec.device)
-        apply_intra_op_threads(spec.intra_op_threads, device)
-        apply_gil_switch_interval(spec.gil_switch_interval_us, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         engine = ExpertEngine(checkpoint, choose_backend(spec.backend, checkpoint.config, device),
                               max_tokens_per_request=spec.max_tokens_per_request, validate_tiles=spec.validate_tiles)
+        # after loading, as the worker thread's server does: the tile check of a large checkpoint runs on every
+        # CPU torch has, not on the one thread the compute loop wants
+        apply_intra_op_threads(spec.intra_op_threads, device)
+        apply_gil_switch_interval(spec.gil_switch_interval_us, device)
         worker = ComputeWorker(engine, cuda_graph_max_tokens=spec.cuda_graph_max_tokens, cuda_graph_top_k=spec.cuda_graph_top_k)
         graphs_s = worker.capture_graphs()
         warm_up_s = worker.warm_up(spec.warm_up_tokens) if spec.warm_up_tokens else 0.0

@@ -811,6 +811,9 @@ def test_server_with_several_batches_in_flight_to_a_compute_process(tiny_checkpo
         with ExpertClient(server.address, connections=4) as client, ThreadPoolExecutor(8) as pool:
             outputs = list(pool.map(lambda c: client.forward(*c), calls))
     for (layer, x, ids, weights), out in zip(calls, outputs):
-        torch.testing.assert_close(out, local[layer].forward(x, ids, weights))
+        # merged calls may differ from one computed alone in the last bits (docs/format.md (j)); another caller's
+        # answer would be ~1.4 away
+        want = local[layer].forward(x, ids, weights).float()
+        assert float((out.float() - want).norm() / want.norm()) <= 1e-2
     assert max(most_in_flight) > 1, most_in_flight  # batches did go over while others computed
     assert max(most_in_flight) <= 3, most_in_flight
