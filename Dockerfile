@@ -95,7 +95,7 @@ EXPOSE 50051 9400
 # code 2, which `lutb health` uses for "no answer", so every failure is reported as 1.
 # start-period covers loading a large checkpoint.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=600s --retries=3 \
-    CMD ["/bin/sh", "-c", "lutb health 127.0.0.1:50051 --timeout 5 || exit 1"]
+    CMD ["/bin/sh", "-c", "lutb health 127.0.0.1:${LUTB_PORT:-50051} --timeout 5 || exit 1"]
 
 ENTRYPOINT ["lutb", "serve"]
 CMD []

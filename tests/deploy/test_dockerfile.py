@@ -130,11 +130,13 @@ def test_entrypoint_and_healthcheck_parse_with_the_cli(instructions) -> None:
     assert (shell, flag) == ("/bin/sh", "-c")
     check, _, fallback = script.partition("||")
     assert fallback.strip() == "exit 1", "Docker reserves exit code 2; map every failure to 1"
-    argv = shlex.split(check)
+    port = env_assignments(instructions)["LUTB_PORT"]
+    assert f"${{LUTB_PORT:-{port}}}" in check, "the check must follow a LUTB_PORT given at run time"
+    argv = shlex.split(check.replace(f"${{LUTB_PORT:-{port}}}", port))  # as the shell expands it with the image's env
     assert argv[0] == "lutb"
     args = build_parser().parse_args(argv[1:])
     assert argv[1] == "health" and callable(args.run)
-    assert args.target == f"127.0.0.1:{env_assignments(instructions)['LUTB_PORT']}"
+    assert args.target == f"127.0.0.1:{port}"
     timeout = float(re.search(r"--timeout=(\d+)s", options).group(1))
     assert args.timeout < timeout
 
