@@ -181,3 +181,12 @@ def test_the_local_judge_names_a_bad_tile(client_checkpoint: Path, tmp_path: Pat
     batch = Batch(0, "unit", "bad tile", layer, x, ids, torch.full((2, 2), 0.5))
     with pytest.raises(CheckError, match=rf"layers\.{layer}\.w2: tile \(0, 0, 0\): scale byte 255"):
         judge.forward(batch)
+
+
+def test_the_headroom_probes_show_progress(server: ServerThread, client_checkpoint: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The probes of the huge and heavy-tailed inputs run before the first batch (about 7 judge calls a layer, slow
+    on a CPU judge of a large layer): a bar says so instead of minutes of silence."""
+    run_check(NodeSide(server.address), ReferenceSide(client_checkpoint, device="cpu"), suites=["heavy_tailed"],
+              tokens=16, topk=2, progress=True)
+    assert "probe headroom on reference" in capsys.readouterr().err

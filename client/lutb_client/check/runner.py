@@ -320,12 +320,23 @@ def run_check(
         cap = _cap(tokens, target.info, against.info)
         shape = _shape(target.info, topk, cap)
 
+        probing = None  # a bar over the layers whose headroom is probed (each ~7 judge calls, before the first batch)
+
         def room(layer: int) -> float:
+            nonlocal probing
             if layer not in headroom:
+                if probing is None:
+                    probing = _progress(len(chosen), f"probe headroom on {against.address}", progress)
                 headroom[layer] = headroom_probe(against.forward, layer, shape, seed=seed)
+                if probing is not None:
+                    probing.update(1)
             return headroom[layer]
 
-        batches = make_batches(suite_names, shape, chosen, cap=cap, seed=seed, headroom=room)
+        try:
+            batches = make_batches(suite_names, shape, chosen, cap=cap, seed=seed, headroom=room)
+        finally:
+            if probing is not None:
+                probing.close()
 
     hidden = int(target.info["hidden_size"])
     judge_cap = _cap(2**62, against.info)
