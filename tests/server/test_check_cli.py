@@ -198,3 +198,11 @@ def test_a_damaged_record_is_refused(server: ServerThread, tiny_checkpoint: Path
     capsys.readouterr()
     assert _run(["check", "--replay", str(rec), "--checkpoint", str(tiny_checkpoint), *FAST]) == 2
     assert "record" in capsys.readouterr().err
+
+
+def test_a_checkpoint_beside_another_judge_is_said_to_be_unused(server: ServerThread, tiny_checkpoint: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with ServerThread(checkpoint=tiny_checkpoint) as twin:
+        assert _run(["check", server.address, "--against", twin.address, "--checkpoint", str(tiny_checkpoint),
+                     *FAST, "--suite", "normal"]) == 0
+    assert "--checkpoint is only read with --against reference" in capsys.readouterr().err

@@ -89,6 +89,8 @@ def run_check(args: argparse.Namespace) -> int:
         return _fail("check", "--against reference needs --checkpoint DIR (the local copy of the node's checkpoint)")
     if args.target is not None and args.against == args.target:
         return _fail("check", f"{args.target} judged against itself proves nothing: give --against another node or reference")
+    if args.against != "reference" and args.checkpoint:
+        print(f"lutb check: --checkpoint is only read with --against reference; judging by {args.against}", file=sys.stderr)
     sides: list[Side] = []
     try:
         target: Side = open_recording(args.replay) if args.replay else NodeSide(args.target, timeout=args.timeout)
