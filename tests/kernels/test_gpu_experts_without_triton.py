@@ -71,3 +71,26 @@ def test_a_triton_older_than_the_kernels_need_is_refused(monkeypatch) -> None:
         assert support.ok is ok and mxfp8_triton.triton_available() is ok, (version, support)
         if not ok:
             assert support.reason.startswith(f"triton {version.rsplit('.', 1)[0]} is older than 3.4"), support.reason
+
+
+def test_the_emulated_backend_needs_compute_capability_8(monkeypatch) -> None:
+    """Its grouped GEMM multiplies bfloat16 on tensor cores: a T4 or V100 is refused with the reason, so `auto` falls
+    back to the reference instead of picking a backend whose first compile fails."""
+    import pytest
+    import torch
+
+    from lutb_kernels.checkpoint import CheckpointConfig
+    from lutb_kernels.experts import _triton_common as common
+    from lutb_kernels.experts.emulated import LutBEmulationTritonExperts
+
+    if not common.triton_present().ok:
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
+    cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=2)
+    for cap, ok in [((7, 5), False), ((7, 0), False), ((8, 0), True), ((9, 0), True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        support = LutBEmulationTritonExperts.supports(cfg, torch.device("cuda"))
+        assert support.ok == ok, support
+        if not ok:
+            assert "compute capability 8.0" in support.reason

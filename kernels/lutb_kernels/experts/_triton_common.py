@@ -60,6 +60,16 @@ def cuda_device(device: torch.device) -> Support:
     return Support(True, f"CUDA device {torch.cuda.get_device_name(device)}")
 
 
+def nvidia_sm80(device: torch.device) -> Support:
+    """The emulated backend's grouped GEMM multiplies bfloat16 (or float16) on tensor cores: compute capability 8.0+."""
+    if torch.version.hip is not None:
+        return Support(True, "a ROCm device (not tested)")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 0):
+        return Support(False, f"needs compute capability 8.0 or newer (bfloat16 tensor-core dots), got {cap[0]}.{cap[1]}")
+    return Support(True, f"compute capability {cap[0]}.{cap[1]}")
+
+
 def nvidia_sm89(device: torch.device) -> Support:
     if torch.version.hip is not None:
         return Support(False, "the packed kernel's decoder uses NVIDIA PTX (prmt); ROCm is not supported")

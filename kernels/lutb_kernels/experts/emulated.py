@@ -17,6 +17,7 @@ from lutb_kernels.experts._triton_common import (
     RoutedTritonExperts,
     cuda_device,
     dtype_ok,
+    nvidia_sm80,
     quant_scheme_ok,
     shape_ok,
     triton_present,
@@ -51,6 +52,7 @@ class LutBEmulationTritonExperts(RoutedTritonExperts):
         return all_of(
             triton_present,
             lambda: cuda_device(device),
+            lambda: nvidia_sm80(device),
             lambda: quant_scheme_ok(config),
             lambda: shape_ok(config),
             lambda: dtype_ok(config),
