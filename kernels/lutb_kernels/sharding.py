@@ -85,6 +85,19 @@ def balanced_placement(load: Mapping[int, float], shards: int, replicas: int = 0
         s = min(candidates, key=lambda s: (total[s], len(held[s]), s))
         held[s].add(e)
         total[s] += weight
+    # The relaxed step above can leave counts apart by 2 or more (many replicas, one hot expert). Even them out: move
+    # the lightest copy the smaller shard does not hold yet from the fullest shard (one exists: it holds more).
+    share = {e: weight for weight, e in copies}
+    while True:
+        big = max(range(shards), key=lambda s: (len(held[s]), s))
+        small = min(range(shards), key=lambda s: (len(held[s]), s))
+        if len(held[big]) - len(held[small]) <= 1:
+            break
+        e = min(held[big] - held[small], key=lambda e: (share[e], e))
+        held[big].remove(e)
+        held[small].add(e)
+        total[big] -= share[e]
+        total[small] += share[e]
     return [sorted(h) for h in held]
 
 

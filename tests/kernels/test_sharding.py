@@ -62,6 +62,22 @@ def test_balanced_placement_gives_shards_equal_counts(experts: int, shards: int,
         assert sum(counts) == experts + replicas
 
 
+@pytest.mark.parametrize("load, shards, replicas", [
+    ({0: 0.0, 1: 0.0, 2: 0.0, 3: 0.0, 4: 1.0, 5: 1.0}, 3, 6),  # every expert twice: gave 3/5/4
+    ({0: 259.0, 1: 13.0, 2: 12005.0, 3: 11.0, 4: 16.0, 5: 25.0, 6: 16.0, 7: 25.0, 8: 16.0, 9: 22.0, 10: 13.0,
+      11: 19.0, 12: 10.0, 13: 21.0, 14: 14.0, 15: 64.0}, 3, 4),  # one very hot expert: gave 5/7/8
+])
+def test_many_replicas_keep_counts_equal(load: dict[int, float], shards: int, replicas: int) -> None:
+    """When the shards with room already hold an expert, its copy goes elsewhere and the counts drift apart; they are
+    evened out afterwards, each expert still at most once per shard and the hottest ones twice."""
+    plan = balanced_placement(load, shards, replicas)
+    counts = [len(p) for p in plan]
+    assert max(counts) - min(counts) <= 1, plan
+    assert all(len(p) == len(set(p)) for p in plan)
+    hottest = sorted(load, key=lambda e: (-load[e], e))[:replicas]
+    assert all(sum(e in p for p in plan) == (2 if e in hottest else 1) for e in load)
+
+
 def test_balanced_replicas_put_copies_of_the_hottest_on_two_shards() -> None:
     load = {e: float(e) for e in range(12)}  # 11, 10, 9 hottest
     plan = balanced_placement(load, 3, replicas=3)
