@@ -60,23 +60,25 @@ def cuda_device(device: torch.device) -> Support:
     return Support(True, f"CUDA device {torch.cuda.get_device_name(device)}")
 
 
+def _capability_at_least(device: torch.device, least: tuple[int, int], why: str) -> Support:
+    """The CUDA device's compute capability is ``least`` or newer (``why``: what needs it, for the reason)."""
+    cap = torch.cuda.get_device_capability(device)
+    if cap < least:
+        return Support(False, f"needs compute capability {least[0]}.{least[1]} or newer ({why}), got {cap[0]}.{cap[1]}")
+    return Support(True, f"compute capability {cap[0]}.{cap[1]}")
+
+
 def nvidia_sm80(device: torch.device) -> Support:
     """The emulated backend's grouped GEMM multiplies bfloat16 (or float16) on tensor cores: compute capability 8.0+."""
     if torch.version.hip is not None:
         return Support(True, "a ROCm device (not tested)")
-    cap = torch.cuda.get_device_capability(device)
-    if cap < (8, 0):
-        return Support(False, f"needs compute capability 8.0 or newer (bfloat16 tensor-core dots), got {cap[0]}.{cap[1]}")
-    return Support(True, f"compute capability {cap[0]}.{cap[1]}")
+    return _capability_at_least(device, (8, 0), "bfloat16 tensor-core dots")
 
 
 def nvidia_sm89(device: torch.device) -> Support:
     if torch.version.hip is not None:
         return Support(False, "the packed kernel's decoder uses NVIDIA PTX (prmt); ROCm is not supported")
-    cap = torch.cuda.get_device_capability(device)
-    if cap < (8, 9):
-        return Support(False, f"needs compute capability 8.9 or newer (Triton's float8e4nv conversions), got {cap[0]}.{cap[1]}")
-    return Support(True, f"compute capability {cap[0]}.{cap[1]}")
+    return _capability_at_least(device, (8, 9), "Triton's float8e4nv conversions")
 
 
 def shape_ok(config: CheckpointConfig) -> Support:
