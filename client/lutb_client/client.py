@@ -674,6 +674,7 @@ class AsyncForwardStream:
         except asyncio.CancelledError:
             error = ExpertServiceError(grpc.StatusCode.CANCELLED, "stream cancelled")
         self._error = error
+        self._writer.cancel()  # the call is over: nothing more can be written (a stream dropped unclosed leaves no task)
         pending, self._pending = self._pending, deque()
         for request_id, future, _ in pending:
             if not future.done():
