@@ -404,7 +404,7 @@ class ForwardStream:
         self._pending: deque[tuple[int, Future[Any], bool | None]] = deque()  # detailed; None: raw
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_in_flight)
-        self._in_flight = max_in_flight  # for the message of a send that found no room
+        self._max_in_flight = max_in_flight  # for the message of a send that found no room
         self._ids = ids
         self._closed = False
         self._error: ExpertServiceError | None = None
@@ -476,7 +476,7 @@ class ForwardStream:
         future: Future[Any] = Future()
         if not self._slots.acquire(timeout=timeout):
             raise ExpertServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                     f"no room on the stream within {timeout:.3f} s ({self._in_flight} requests unanswered)",
+                                     f"no room on the stream within {timeout:.3f} s ({self._max_in_flight} requests unanswered)",
                                      request_id)
         with self._lock:
             if self._closed or self._error is not None:

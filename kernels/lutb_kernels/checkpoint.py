@@ -303,10 +303,8 @@ class Checkpoint:
                 :meth:`validate` does for all layers).
 
         Raises:
-            LutBFormatError: a check failed (naming file, tensor and tile).
-
-        Raises:
             KeyError: the checkpoint has no such layer.
+            LutBFormatError: a check failed (naming file, tensor and tile).
         """
         if layer not in self.layers:
             raise KeyError(f"checkpoint {self.path} has no layer {layer}; it has {self.layers}")

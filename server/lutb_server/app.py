@@ -331,7 +331,6 @@ class ExpertServer:
                  f", metrics on http://{_address(s.host, self.metrics_port)}/metrics" if self.metrics_port else ", metrics off",
                  loop_type.__module__, loop_type.__qualname__)
         worker: BatchWorker | None = None
-        process_worker: ProcessComputeWorker | None = None  # its inline-batch count is a metric
         try:
             engine = await asyncio.to_thread(loader)
             threads = apply_intra_op_threads(s.intra_op_threads, engine.device)
@@ -353,14 +352,12 @@ class ExpertServer:
                 if self.front_ends:  # SERVING only when every front end serves: clients stay on the one they reach
                     await asyncio.to_thread(self.front_ends.wait_ready)
                 weight_bytes, gpu_memory = worker.weight_bytes, worker.gpu_memory
-                process_worker = worker
             else:
                 worker = ComputeWorker(engine, cuda_graph_max_tokens=s.cuda_graph_max_tokens, cuda_graph_top_k=s.cuda_graph_top_k)
                 worker.start()
                 await asyncio.wrap_future(worker.call(worker.capture_graphs))  # logs the time; before SERVING
                 await asyncio.wrap_future(worker.call(worker.warm_up, warm_up_limit(s)))  # compiles, before SERVING
                 weight_bytes, gpu_memory = engine.weight_bytes, None
-                process_worker = None
             scheduler = BatchScheduler(
                 engine, max_batch_tokens=s.max_batch_tokens, max_wait_us=s.max_wait_us, batches_in_flight=s.batches_in_flight,
                 max_queue_requests=s.max_queue_requests, metrics=self.metrics, backend_name=engine.backend.name,
@@ -378,7 +375,7 @@ class ExpertServer:
             backend=engine.backend.name, device=str(engine.device), compute_capability=compute_capability(engine.device),
             dtype=engine.config.dtype, activation=engine.config.activation, content_hash=engine.content_hash,
             weight_bytes=weight_bytes, gpu_memory=gpu_memory,
-            inline_batches=None if process_worker is None else (lambda: process_worker.inline_batches),
+            inline_batches=(lambda: worker.inline_batches) if isinstance(worker, ProcessComputeWorker) else None,
         )
         self.servicer.bind(engine, scheduler, front_end=self.front_end[0], front_ends=self.front_end[1])
         if self.gate.state == "loading":

@@ -10,11 +10,11 @@ descriptor of a few hundred bytes, and copies the outputs out when the answer ar
 The arena is one ``memfd`` (anonymous shared memory: not a file in ``/dev/shm``, so the 64 MB
 ``/dev/shm`` of a default container does not bound it) used as a ring: the serving process
 takes one span per batch (inputs and outputs) and gives it back when the batch's answer has
-been read. Spans are mostly freed oldest first; with several batches in flight a merged call may answer a later
-batch first: the ring reuses that span's room once the spans taken before it are free (at once if it was the
-newest); a batch
-that does not fit travels inline instead (the caller's fallback). Linux only
-(:func:`os.memfd_create`); elsewhere :func:`arena_supported` is false.
+been read. Spans are mostly freed oldest first; with several batches in flight a merged call
+may answer a later batch first: the ring reuses that span's room once the spans taken before
+it are free (at once if it was the newest). A batch that does not fit travels inline instead
+(the caller's fallback). Linux only (:func:`os.memfd_create`); elsewhere :func:`arena_supported`
+is false.
 """
 
 from __future__ import annotations

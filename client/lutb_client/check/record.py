@@ -105,7 +105,7 @@ def write_recording(path: str | Path, rec: Recording) -> Path:
         "batches": entries,
     }
     out = Path(path)
-    check_writable(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         save_file(tensors, str(out), metadata={
             "format": RECORD_FORMAT, "format_version": str(RECORD_VERSION), "record": json.dumps(meta),

@@ -29,7 +29,7 @@ from lutb_kernels.checkpoint import DTYPES, CheckpointConfig, LayerWeights
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts, Support
 from lutb_kernels.mxfp8 import SCALE_MODES
-from lutb_kernels.mxfp8_triton import MIN_TRITON, triton_installed, triton_release
+from lutb_kernels.mxfp8_triton import MIN_TRITON, triton_available, triton_installed, triton_release
 from lutb_kernels.reference import OutputMode
 from lutb_kernels.routing import moe_align_block_size
 from lutb_kernels.routing_triton import moe_align_block_size_triton, triton_routing_wins
@@ -43,10 +43,9 @@ def triton_present() -> Support:
     read is given the benefit of the doubt). Reads the package metadata only: triton is not imported."""
     if not triton_installed():
         return Support(False, "triton is not installed (install the 'cuda' extra)")
-    release = triton_release()
-    if release is not None and release < MIN_TRITON:
-        need = ".".join(map(str, MIN_TRITON))
-        return Support(False, f"triton {'.'.join(map(str, release))} is older than {need}, which the kernels need "
+    if not triton_available():  # installed, so too old
+        need, release = ".".join(map(str, MIN_TRITON)), ".".join(map(str, triton_release() or ()))
+        return Support(False, f"triton {release} is older than {need}, which the kernels need "
                               f"(upgrade triton to >= {need}, with a torch built for it)")
     return Support(True, "triton present")
 
