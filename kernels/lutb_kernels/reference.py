@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from lutb_kernels.activations import apply_activation, check_activation, w13_rows
+from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.mxfp8 import ScaleMode, mxfp8_qdq
 
 OutputMode = Literal["combined", "route_major"]
@@ -85,6 +86,12 @@ def reference_moe_forward(
     Returns:
         ``[T, H]`` (combined) or ``[T, k, H]`` (route-major) in ``d``. Routes to experts
         not held contribute exactly zero.
+
+    Raises:
+        ValueError: bad arguments (:func:`check_forward_args`, weights of the wrong shape).
+        NonFiniteInputError: ``x`` holds NaN or infinity anywhere, also in a token none of whose experts is held
+            (spec section 3: such input is an error, whichever rows a backend quantizes), or an activation output
+            does.
     """
     check_activation(activation)
     check_forward_args(
@@ -97,6 +104,8 @@ def reference_moe_forward(
     intermediate = w2.shape[-1]
     if w13.shape[1:] != (w13_rows(activation, intermediate), hidden) or w2.shape[1:] != (hidden, intermediate):
         raise ValueError(f"weights w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit H={hidden}, activation={activation}")
+    if not bool(torch.isfinite(x).all()):
+        raise NonFiniteInputError("MXFP8 quantization refuses NaN or infinite input (hidden states)")
 
     weights = topk_weights.float()
     route_out = torch.zeros(tokens, k, hidden, dtype=torch.float32, device=x.device)

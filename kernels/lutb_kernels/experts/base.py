@@ -67,13 +67,18 @@ class LayerExperts(ABC):
     def _check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       apply_router_weight_on_input: bool, output_mode: OutputMode) -> None:
         """What ``forward`` refuses (ValueError naming the argument): :func:`~lutb_kernels.reference.check_forward_args`,
-        ``x`` without ``hidden_size`` columns, and any tensor not on :attr:`device`."""
+        ``x`` without ``hidden_size`` columns or not in the model dtype, and any tensor not on :attr:`device`.
+
+        Every backend refuses the same requests: one that converted ``x`` silently would answer what another refuses.
+        """
         check_forward_args(
             x, topk_ids, topk_weights, num_experts=self.config.num_experts,
             apply_router_weight_on_input=apply_router_weight_on_input, output_mode=output_mode,
         )
         if x.shape[1] != self.config.hidden_size:
             raise ValueError(f"hidden_states must have {self.config.hidden_size} columns, got {x.shape[1]}")
+        if x.dtype != self.config.torch_dtype:
+            raise ValueError(f"hidden_states must be {self.config.torch_dtype} (the checkpoint's model dtype), got {x.dtype}")
         for name, t in (("hidden_states", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
             if t.device != self.device:
                 raise ValueError(f"{name} must be on {self.device}, got {t.device}")

@@ -382,12 +382,9 @@ class CudaGraphExperts(LayerExperts):
         """Validate (host syncs), run :meth:`forward_unchecked`, refuse NaN/Inf; returns a new tensor.
 
         Raises:
-            ValueError: what the wrapped backend's ``forward`` refuses, and here also ``x`` not ``[T, H]`` in the
-                model dtype on this device (a graph's static rows would broadcast or convert it silently).
+            ValueError: what every backend's ``forward`` refuses (``LayerExperts._check_inputs``).
         """
         self._check_inputs(x, topk_ids, topk_weights, apply_router_weight_on_input, output_mode)
-        if x.dtype != self.config.torch_dtype:
-            raise ValueError(f"hidden_states must be {self.config.torch_dtype} (the checkpoint's model dtype), got {x.dtype}")
         flag = torch.zeros(1, dtype=torch.int32, device=self.device)
         out = self.forward_unchecked(x, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
                                      output_mode=output_mode, nonfinite=flag)

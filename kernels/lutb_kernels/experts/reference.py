@@ -39,6 +39,7 @@ class ReferenceExperts(LayerExperts):
         apply_router_weight_on_input: bool = False,
         output_mode: OutputMode = "combined",
     ) -> torch.Tensor:
+        self._check_inputs(x, topk_ids, topk_weights, apply_router_weight_on_input, output_mode)
         return reference_moe_forward(
             x, topk_ids, topk_weights, self.w13, self.w2, self.expert_ids,
             num_experts=self.config.num_experts,

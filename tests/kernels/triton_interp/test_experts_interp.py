@@ -147,6 +147,24 @@ def test_nonfinite_and_bad_input_refused(backend: str) -> None:
     assert ex.weight_bytes > 0
 
 
+@pytest.mark.parametrize("backend", ["reference", "packed", "packed_dense", "emulated"])
+def test_every_backend_refuses_the_same_input(backend: str) -> None:
+    """A NaN in a token routed only to experts this shard does not hold, and ``x`` in another dtype than the model's:
+    every backend refuses both (the reference once answered the first with zeros and converted the second)."""
+    cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=4, dtype="float32")
+    layer = make_layer(cfg, [0, 1])
+    ex = ReferenceExperts(cfg, layer, "cpu") if backend == "reference" else _make(backend, cfg, layer)
+    x, ids, w = make_batch(3, 2, 4, 128, torch.float32, seed=5)
+    ids[1] = torch.tensor([2, 3], dtype=ids.dtype)  # token 1: no expert held here
+    ex.forward(x, ids, w)  # finite: answered
+    x[1, 5] = float("nan")
+    with pytest.raises(NonFiniteInputError):
+        ex.forward(x, ids, w)
+    x[1, 5] = 0.0
+    with pytest.raises(ValueError, match="model dtype"):
+        ex.forward(x.half(), ids, w)
+
+
 def test_packed_takes_the_dense_path_by_rows_per_expert() -> None:
     cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=8)
     ex = LutBPackedExperts(cfg, make_layer(cfg, [0, 1, 2, 3]), "cpu")  # a shard: 4 of 8 experts held
