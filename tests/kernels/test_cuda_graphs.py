@@ -160,6 +160,16 @@ def test_padding_does_not_change_real_rows(request: pytest.FixtureRequest, fixtu
         assert bool((entry.ids[tokens:] == PAD_ROUTE).all())
 
 
+def test_without_buckets_everything_is_eager_whatever_the_chunk_limit() -> None:
+    """max_tokens=0 leaves no graph to chunk: eager_above is 0 (the worker warms every size up eagerly), not the
+    chunk limit, and every batch runs the backend."""
+    cfg, layer = _layer(4, [0, 1, 2, 3], seed=2)
+    inner = RowwiseReference(cfg, layer, "cpu")
+    wrapper = CudaGraphExperts(inner, max_tokens=0, use_graphs=False, max_chunked_tokens=40)
+    assert wrapper.eager_above == 0 and wrapper.max_chunked_tokens == 0
+    assert [wrapper.path_for(t, 2, False, "combined") for t in (1, 16, 40)] == ["eager"] * 3
+
+
 @pytest.mark.parametrize("held", [[0, 1, 2, 3], [1, 3]], ids=["whole", "shard"])
 @pytest.mark.parametrize(("k", "mode", "on_input"), [(2, "combined", False), (3, "route_major", False), (1, "combined", True)])
 def test_batches_above_the_largest_bucket_run_in_chunks(held: list[int], k: int, mode: str, on_input: bool) -> None:

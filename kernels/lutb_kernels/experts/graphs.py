@@ -343,7 +343,8 @@ class CudaGraphExperts(LayerExperts):
         if max_chunked_tokens is not None and max_chunked_tokens < 0:
             raise ValueError(f"max_chunked_tokens must be >= 0 or None, got {max_chunked_tokens}")
         largest = self.buckets[-1] if self.buckets else 0
-        self.max_chunked_tokens = CHUNK_FACTOR * largest if max_chunked_tokens is None else max_chunked_tokens
+        # Chunks replay the largest bucket's graph: without buckets there are none, whatever the limit says.
+        self.max_chunked_tokens = 0 if not largest else CHUNK_FACTOR * largest if max_chunked_tokens is None else max_chunked_tokens
         self._buffers = StaticBuffers() if buffers is None else buffers
         self._entries: dict[GraphKey, _Entry] = {}
         self._variants: set[tuple[int, bool, str]] = set()
