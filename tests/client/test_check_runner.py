@@ -126,6 +126,48 @@ def test_records_replay_to_the_same_verdict(faulty: ServerThread, server: Server
     assert against_node.failing_experts == [(BAD_LAYER, BAD_EXPERT)]
 
 
+def _refusing_loader(path: Path, refused_layer: int):
+    """An engine on ``path`` that refuses every request for ``refused_layer`` (INVALID_ARGUMENT), as a node would a
+    request it cannot serve."""
+    from lutb_server.backends import choose_backend
+    from lutb_server.engine import ExpertEngine
+    from lutb_server.errors import InvalidArgument
+
+    def load() -> ExpertEngine:
+        ckpt = Checkpoint(path)
+        engine = ExpertEngine(ckpt, choose_backend("reference", ckpt.config, torch.device("cpu")))
+        prepare = engine.prepare
+
+        def refusing(layer: int, *args, **kwargs):
+            if layer == refused_layer:
+                raise InvalidArgument(f"layer {layer}: refused by the test node")
+            return prepare(layer, *args, **kwargs)
+
+        engine.prepare = refusing  # type: ignore[method-assign]
+        return engine
+
+    return load
+
+
+def test_record_exits_1_when_the_node_refused_requests(client_checkpoint: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`lutb record` used to exit 0 when the node refused requests (kept only as errors in the file): a script could
+    not tell. Now 1, a line on stderr with the count and the first error, and the record still written."""
+    from lutb_server.cli import build_parser
+
+    out = tmp_path / "refused.lutbrec"
+    with ServerThread(checkpoint=client_checkpoint, engine_loader=_refusing_loader(client_checkpoint, 3)) as node:
+        args = build_parser().parse_args(["record", node.address, "--out", str(out), "--suite", "normal",
+                                          "--tokens", "16", "--topk", "4"])
+        assert args.run(args) == 1
+    err = capsys.readouterr().err
+    assert "refused 4 of 8 requests" in err and "layer 3" in err and "INVALID_ARGUMENT" in err
+    assert "refused by the test node" in err
+    rec = open_recording(out).recording
+    assert sorted(rec.errors) == [b.index for b in rec.batches if b.layer == 3]
+    assert sorted(rec.outputs) == [b.index for b in rec.batches if b.layer == 0]
+
+
 def test_two_identical_nodes_agree(server: ServerThread, client_checkpoint: Path) -> None:
     with ServerThread(checkpoint=client_checkpoint) as twin:
         report = run_check(NodeSide(server.address), NodeSide(twin.address), **SMALL)

@@ -3,7 +3,10 @@
 Exit codes: 0 every row within spec section 6; 1 something beyond it (rel L2, NaN/Inf
 not in the judge's output, a failed request); 2 the check could not run: a node
 unreachable, a bad checkpoint or record file, a layer not held, or checkpoints /
-scale modes that differ (without ``--force``). The library is
+scale modes that differ (without ``--force``). ``lutb record`` follows them: 0 every
+request answered; 1 the node refused a request (the record is written all the same,
+its refusals kept as errors); 2 nothing recorded (node unreachable, a layer not held,
+an unknown suite, an unwritable ``--out``). The library is
 :mod:`lutb_client.check`; docs/checking.md describes suites, report and record format.
 """
 
@@ -58,7 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "record", help="keep a node's answers to the check's batches in a file, to judge later",
         description="Send the check's batches to TARGET and write requests, responses and its ModelInfo "
                     "(checkpoint hash, backend, device, scale mode) to one file (format lutb-record v1, "
-                    "safetensors). Judge it later with `lutb check --replay FILE --against reference|HOST:PORT`.",
+                    "safetensors). Judge it later with `lutb check --replay FILE --against reference|HOST:PORT`. "
+                    "Exit 0 when every request was answered, 1 when TARGET refused some (the record is written "
+                    "all the same, with their errors), 2 when nothing could be recorded.",
     )
     record.add_argument("target", metavar="TARGET", help="server address host:port")
     record.add_argument("--out", required=True, metavar="FILE", help="record file to write (e.g. node7.lutbrec.safetensors)")
@@ -127,6 +132,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_record(args: argparse.Namespace) -> int:
+    """Record TARGET's answers to ``args.out``; exit 1 (record still written) when it refused a request."""
     from lutb_client.check.runner import CheckError, NodeSide, record_node
 
     try:
@@ -144,4 +150,10 @@ def run_record(args: argparse.Namespace) -> int:
     print(f"recorded {len(rec.batches)} batches ({len(rec.errors)} refused) of {args.target} "
           f"({info['backend']} on {info['device']}, {info['content_hash'][:19]}, scale mode {info['mxfp8_scale_mode']}) "
           f"to {args.out}")
+    if rec.errors:
+        first = min(rec.errors)
+        batch, err = rec.batches[first], rec.errors[first]
+        print(f"lutb record: {args.target} refused {len(rec.errors)} of {len(rec.batches)} requests; first: batch {first} "
+              f"({batch.part}, layer {batch.layer}): {err['code']}: {err['message']}", file=sys.stderr)
+        return EXIT_MISMATCH
     return EXIT_OK
