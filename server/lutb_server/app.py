@@ -109,16 +109,17 @@ def plan_engine(settings: ServerSettings) -> EnginePlan:
     return EnginePlan(checkpoint, choice)
 
 
-def load_engine(plan: EnginePlan, settings: ServerSettings) -> ExpertEngine:
+def load_engine(plan: EnginePlan, settings: ServerSettings, content_hash: str | None = None) -> ExpertEngine:
     """Load every layer of the planned checkpoint on the planned backend (slow; call off the event loop).
 
     With ``compute_worker = "process"`` only the held experts' ids are read: the compute process
-    loads the weights (:func:`worker_spec`).
+    loads the weights (:func:`worker_spec`). ``content_hash``: the planned checkpoint's, as front end 0
+    computed it (see :class:`ExpertServer`); None: hashed here.
     """
     return ExpertEngine(
         plan.checkpoint, plan.backend,
         max_tokens_per_request=settings.max_tokens_per_request, validate_tiles=settings.validate_checkpoint,
-        load_experts=settings.compute_worker == "thread",
+        load_experts=settings.compute_worker == "thread", content_hash=content_hash,
     )
 
 
@@ -239,10 +240,15 @@ class ExpertServer:
             + k): front end 0 serves them with its own, labelled ``front_end``.
         front_end: ``(k, N)``: this server is front end k of N on its port (``ModelInfo`` says so, for
             clients that spread their connections). None: front end 0 of ``settings.front_ends``.
+        content_hash: with ``compute_connection``: the content hash of ``settings.checkpoint`` (which must be
+            set), as front end 0 computed it from that path before spawning this front end with it; it is not
+            computed again. Front end 0 hashes the checkpoint once per server start and hands the hash to the
+            compute process and the other front ends. None: hashed here.
     """
 
     def __init__(self, settings: ServerSettings, *, engine_loader: Callable[[], ExpertEngine] | None = None,
-                 compute_connection: socket.socket | None = None, front_end: tuple[int, int] | None = None) -> None:
+                 compute_connection: socket.socket | None = None, front_end: tuple[int, int] | None = None,
+                 content_hash: str | None = None) -> None:
         self.settings = settings
         self.front_end = front_end if front_end is not None else (0, settings.front_ends)
         self.metrics = ServerMetrics(expert_metrics=settings.expert_metrics)
@@ -256,6 +262,7 @@ class ExpertServer:
         self.metrics_port: int | None = None
         self._engine_loader = engine_loader
         self._compute_connection = compute_connection
+        self._content_hash = content_hash
         self.front_ends = FrontEnds()
         """Front ends 1..N-1, where this is front end 0 of several."""
         self._cpu_placement = CpuPlacement(None)
@@ -280,10 +287,13 @@ class ExpertServer:
         s = self.settings
         loader = self._engine_loader
         plan: EnginePlan | None = None
+        if self._content_hash is not None and (self._compute_connection is None or s.checkpoint is None):
+            raise ValueError("a content_hash is front end 0's hash of settings.checkpoint, handed to a front end k > 0 "
+                             "(compute_connection) that serves that path")
         if loader is None:
             plan = await asyncio.to_thread(plan_engine, s)
             log.info("backend %s on %s: %s", plan.backend.name, plan.backend.device, plan.backend.reason)
-            loader = functools.partial(load_engine, plan, s)
+            loader = functools.partial(load_engine, plan, s, self._content_hash)
         elif s.compute_worker == "process":
             raise ValueError("compute_worker = 'process' loads the checkpoint in the compute process; it takes no engine_loader")
         if s.compute_worker == "process" and self._compute_connection is None:  # front end 0 starts the processes
@@ -339,12 +349,13 @@ class ExpertServer:
             if s.compute_worker == "process":
                 assert plan is not None  # an engine_loader was refused above
                 loop = asyncio.get_running_loop()
-                spec = replace(worker_spec(plan, s), compute_cpu=self._cpu_placement.cpu)
+                # the engine hashed plan.checkpoint, the very path the compute process and the front ends load
+                spec = replace(worker_spec(plan, s), compute_cpu=self._cpu_placement.cpu, content_hash=engine.content_hash)
                 connection, process = self._compute_connection, None
                 if connection is None and s.front_ends > 1:
                     process, connections = spawn_compute_process(spec, s.front_ends)
                     connection = connections[0]
-                    self.front_ends.spawn(s, self.port, connections[1:])
+                    self.front_ends.spawn(s, self.port, connections[1:], plan.checkpoint.path, engine.content_hash)
                     self.front_ends.watch(self._front_end_exited)
                 worker = ProcessComputeWorker(spec, connection=connection, process=process, loop=loop,
                                               on_gone=self._compute_gone, arena_bytes=arena_bytes(plan, s))
@@ -436,21 +447,24 @@ async def serve(
     engine_loader: Callable[[], ExpertEngine] | None = None,
     compute_connection: socket.socket | None = None,
     front_end: tuple[int, int] | None = None,
+    content_hash: str | None = None,
 ) -> int:
     """Run a server until SIGTERM or SIGINT, then drain within ``settings.shutdown_grace_s``; returns 0.
 
     Returns 1 instead when the server stopped because it could no longer compute (its compute
     process died), so that a supervisor (Kubernetes) restarts it.
 
-    ``engine_loader``, ``compute_connection`` and ``front_end`` are passed to :class:`ExpertServer` (benchmarks
-    serve fake backends with the first; front ends k > 0 run on the second and say which they are with the third).
+    ``engine_loader``, ``compute_connection``, ``front_end`` and ``content_hash`` are passed to :class:`ExpertServer`
+    (benchmarks serve fake backends with the first; front ends k > 0 run on the second, say which they are with the
+    third and are handed front end 0's hash of the checkpoint with the fourth).
     """
     log.info("%s", tune_malloc())  # this process moves large messages (lutb_client.allocator)
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
-    server = ExpertServer(settings, engine_loader=engine_loader, compute_connection=compute_connection, front_end=front_end)
+    server = ExpertServer(settings, engine_loader=engine_loader, compute_connection=compute_connection, front_end=front_end,
+                          content_hash=content_hash)
     starting = asyncio.create_task(server.start())
     stop_wait = asyncio.create_task(stop_requested.wait())
     failed_wait = asyncio.create_task(server.failed.wait())

@@ -133,6 +133,9 @@ class ExpertEngine:
             validate requests and describe the model, for a process whose compute runs in another
             (:class:`~lutb_server.worker_process.ProcessComputeWorker`); :meth:`forward`,
             :meth:`layer_experts` and :attr:`weight_bytes` need the experts.
+        content_hash: ``checkpoint.content_hash()`` as another process of the same server computed it from the
+            same checkpoint path (front end 0 hands it to the processes it spawns): it reads every byte, seconds
+            to minutes for a large checkpoint. None: computed here (and logged with its time).
     """
 
     def __init__(
@@ -144,13 +147,18 @@ class ExpertEngine:
         validate_tiles: bool = True,
         progress: Callable[[list[int]], object] | None = None,
         load_experts: bool = True,
+        content_hash: str | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.config: CheckpointConfig = checkpoint.config
         self.backend = backend
         self.device = backend.device
         self.max_tokens_per_request = max_tokens_per_request
-        self.content_hash = checkpoint.content_hash()
+        if content_hash is None:
+            hashing = time.perf_counter()
+            content_hash = checkpoint.content_hash()
+            log.info("hashed %s in %.2fs: %s", checkpoint.path, time.perf_counter() - hashing, content_hash[:19])
+        self.content_hash = content_hash
         self.model_dtype = self.config.torch_dtype
         start = time.perf_counter()
         self._layers: dict[int, LayerExperts] = {}

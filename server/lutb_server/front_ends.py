@@ -4,7 +4,9 @@ Front end 0 is the :class:`~lutb_server.app.ExpertServer` that started the compu
 (:func:`~lutb_server.worker_process.spawn_compute_process`); it owns a :class:`FrontEnds` for
 the others. Each other front end is a spawned process running :func:`front_end_main`: an
 ``ExpertServer`` on its own connection to the compute process, bound to the same port
-(``SO_REUSEPORT``), its metrics on loopback ``metrics_port + k`` (front end 0 serves them).
+(``SO_REUSEPORT``), its metrics on loopback ``metrics_port + k`` (front end 0 serves them). It serves
+the checkpoint front end 0 resolved and is handed front end 0's ``content_hash`` of it: a server
+reads and hashes its checkpoint's bytes once, not once per process.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from lutb_server import event_loop
@@ -45,15 +48,20 @@ class FrontEnds:
     def __bool__(self) -> bool:
         return bool(self.processes)
 
-    def spawn(self, settings: ServerSettings, port: int, connections: list[socket.socket]) -> None:
-        """Start front ends 1..len(connections), front end k on ``connections[k-1]`` (closed here: it holds its own copy)."""
+    def spawn(self, settings: ServerSettings, port: int, connections: list[socket.socket], checkpoint: Path,
+              content_hash: str) -> None:
+        """Start front ends 1..len(connections), front end k on ``connections[k-1]`` (closed here: it holds its own copy).
+
+        Each serves ``checkpoint``, the path front end 0 serves (resolved: the demo checkpoint when ``settings``
+        name none), and takes ``content_hash``, front end 0's hash of that path, instead of hashing it again.
+        """
         ctx = mp.get_context("spawn")
         for k, connection in enumerate(connections, 1):
-            own = settings.model_copy(update={"port": port, "front_ends": 1,
+            own = settings.model_copy(update={"port": port, "front_ends": 1, "checkpoint": checkpoint,
                                               "metrics_port": settings.metrics_port + k if settings.metrics_port else 0})
             ready = ctx.Event()
             process = ctx.Process(target=front_end_main, args=(own.model_dump(), (k, settings.front_ends), connection, ready,
-                                                               os.getpid()),
+                                                               os.getpid(), content_hash),
                                   name=f"lutb-front-end-{k}", daemon=True)
             process.start()
             connection.close()
@@ -112,9 +120,12 @@ class FrontEnds:
         await asyncio.to_thread(join)
 
 
-def front_end_main(settings: dict, front_end: tuple[int, int], connection: socket.socket, ready: Any, parent: int) -> None:
+def front_end_main(settings: dict, front_end: tuple[int, int], connection: socket.socket, ready: Any, parent: int,
+                   content_hash: str) -> None:
     """Front end k > 0 of N (``front_end = (k, N)``; a spawned process): serve until SIGTERM, set ``ready`` (a
     multiprocessing Event) once SERVING, exit with :func:`~lutb_server.app.serve`'s code.
+
+    ``content_hash`` is front end 0's hash of ``settings["checkpoint"]``, served as this front end's own.
 
     It drains and exits when front end 0 (``parent``) dies, even by SIGKILL: otherwise it would
     keep serving the port, and keep the compute process alive through its connection.
@@ -125,8 +136,8 @@ def front_end_main(settings: dict, front_end: tuple[int, int], connection: socke
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [front end {index}]: %(message)s")
     terminate_with_parent(parent)
     own = ServerSettings(**settings)
-    sys.exit(event_loop.run(serve(own, compute_connection=connection, front_end=front_end, on_ready=lambda _: ready.set()),
-                            own.event_loop))
+    sys.exit(event_loop.run(serve(own, compute_connection=connection, front_end=front_end, content_hash=content_hash,
+                                  on_ready=lambda _: ready.set()), own.event_loop))
 
 
 def terminate_with_parent(parent: int) -> None:

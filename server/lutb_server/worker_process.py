@@ -124,6 +124,9 @@ class WorkerSpec:
     gil_switch_interval_us: int = 0
     compute_cpu: int | None = None
     """The CPU the child pins itself to (``lutb_server.cpu_placement``); None: wherever the kernel places it."""
+    content_hash: str | None = None
+    """``Checkpoint(checkpoint).content_hash()``, as the serving process that spawns the child computed it (the
+    child's engine then does not read every byte again); None: the child computes it."""
 
 
 # -- framing ---------------------------------------------------------------------------------------
@@ -331,7 +334,8 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         engine = ExpertEngine(checkpoint, choose_backend(spec.backend, checkpoint.config, device),
-                              max_tokens_per_request=spec.max_tokens_per_request, validate_tiles=spec.validate_tiles)
+                              max_tokens_per_request=spec.max_tokens_per_request, validate_tiles=spec.validate_tiles,
+                              content_hash=spec.content_hash)
         # after loading, as the worker thread's server does: the tile check of a large checkpoint runs on every
         # CPU torch has, not on the one thread the compute loop wants
         apply_intra_op_threads(spec.intra_op_threads, device)

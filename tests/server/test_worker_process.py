@@ -443,7 +443,8 @@ def _forward_requests_by_front_end(metrics_port: int) -> dict[str, float]:
 def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
     """Two serving processes on one port and one compute process: clients on separate connections reach both
     (front end 0's metrics endpoint counts each front end's requests under its label), every answer is right,
-    and SIGTERM stops all three processes."""
+    the checkpoint is hashed once for the three processes (each front end reports the hash), and SIGTERM stops
+    all three processes."""
     ckpt = Checkpoint(tiny_checkpoint)
     local = ReferenceExperts(ckpt.config, ckpt.layer(0), "cpu")
     metrics = _two_free_ports()
@@ -454,6 +455,8 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
         assert front_end, "".join(serving.lines)
         pids = [int(p) for p in re.search(r"pids \[([\d, ]+)\]", front_end[0]).group(1).split(",")]  # type: ignore[union-attr]
         child = _compute_pid(serving)
+        hashed = [line for line in serving.lines if "lutb_server.engine" in line and " hashed " in line]
+        assert len(hashed) == 1 and not re.search(r"\[(front end \d+|compute)\]", hashed[0]), hashed  # front end 0's
         gen = torch.Generator().manual_seed(3)
         with ExpertClient(serving.address, connections=12) as client:  # the kernel spreads connections over front ends
             fronts = client.spread_connections()  # then the client evens them out: 6 on each
@@ -466,14 +469,15 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
         counts = _forward_requests_by_front_end(metrics)
         assert counts == {"0": 6, "1": 6}, counts
 
-        async def spread_async_client() -> tuple[list[int], list[int]]:
+        async def spread_async_client() -> tuple[list[int], list[int], set[str]]:
             async with AsyncExpertClient(serving.address, connections=4) as aclient:
                 fronts = await aclient.spread_connections()
-                seen = [(await aclient.model_info()).front_end for _ in range(4)]  # calls take the connections in turn
-                return fronts, seen
+                infos = [await aclient.model_info() for _ in range(4)]  # calls take the connections in turn
+                return fronts, [info.front_end for info in infos], {info.content_hash for info in infos}
 
-        fronts, seen = asyncio.run(spread_async_client())
+        fronts, seen, hashes = asyncio.run(spread_async_client())
         assert sorted(fronts) == [0, 0, 1, 1] and seen == fronts, (fronts, seen)
+        assert hashes == {ckpt.content_hash()}, hashes
         assert serving.stop(60) == 0, "".join(serving.lines)
         deadline = time.monotonic() + 10
         while any(_alive(pid) for pid in (*pids, child)):
@@ -486,6 +490,71 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
         assert sum("[front end 1]" in line for line in settled) == 1, settled
     finally:
         serving.kill()
+
+
+def test_front_ends_are_handed_the_checkpoint_and_hash_of_front_end_0(tiny_checkpoint: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Front ends k > 0 serve the path front end 0 resolved (here the demo checkpoint's stand-in: the settings name
+    none) and take front end 0's hash of it: none of them reads the checkpoint's bytes again to hash them."""
+    import socket
+    import threading
+    from types import SimpleNamespace
+
+    from lutb_server import front_ends
+    from lutb_server.settings import ServerSettings
+
+    started: list[SimpleNamespace] = []
+
+    def process(**kwargs: object) -> SimpleNamespace:
+        made = SimpleNamespace(**kwargs, pid=None, exitcode=None)
+        made.start = lambda: started.append(made)
+        return made
+
+    context = SimpleNamespace(Process=process, Event=threading.Event)
+    monkeypatch.setattr(front_ends, "mp", SimpleNamespace(get_context=lambda method: context))
+    settings = ServerSettings(compute_worker="process", front_ends=3, metrics_port=9400)
+    assert settings.checkpoint is None
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        front_ends.FrontEnds().spawn(settings, 50051, [ours for ours, _ in pairs], tiny_checkpoint, "sha256:f0")
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+    assert len(started) == 2
+    for k, made in enumerate(started, 1):
+        own, front_end, _, _, _, content_hash = made.args
+        assert made.target is front_ends.front_end_main and front_end == (k, 3) and content_hash == "sha256:f0"
+        assert ServerSettings(**own).checkpoint == tiny_checkpoint
+
+
+def test_only_a_front_end_of_front_end_0_takes_a_hash(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine handed the hash does not compute it (Checkpoint.content_hash is not called); a server refuses a
+    hash unless it is a front end k > 0 (it has a compute connection) serving a named checkpoint path."""
+    import socket
+
+    from lutb_server.app import ExpertServer
+    from lutb_server.settings import ServerSettings
+
+    hashed: list[Path] = []
+    content_hash = Checkpoint.content_hash
+    monkeypatch.setattr(Checkpoint, "content_hash", lambda self: hashed.append(self.path) or content_hash(self))
+    checkpoint = Checkpoint(tiny_checkpoint)
+    choice = choose_backend("reference", checkpoint.config, resolve_device("cpu"))
+    own = ExpertEngine(checkpoint, choice, load_experts=False)
+    assert hashed == [tiny_checkpoint]
+    handed = ExpertEngine(Checkpoint(tiny_checkpoint), choice, load_experts=False, content_hash=own.content_hash)
+    assert handed.content_hash == own.content_hash and hashed == [tiny_checkpoint]
+
+    async def start(checkpoint: Path | None, connection: socket.socket | None) -> None:
+        settings = ServerSettings(checkpoint=checkpoint, compute_worker="process", port=0, metrics_port=0)
+        await ExpertServer(settings, compute_connection=connection, content_hash=own.content_hash).start()
+
+    with pytest.raises(ValueError, match="front end k > 0"):  # front end 0 hashes
+        asyncio.run(start(tiny_checkpoint, None))
+    ours, theirs = socket.socketpair()
+    with ours, theirs, pytest.raises(ValueError, match="that serves that path"):  # no path named: a hash of what?
+        asyncio.run(start(None, ours))
 
 
 def test_lutb_bench_and_the_sharded_client_use_every_front_end(tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
