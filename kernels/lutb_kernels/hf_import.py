@@ -176,6 +176,32 @@ def _load(handles: dict[Path, Any], stack: ExitStack, file: Path, name: str) -> 
     return t
 
 
+def _check_layer_experts(layer: int, experts: dict[int, dict[str, str]], num_experts: int) -> None:
+    """Refuse a source layer that is not exactly the routed experts ``0 .. num_experts-1``, each with
+    gate, up and down projections.
+
+    A dense model's MoE layer holds every expert; converting one with experts missing (a lost index
+    entry or shard file, a partial download) would write it as an expert-parallel shard, whose
+    routes to the missing experts add exactly zero (spec section 4): wrong outputs, silently.
+
+    Raises:
+        LutBFormatError: naming the layer and the ids beyond ``num_experts``, the expert lacking a
+            projection, or the missing ids (compact form) with config.json's expert count.
+    """
+    bad = [e for e in experts if e >= num_experts]
+    if bad:
+        raise LutBFormatError(f"layer {layer}: expert ids {bad} exceed num_experts {num_experts}")
+    for e, parts in experts.items():
+        missing = {"gate", "up", "down"} - set(parts)
+        if missing:
+            raise LutBFormatError(f"layer {layer} expert {e}: lacks the {', '.join(sorted(missing))} projection")
+    absent = sorted(set(range(num_experts)) - set(experts))
+    if absent:
+        raise LutBFormatError(f"layer {layer}: routed experts {compact_ids(absent)} missing from the source "
+                              f"(config.json: num_experts = {num_experts}, found {len(experts)}); "
+                              f"an incomplete model cannot be converted")
+
+
 def import_hf_checkpoint(
     src: str | Path,
     out_dir: str | Path,
@@ -203,7 +229,8 @@ def import_hf_checkpoint(
         :class:`ImportReport` with one row per converted layer.
 
     Raises:
-        LutBFormatError: unreadable config, no routed experts, missing or misshapen expert tensors.
+        LutBFormatError: unreadable config, no routed experts, a layer lacking some of config.json's
+            experts, missing or misshapen expert tensors.
     """
     from tqdm import tqdm
 
@@ -254,13 +281,7 @@ def import_hf_checkpoint(
 
     h, i = hf.hidden_size, hf.intermediate_size
     for layer, experts in sorted(layers.items()):
-        bad = [e for e in experts if e >= hf.num_experts]
-        if bad:
-            raise LutBFormatError(f"layer {layer}: expert ids {bad} exceed num_experts {hf.num_experts}")
-        for e, parts in experts.items():
-            missing = {"gate", "up", "down"} - set(parts)
-            if missing:
-                raise LutBFormatError(f"layer {layer} expert {e}: lacks the {', '.join(sorted(missing))} projection")
+        _check_layer_experts(layer, experts, hf.num_experts)
     tiles_total = sum(layer_tiles(hf.activation, len(ex), h, i) for ex in layers.values())
     bar = tqdm(total=tiles_total, unit="tile", desc="quantize", disable=not progress, dynamic_ncols=True)
     writer = CheckpointWriter(out_dir, config, overwrite=overwrite, sources=set(where.values()))

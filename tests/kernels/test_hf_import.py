@@ -117,7 +117,7 @@ def test_missing_projection_refused(tmp_path: Path) -> None:
 
 
 def test_wrong_shape_refused(tmp_path: Path) -> None:
-    _write_config(tmp_path / "src")
+    _write_config(tmp_path / "src", num_local_experts=1)
     p = "model.layers.0.block_sparse_moe.experts.0"
     save_file(
         {f"{p}.w1.weight": torch.randn(I, H), f"{p}.w3.weight": torch.randn(I, H), f"{p}.w2.weight": torch.randn(I, H)},
@@ -128,7 +128,7 @@ def test_wrong_shape_refused(tmp_path: Path) -> None:
 
 
 def test_fp8_weights_refused(tmp_path: Path) -> None:
-    _write_config(tmp_path / "src")
+    _write_config(tmp_path / "src", num_local_experts=1)
     p = "model.layers.0.mlp.experts.0"
     save_file(
         {
@@ -158,6 +158,26 @@ def test_expert_id_beyond_config_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(LutBFormatError, match="exceed num_experts 2"):
         import_hf_checkpoint(tmp_path / "src", tmp_path / "out", device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("lost", ["index entries", "shard file"])
+def test_a_layer_missing_experts_is_refused(tmp_path: Path, lost: str) -> None:
+    """Expert 1 of 3 absent from the source (index entries or a shard lost) was converted without a word into a
+    layer with expert_ids [0, 2]: in effect a shard, whose routes to expert 1 add exactly zero."""
+    src = tmp_path / "src"
+    tensors = make_mixtral(src, experts=3, layers=1, shards=2)
+    index = src / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    if lost == "index entries":
+        data["weight_map"] = {n: f for n, f in data["weight_map"].items() if ".experts.1." not in n}
+        index.write_text(json.dumps(data))
+    else:  # no index: the files are read as they are, and expert 1's tensors are in none of them
+        index.unlink()
+        for file in sorted(src.glob("*.safetensors")):
+            save_file({n: tensors[n] for n in safe_keys(file) if ".experts.1." not in n}, str(file))
+    with pytest.raises(LutBFormatError, match=r"layer 0: routed experts 1 missing .*num_experts = 3"):
+        import_hf_checkpoint(src, tmp_path / "out", device="cpu", progress=False, iterations=1, refinements=0)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.safetensors"))
 
 
 @pytest.mark.parametrize(("ids", "text"), [([], ""), ([3], "3"), ([0, 1, 2, 5, 7, 8], "0-2,5,7-8"), ([1, 3], "1,3")])
