@@ -14,9 +14,13 @@ memory-mapped: nothing is loaded until a layer is asked for.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import os
 import re
+import secrets
+import shutil
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -170,77 +174,218 @@ def open_safetensors(file: str | Path) -> Iterator[Any]:
         raise LutBFormatError(f"{Path(file).name}: unreadable safetensors file ({exc})") from None
 
 
+class StagedDirectory:
+    """An output directory built beside its place and swapped in whole: all or nothing.
+
+    The content goes to :attr:`staging`, a hidden sibling of ``path`` (``.<name>.partial-<pid>-<hex>``,
+    on the same file system), which no reader looks at. :meth:`commit` fsyncs it, renames the directory
+    ``path`` holds (if any) aside to ``.<name>.old-<pid>-<hex>``, renames :attr:`staging` to ``path`` and
+    removes the old one: until the second rename ``path`` is the old directory untouched, after it the
+    complete new one. A failure in between (also a KeyboardInterrupt) puts the old one back. Only a kill
+    between the two renames (two system calls) leaves no ``path``; the old directory is then the
+    ``.<name>.old-*`` sibling, which nothing deletes. :meth:`discard` removes :attr:`staging`.
+
+    ``path`` is replaced as a whole, so the constructor refuses one that holds anything but the kind of
+    output being written. A symbolic link is followed: the directory it names is replaced.
+
+    Args:
+        path: the output directory.
+        owns: whether an entry of an existing ``path`` is output of this kind (replaceable).
+        what: that output, for messages (e.g. ``"safetensors files"``).
+        overwrite: replace a ``path`` holding such output (else refuse it; an empty one is fine).
+        sources: the files being converted: a ``path`` holding any of them, at any depth, is refused
+            even with ``overwrite``, so that it never deletes its own input.
+
+    Raises:
+        FileExistsError: ``path`` is a file or a mount point, holds a source, holds other entries than
+            ``owns`` accepts, or holds output without ``overwrite``.
+    """
+
+    def __init__(self, path: str | Path, *, owns: Callable[[Path], bool], what: str, overwrite: bool = False,
+                 sources: Iterable[str | Path] = ()) -> None:
+        self.path = Path(path)
+        self._target = self.path.resolve()
+        _check_replaceable(self.path, self._target, owns, what, overwrite=overwrite, sources=sources)
+        parent = self._target.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_staging(parent, self._target.name)
+        self.staging = parent / f".{self._target.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        self.staging.mkdir()
+        if self._target.is_dir():
+            shutil.copymode(self._target, self.staging)
+        self.done = False
+
+    def commit(self) -> None:
+        """Make :attr:`staging` the directory ``path`` (durably), replacing what ``path`` held."""
+        self._close()
+        _fsync_tree(self.staging)
+        old = self._set_aside()
+        try:
+            self.staging.rename(self._target)
+        except BaseException:
+            if old is not None:
+                old.rename(self._target)
+            raise
+        _fsync(self._target.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def discard(self) -> None:
+        """Remove :attr:`staging`; ``path`` keeps what it held."""
+        self.done = True
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def _close(self) -> None:
+        if self.done:
+            raise RuntimeError(f"{self.path}: this output was committed or discarded already")
+        self.done = True
+
+    def _set_aside(self) -> Path | None:
+        """Rename the directory ``path`` holds to a hidden sibling and return it (None if there is none)."""
+        if not os.path.lexists(self._target):
+            return None
+        old = self._target.parent / f".{self._target.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        self._target.rename(old)
+        return old
+
+
+def _check_replaceable(path: Path, target: Path, owns: Callable[[Path], bool], what: str, *, overwrite: bool,
+                       sources: Iterable[str | Path]) -> None:
+    """The checks of :class:`StagedDirectory`'s constructor; errors name ``path`` as given."""
+    if not os.path.lexists(target):
+        return
+    if not target.is_dir():
+        raise FileExistsError(f"{path} exists and is not a directory")
+    inputs = sorted(Path(f).name for f in sources if Path(f).resolve().is_relative_to(target))
+    if inputs:
+        raise FileExistsError(f"{path} holds the files being converted ({', '.join(inputs)}); write to another directory")
+    if os.path.ismount(target):
+        raise FileExistsError(f"{path} is a mount point, which the output cannot replace; write to a directory inside it")
+    entries = sorted(target.iterdir())
+    foreign = [e.name for e in entries if not owns(e)]
+    if foreign:
+        raise FileExistsError(f"{path} holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, not {what}; "
+                              f"the output replaces the whole directory: choose a new or empty one")
+    if entries and not overwrite:
+        raise FileExistsError(f"{path} already holds {what}; choose an empty directory")
+
+
+def _remove_stale_staging(parent: Path, name: str) -> None:
+    """Remove staging directories of ``name`` left by writers that were killed (their process is gone)."""
+    for stale in parent.glob(f".{glob.escape(name)}.partial-*"):
+        pid = stale.name.rsplit("-", 2)[-2]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (``root`` included), deepest first."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for file in files:
+            _fsync(Path(folder, file))
+        _fsync(Path(folder))
+
+
+def is_checkpoint_file(entry: Path) -> bool:
+    """Whether ``entry`` is a file a checkpoint writer owns: ``*.safetensors`` (or an earlier version's
+    ``*.safetensors.partial``)."""
+    return entry.is_file() and not entry.is_symlink() and entry.name.endswith((".safetensors", ".safetensors.partial"))
+
+
 class CheckpointWriter:
     """Writes a checkpoint one layer at a time, all or nothing::
 
         with CheckpointWriter(dir, config) as writer:
             writer.write_layer(0, weights)   # ... every layer
 
-    Layers go to ``*.safetensors.partial`` files, which readers ignore; leaving the ``with``
-    block normally renames them into place (:meth:`finish`), leaving it by an exception deletes
-    them. So a conversion that fails halfway leaves no checkpoint that opens as a complete one
-    with fewer layers, and the files ``overwrite`` replaces stay until the new ones are complete.
+    Layers go to a hidden sibling directory of ``path`` (:class:`StagedDirectory`); leaving the
+    ``with`` block normally swaps it in place of ``path`` (:meth:`finish`), leaving it by an exception
+    (or :meth:`finish` failing) removes it. So a conversion that fails halfway leaves no checkpoint
+    that opens as a complete one with fewer layers, and the checkpoint ``overwrite`` replaces stays as
+    it was until the new one is complete.
 
     Args:
-        overwrite: replace the safetensors files ``path`` holds already (else refuse such a directory).
+        overwrite: replace the checkpoint ``path`` holds already (else refuse such a directory). A
+            ``path`` holding anything but ``*.safetensors`` files is refused either way: it is
+            replaced whole.
         sources: the files being converted (a Hugging Face model, the checkpoint being sharded): a
             ``path`` that holds any of them is refused even with ``overwrite``, so that it never
             deletes its own input.
-    """
 
-    PARTIAL = ".partial"
+    Raises:
+        FileExistsError: see :class:`StagedDirectory`.
+    """
 
     def __init__(self, path: str | Path, config: CheckpointConfig, *, overwrite: bool = False,
                  sources: Iterable[str | Path] = ()) -> None:
         self.path = Path(path)
         self.config = config
-        if self.path.exists():
-            here = {p.resolve() for p in self.path.glob("*.safetensors")}
-            inputs = sorted(Path(f).name for f in sources if Path(f).resolve() in here)
-            if inputs:
-                raise FileExistsError(f"{self.path} holds the files being converted ({', '.join(inputs)}); write to another directory")
-            if here and not overwrite:
-                raise FileExistsError(f"{self.path} already holds safetensors files; choose an empty directory")
-        self.path.mkdir(parents=True, exist_ok=True)
-        for stale in self.path.glob(f"*.safetensors{self.PARTIAL}"):  # an earlier writer's, killed halfway
-            stale.unlink()
-        self._written: list[Path] = []
+        self._out = StagedDirectory(self.path, owns=is_checkpoint_file, what="safetensors files",
+                                    overwrite=overwrite, sources=sources)
+        self._written: dict[int, Path] = {}
 
     def write_layer(self, layer: int, weights: LayerWeights) -> Path:
-        """Validate and write ``layers.<layer>.*``; returns the file it will have after :meth:`finish`."""
+        """Validate and write ``layers.<layer>.*``; returns the file it will have after :meth:`finish`.
+
+        Raises:
+            LutBFormatError: the layer breaks the format (:func:`check_layer`).
+            ValueError: ``layer`` was written already.
+        """
         check_layer(self.config, layer, weights)
-        out = self.path / f"layer-{layer:05d}.safetensors"
+        if layer in self._written:
+            raise ValueError(f"{self.path}: layer {layer} was written already")
+        if self._out.done:
+            raise RuntimeError(f"{self.path}: the writer has finished")
+        name = f"layer-{layer:05d}.safetensors"
         tensors = {
             f"layers.{layer}.w13": weights.w13.contiguous().cpu(),
             f"layers.{layer}.w2": weights.w2.contiguous().cpu(),
             f"layers.{layer}.expert_ids": weights.expert_ids.contiguous().cpu(),
         }
-        save_file(tensors, str(out) + self.PARTIAL, metadata=self.config.to_metadata())
-        self._written.append(out)
-        return out
+        save_file(tensors, str(self._out.staging / name), metadata=self.config.to_metadata())
+        self._written[layer] = self.path / name
+        return self._written[layer]
 
     def finish(self) -> list[Path]:
-        """Put the written layers in place (replacing what the directory held) and return their files."""
-        for old in self.path.glob("*.safetensors"):
-            old.unlink()
-        for out in self._written:
-            Path(str(out) + self.PARTIAL).rename(out)
-        return list(self._written)
+        """Swap the written layers in as the checkpoint ``path`` (replacing what it held); return their files."""
+        self._out.commit()
+        return list(self._written.values())
 
     def discard(self) -> None:
-        """Delete the layers written so far; the directory keeps what it held before."""
-        for out in self._written:
-            Path(str(out) + self.PARTIAL).unlink(missing_ok=True)
-        self._written = []
+        """Delete the layers written so far; ``path`` keeps what it held before."""
+        self._out.discard()
+        self._written = {}
 
     def __enter__(self) -> CheckpointWriter:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is None:
-            self.finish()
-        else:
+        if exc_type is not None:
             self.discard()
+            return
+        try:
+            self.finish()
+        except BaseException:
+            self.discard()
+            raise
 
 
 def write_checkpoint(path: str | Path, config: CheckpointConfig, layers: dict[int, LayerWeights], *, overwrite: bool = False) -> None:
@@ -373,7 +518,9 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointWriter",
     "LayerWeights",
+    "StagedDirectory",
     "check_layer",
+    "is_checkpoint_file",
     "open_safetensors",
     "write_checkpoint",
 ]

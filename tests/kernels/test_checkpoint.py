@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lutb_kernels.checkpoint import Checkpoint, CheckpointConfig, LayerWeights, write_checkpoint
+from lutb_kernels.checkpoint import Checkpoint, CheckpointConfig, CheckpointWriter, LayerWeights, write_checkpoint
 from lutb_kernels.errors import LutBFormatError
 from lutb_kernels.tiles import pack_tiles
 
@@ -193,3 +193,66 @@ def test_writer_refuses_a_negative_layer_index(tmp_path: Path) -> None:
     """``layers.-1.*`` was written, and then refused by the reader as an unexpected tensor name."""
     with pytest.raises(LutBFormatError, match="layer index must be an integer >= 0"):
         write_checkpoint(tmp_path / "neg", CONFIG, {-1: _layer([0], 1)})
+
+
+def _siblings(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir() if p.name != path.name)
+
+
+def test_an_overwrite_stopped_in_the_commit_leaves_the_old_checkpoint(ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """finish() once deleted the old files, then renamed the new ones one by one: stopped after the first rename,
+    the directory opened as a complete checkpoint of one layer. Now the new directory is swapped in whole."""
+    old_hash, before = Checkpoint(ckpt_dir).content_hash(), _siblings(ckpt_dir)
+    real_rename, calls = Path.rename, []
+
+    def stopped_at_the_second_rename(self: Path, target: Path) -> Path:  # (a KeyboardInterrupt, a failing rename)
+        calls.append(self)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("stopped in finish()")
+        return real_rename(self, target)
+
+    with pytest.raises(KeyboardInterrupt):
+        with CheckpointWriter(ckpt_dir, CONFIG, overwrite=True) as writer:
+            for layer in range(3):
+                writer.write_layer(layer, _layer([layer], 10 + layer))
+            monkeypatch.setattr(Path, "rename", stopped_at_the_second_rename)
+    monkeypatch.undo()
+    ckpt = Checkpoint(ckpt_dir)
+    assert ckpt.layers == [0, 3] and ckpt.content_hash() == old_hash
+    assert _siblings(ckpt_dir) == before  # the new layers are gone, nothing was left beside the checkpoint
+
+
+def test_a_failed_conversion_leaves_the_old_checkpoint_and_nothing_else(ckpt_dir: Path) -> None:
+    old_hash, before = Checkpoint(ckpt_dir).content_hash(), _siblings(ckpt_dir)
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        with CheckpointWriter(ckpt_dir, CONFIG, overwrite=True) as writer:
+            writer.write_layer(0, _layer([1], 7))
+            raise RuntimeError("conversion failed")
+    assert Checkpoint(ckpt_dir).content_hash() == old_hash and _siblings(ckpt_dir) == before
+    with CheckpointWriter(ckpt_dir, CONFIG, overwrite=True) as writer:
+        writer.write_layer(5, _layer([1], 7))
+    assert Checkpoint(ckpt_dir).layers == [5] and _siblings(ckpt_dir) == before
+
+
+def test_writer_refuses_a_layer_written_twice(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="layer 2 was written already"):
+        with CheckpointWriter(tmp_path / "ckpt", CONFIG) as writer:
+            writer.write_layer(2, _layer([0], 1))
+            writer.write_layer(2, _layer([1], 2))
+    assert not (tmp_path / "ckpt").exists() and not list(tmp_path.iterdir())
+
+
+def test_writer_refuses_to_replace_a_directory_holding_other_files(ckpt_dir: Path) -> None:
+    """The writer replaces the whole directory, so one holding anything but a checkpoint is never its output."""
+    (ckpt_dir / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="notes.txt, not safetensors files"):
+        CheckpointWriter(ckpt_dir, CONFIG, overwrite=True)
+    assert (ckpt_dir / "notes.txt").read_text() == "mine" and Checkpoint(ckpt_dir).layers == [0, 3]
+
+
+def test_a_killed_writers_staging_directory_is_removed(tmp_path: Path) -> None:
+    stale = tmp_path / f".ckpt.partial-{2**22 + 1}-0badf00d"  # above any pid_max: that writer's process is gone
+    stale.mkdir()
+    (stale / "layer-00000.safetensors").write_bytes(b"half")
+    write_checkpoint(tmp_path / "ckpt", CONFIG, {0: _layer([0], 1)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
