@@ -16,6 +16,7 @@ Placement is decided per layer:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from lutb_kernels.checkpoint import Checkpoint, CheckpointWriter, LayerWeights
+from lutb_kernels.checkpoint import Checkpoint, CheckpointWriter, LayerWeights, StagedDirectory, is_checkpoint_file
 
 Placement = Literal["contiguous", "balanced"]
 LOAD_FORMAT = "lutb-load-v1"
@@ -191,29 +192,62 @@ def write_shards(
     overwrite: bool = False,
     progress: Callable[[Iterable[int]], Iterable[int]] | None = None,
 ) -> list[Path]:
-    """Write one checkpoint per shard (``out_dir/shard-N``) plus ``out_dir/shards.json``.
+    """Write one checkpoint per shard (``out_dir/shard-N``) plus ``out_dir/shards.json``, all or nothing.
 
-    Streams one layer at a time: memory stays near one layer's size.
+    Streams one layer at a time: memory stays near one layer's size. Everything is written into a
+    hidden sibling of ``out_dir``, which then replaces ``out_dir`` whole (:class:`StagedDirectory`):
+    an interrupted run leaves ``out_dir`` as it was, and an overwrite leaves no shard of the earlier
+    placement (e.g. ``shard-3`` of a 4-way split re-sharded 2 ways) beside the new ones.
+
+    Args:
+        overwrite: replace the shards ``out_dir`` holds. An ``out_dir`` holding anything but shard
+            directories and ``shards.json`` is refused either way, as is one holding the source.
 
     Returns:
         The shard directories, in shard order.
+
+    Raises:
+        FileExistsError: ``out_dir`` cannot be replaced (see above).
     """
     out = Path(out_dir)
     shards = len(next(iter(plan.values())))
-    dirs = [out / shard_dir_name(s) for s in range(shards)]
+    staged = StagedDirectory(out, owns=_is_shard_output, what="shard checkpoints", overwrite=overwrite,
+                             sources=checkpoint.files)
+    try:
+        _write_shard_checkpoints(checkpoint, staged.staging, plan, progress)
+        manifest = {
+            "source": str(checkpoint.path),
+            "source_content_hash": checkpoint.content_hash(),
+            "shards": [shard_dir_name(s) for s in range(shards)],
+            "layers": {str(layer): [list(map(int, ids)) for ids in plan[layer]] for layer in sorted(plan)},
+        }
+        (staged.staging / SHARD_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        staged.commit()
+    except BaseException:
+        staged.discard()
+        raise
+    return [out / shard_dir_name(s) for s in range(shards)]
+
+
+def _write_shard_checkpoints(checkpoint: Checkpoint, root: Path, plan: Mapping[int, Sequence[Sequence[int]]],
+                             progress: Callable[[Iterable[int]], Iterable[int]] | None) -> None:
+    """Write shard ``s``'s checkpoint to ``root/shard-s`` for every shard of ``plan`` (``root`` is new)."""
+    shards = len(next(iter(plan.values())))
     layers = sorted(plan)
-    with ExitStack() as stack:  # every shard is written completely, or none is
-        writers = [stack.enter_context(CheckpointWriter(d, checkpoint.config, overwrite=overwrite, sources=checkpoint.files))
-                   for d in dirs]
+    with ExitStack() as stack:
+        writers = [stack.enter_context(CheckpointWriter(root / shard_dir_name(s), checkpoint.config)) for s in range(shards)]
         for layer in progress(layers) if progress else layers:
             weights = checkpoint.layer(layer)
             for writer, keep in zip(writers, plan[layer]):
                 writer.write_layer(layer, select_experts(weights, keep))
-    manifest = {
-        "source": str(checkpoint.path),
-        "source_content_hash": checkpoint.content_hash(),
-        "shards": [shard_dir_name(s) for s in range(shards)],
-        "layers": {str(layer): [list(map(int, ids)) for ids in plan[layer]] for layer in layers},
-    }
-    (out / SHARD_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    return dirs
+
+
+_SHARD_DIR = re.compile(r"shard-(0|[1-9][0-9]*)", re.ASCII)
+
+
+def _is_shard_output(entry: Path) -> bool:
+    """Whether ``entry`` of an output directory is what :func:`write_shards` writes there (replaceable)."""
+    if entry.name == SHARD_MANIFEST:
+        return entry.is_file()
+    return (bool(_SHARD_DIR.fullmatch(entry.name)) and entry.is_dir() and not entry.is_symlink()
+            and all(is_checkpoint_file(f) for f in entry.iterdir()))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lutb_kernels.checkpoint import Checkpoint
+from lutb_kernels.checkpoint import Checkpoint, CheckpointWriter
 from lutb_kernels.experts import ReferenceExperts
 from lutb_kernels.sharding import (
     balanced_placement,
@@ -183,3 +183,69 @@ def test_shards_are_never_written_over_their_source(tmp_path: Path) -> None:
         write_shards(ckpt, tmp_path, plan, overwrite=True)
     assert sorted(p.name for p in source.iterdir()) == files
     Checkpoint(source).validate()
+
+
+def _placement(out: Path, layer: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(expert ids of each shard directory in ``out``, what shards.json says) for ``layer``."""
+    held = [Checkpoint(d).expert_ids(layer).tolist() for d in sorted(out.glob("shard-*"))]
+    return held, json.loads((out / "shards.json").read_text())["layers"][str(layer)]
+
+
+@pytest.mark.parametrize("stop", ["writing a shard", "committing the shards", "swapping the directory in"])
+def test_an_interrupted_reshard_leaves_the_old_shards(ckpt: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      stop: str) -> None:
+    """The shard writers once committed one after another (each deleting its old files, then renaming its new
+    ones), shards.json last: stopped in between, shards of two placements were left side by side, every one
+    loadable, so experts were lost and duplicated while shards.json described the old placement."""
+    out = tmp_path / "ep"
+    write_shards(ckpt, out, plan_placement(ckpt, 2))  # contiguous: [0, 1, 2], [3, 4, 5]
+    before = _placement(out, 0)
+    assert before == ([[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5]])
+    balanced = plan_placement(ckpt, 2, placement="balanced", load={layer: [9.0, 8.0, 1.0, 0.0, 2.0, 3.0] for layer in ckpt.layers})
+    assert balanced[0] != before[1]
+    if stop != "swapping the directory in":
+        method = "write_layer" if stop == "writing a shard" else "finish"
+        real, calls = getattr(CheckpointWriter, method), []
+
+        def stopped(self: CheckpointWriter, *args: object) -> object:
+            calls.append(self.path)
+            if len(calls) == (3 if method == "write_layer" else 2):  # layer 1 of shard 0 / the second shard's commit
+                raise KeyboardInterrupt
+            return real(self, *args)
+
+        monkeypatch.setattr(CheckpointWriter, method, stopped)
+    else:
+        real_rename = Path.rename
+
+        def stopped(self: Path, target: Path) -> Path:  # the staged output directory renamed to `out`
+            if Path(target) == out.resolve() and self.name.startswith(".ep.partial-"):
+                raise KeyboardInterrupt
+            return real_rename(self, target)
+
+        monkeypatch.setattr(Path, "rename", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        write_shards(ckpt, out, balanced, overwrite=True)
+    monkeypatch.undo()
+    assert _placement(out, 0) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ep"]  # no staging directory left
+
+
+def test_resharding_to_fewer_shards_leaves_no_old_shard(ckpt: Checkpoint, tmp_path: Path) -> None:
+    """`--overwrite` with fewer shards once kept shard-2 .. of the earlier split, loadable, holding experts the new
+    shards hold too."""
+    out = tmp_path / "ep"
+    write_shards(ckpt, out, plan_placement(ckpt, 4))
+    write_shards(ckpt, out, plan_placement(ckpt, 2), overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["shard-0", "shard-1", "shards.json"]
+    assert _placement(out, 1) == ([[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5]])
+
+
+def test_shard_output_refuses_a_directory_holding_other_files(ckpt: Checkpoint, tmp_path: Path) -> None:
+    out = tmp_path / "ep"
+    write_shards(ckpt, out, plan_placement(ckpt, 2))
+    with pytest.raises(FileExistsError, match="already holds shard checkpoints"):
+        write_shards(ckpt, out, plan_placement(ckpt, 3))
+    (out / "README").write_text("mine")
+    with pytest.raises(FileExistsError, match="README, not shard checkpoints"):
+        write_shards(ckpt, out, plan_placement(ckpt, 3), overwrite=True)
+    assert (out / "README").is_file() and len(_placement(out, 0)[0]) == 2
