@@ -52,7 +52,13 @@ from prometheus_client.registry import Collector
 
 from lutb_server.expert_load import ExpertLoad
 
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0, 30.0)
+"""Bucket bounds (seconds) of the server-internal latencies: ``lutb_queue_wait_seconds``, ``lutb_handoff_seconds`` and
+``lutb_compute_seconds``, which are tens to hundreds of microseconds on a GPU (docs/serving.md: hand-off ~30-80 us,
+queue wait ~25 us, calls of 0.2-0.7 ms), so the lowest bound is 25 us."""
+GRPC_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""Bucket bounds (seconds) of ``lutb_grpc_request_duration_seconds``: a whole gRPC call, from 0.5 ms."""
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 16))
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -106,7 +112,7 @@ class ServerMetrics:
         self.grpc_requests = Counter("lutb_grpc_requests", "Finished gRPC calls", ["service", "method", "code"], registry=r)
         self.grpc_duration = Histogram(
             "lutb_grpc_request_duration_seconds", "Server-side gRPC call latency", ["service", "method"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            buckets=GRPC_LATENCY_BUCKETS, registry=r,
         )
         self.grpc_in_flight = Gauge("lutb_grpc_requests_in_flight", "gRPC calls being handled", ["service", "method"], registry=r)
         self.forward_requests = Counter(

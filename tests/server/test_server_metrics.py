@@ -222,3 +222,39 @@ def test_front_end_zero_serves_every_front_ends_metrics() -> None:
     finally:
         zero.close()
         one.close()
+
+
+def test_internal_latencies_are_resolved_from_25_us() -> None:
+    """Queue wait, hand-off and compute are tens to hundreds of microseconds (docs/serving.md: queue ~25 us, hand-off
+    ~30-80 us, calls of 0.2-0.7 ms): their histograms' buckets start at 25 us, so such values land in distinct
+    buckets; the gRPC call duration keeps its buckets from 0.5 ms."""
+    from prometheus_client.utils import floatToGoString
+
+    from lutb_server.metrics import LATENCY_BUCKETS, ServerMetrics
+
+    metrics = ServerMetrics()
+
+    def first_bucket(name: str, labels: dict[str, str]) -> float:
+        """Upper bound of the lowest bucket holding the one observation made on ``labels``."""
+        for le in LATENCY_BUCKETS:
+            if metrics.registry.get_sample_value(f"{name}_bucket", {**labels, "le": floatToGoString(le)}) == 1.0:
+                return le
+        return float("inf")
+
+    assert LATENCY_BUCKETS[0] == 25e-6 and list(LATENCY_BUCKETS) == sorted(LATENCY_BUCKETS) and LATENCY_BUCKETS[-1] == 30.0
+    metrics.queue_wait.labels("b", "0").observe(25e-6)
+    metrics.handoff.labels("b", "0", "to_call").observe(30e-6)
+    metrics.handoff.labels("b", "1", "to_call").observe(80e-6)
+    metrics.handoff.labels("b", "2", "to_call").observe(450e-6)
+    metrics.compute.labels("b", "0").observe(200e-6)
+    metrics.compute.labels("b", "1").observe(700e-6)
+    where = [
+        first_bucket("lutb_queue_wait_seconds", {"backend": "b", "layer": "0"}),
+        *(first_bucket("lutb_handoff_seconds", {"backend": "b", "layer": str(layer), "part": "to_call"}) for layer in range(3)),
+        *(first_bucket("lutb_compute_seconds", {"backend": "b", "layer": str(layer)}) for layer in range(2)),
+    ]
+    assert where == [25e-6, 50e-6, 100e-6, 500e-6, 250e-6, 0.001]
+    metrics.grpc_duration.labels("lutb.v1.ExpertService", "Forward").observe(30e-6)
+    labels = {"service": "lutb.v1.ExpertService", "method": "Forward"}
+    assert metrics.registry.get_sample_value("lutb_grpc_request_duration_seconds_bucket", {**labels, "le": "0.0005"}) == 1.0
+    assert metrics.registry.get_sample_value("lutb_grpc_request_duration_seconds_bucket", {**labels, "le": "2.5e-05"}) is None
