@@ -69,7 +69,8 @@ class ServerSettings(BaseSettings):
         4096, ge=1, description="largest token count T of one request (more is INVALID_ARGUMENT)"
     )
     max_message_bytes: int = Field(
-        256 * 1024 * 1024, ge=4 * 1024 * 1024, description="largest gRPC message received or sent, in bytes"
+        256 * 1024 * 1024, ge=4 * 1024 * 1024, le=2**31 - 1,  # gRPC's channel arguments are C ints
+        description="largest gRPC message received or sent, in bytes (at most 2147483647)",
     )
     shutdown_grace_s: float = Field(
         20.0, ge=0, description="on SIGTERM/SIGINT, seconds in-flight calls get to finish before they are cancelled"

@@ -88,6 +88,22 @@ def test_batches_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
         load_settings({"batches_in_flight": 0})
 
 
+def test_max_message_bytes_is_at_most_what_grpc_takes(tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """gRPC's channel arguments are C ints: max_message_bytes >= 2**31 made grpc.aio.server() raise OverflowError
+    after start-up had begun (a traceback, exit 1). The settings refuse it, so `lutb serve` reports an invalid
+    setting with exit status 2 like any other."""
+    from lutb_server.cli import main
+
+    assert load_settings({"max_message_bytes": 2**31 - 1}).max_message_bytes == 2**31 - 1
+    with pytest.raises(ValidationError, match="max_message_bytes"):
+        load_settings({"max_message_bytes": 2**31})
+    argv = ["serve", "--checkpoint", str(tiny_checkpoint), "--port", "0", "--metrics-port", "0", "--device", "cpu",
+            "--backend", "reference", "--no-validate-checkpoint", "--max-message-bytes", str(2**31)]
+    assert main(argv) == serve_cmd.EXIT_STARTUP_ERROR
+    err = capsys.readouterr().err
+    assert "lutb serve: invalid settings" in err and "max_message_bytes" in err
+
+
 def test_config_flag_and_bad_values(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("backend: reference\nvalidate_checkpoint: false\n")
