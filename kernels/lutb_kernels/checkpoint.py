@@ -164,14 +164,50 @@ def check_layer(config: CheckpointConfig, layer: int, weights: LayerWeights, *, 
 
 
 @contextmanager
-def open_safetensors(file: str | Path) -> Iterator[Any]:
-    """``safe_open(file)`` for reading tensors; a missing, unreadable or corrupt file (found on opening or
-    while reading a tensor inside the ``with``) raises :class:`LutBFormatError` naming it."""
+def open_safetensors(file: str | Path) -> Iterator[SafetensorsFile]:
+    """``safe_open(file)`` for reading tensors (as a :class:`SafetensorsFile`).
+
+    A missing, unreadable or corrupt file, found on opening or by a read of the handle, raises
+    :class:`LutBFormatError` naming it. Any other error raised in the ``with`` body (e.g. writing an
+    output while the source is open) passes through unchanged: it is not the file's fault.
+    """
     try:
-        with safe_open(str(file), framework="pt") as f:
-            yield f
+        handle = safe_open(str(file), framework="pt")
     except (OSError, SafetensorError) as exc:
-        raise LutBFormatError(f"{Path(file).name}: unreadable safetensors file ({exc})") from None
+        raise _unreadable(file, exc) from None
+    with handle:
+        yield SafetensorsFile(handle, Path(file))
+
+
+class SafetensorsFile:
+    """A ``safe_open`` handle whose read errors raise :class:`LutBFormatError` naming the file."""
+
+    def __init__(self, handle: Any, file: Path) -> None:
+        self._handle = handle
+        self.file = file
+
+    def keys(self) -> list[str]:
+        return self._read("keys")
+
+    def metadata(self) -> dict[str, str] | None:
+        return self._read("metadata")
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._read("get_tensor", name)
+
+    def get_slice(self, name: str) -> Any:
+        return self._read("get_slice", name)
+
+    def _read(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self._handle, method)(*args)
+        except (OSError, SafetensorError) as exc:
+            raise _unreadable(self.file, exc, *args) from None
+
+
+def _unreadable(file: str | Path, exc: BaseException, tensor: str | None = None) -> LutBFormatError:
+    detail = f"{tensor}: {exc}" if tensor else str(exc)
+    return LutBFormatError(f"{Path(file).name}: unreadable safetensors file ({detail})")
 
 
 class StagedDirectory:
@@ -348,6 +384,7 @@ class CheckpointWriter:
         Raises:
             LutBFormatError: the layer breaks the format (:func:`check_layer`).
             ValueError: ``layer`` was written already.
+            OSError: the file could not be written (the message names the output).
         """
         check_layer(self.config, layer, weights)
         if layer in self._written:
@@ -360,7 +397,10 @@ class CheckpointWriter:
             f"layers.{layer}.w2": weights.w2.contiguous().cpu(),
             f"layers.{layer}.expert_ids": weights.expert_ids.contiguous().cpu(),
         }
-        save_file(tensors, str(self._out.staging / name), metadata=self.config.to_metadata())
+        try:
+            save_file(tensors, str(self._out.staging / name), metadata=self.config.to_metadata())
+        except SafetensorError as exc:  # (how safetensors reports a failed write: a full disk, a directory gone)
+            raise OSError(f"{self.path}: cannot write {name} ({exc})") from exc
         self._written[layer] = self.path / name
         return self._written[layer]
 
@@ -518,6 +558,7 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointWriter",
     "LayerWeights",
+    "SafetensorsFile",
     "StagedDirectory",
     "check_layer",
     "is_checkpoint_file",

@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 
-from lutb_kernels.checkpoint import DTYPES, CheckpointConfig, CheckpointWriter, LayerWeights, open_safetensors
+from lutb_kernels.checkpoint import DTYPES, CheckpointConfig, CheckpointWriter, LayerWeights, SafetensorsFile, open_safetensors
 from lutb_kernels.errors import LutBFormatError
 from lutb_kernels.quantizer import (
     DEFAULT_ITERATIONS,
@@ -164,13 +163,10 @@ class ImportReport:
         return "\n".join(rows)
 
 
-def _load(handles: dict[Path, Any], stack: ExitStack, file: Path, name: str) -> torch.Tensor:
+def _load(handles: dict[Path, SafetensorsFile], stack: ExitStack, file: Path, name: str) -> torch.Tensor:
     if file not in handles:
         handles[file] = stack.enter_context(open_safetensors(file))
-    try:
-        t = handles[file].get_tensor(name)
-    except SafetensorError as exc:
-        raise LutBFormatError(f"{file.name}: {name} unreadable ({exc})") from None
+    t = handles[file].get_tensor(name)
     if not t.is_floating_point() or t.element_size() < 2:
         raise LutBFormatError(f"{file.name}: {name} is {t.dtype}; the importer needs dense bf16/fp16/fp32 weights")
     return t
@@ -229,8 +225,11 @@ def import_hf_checkpoint(
         :class:`ImportReport` with one row per converted layer.
 
     Raises:
-        LutBFormatError: unreadable config, no routed experts, a layer lacking some of config.json's
-            experts, missing or misshapen expert tensors.
+        LutBFormatError: unreadable config or source file, no routed experts, a layer lacking some of
+            config.json's experts, missing or misshapen expert tensors.
+        NonFiniteInputError, ValueError: weights the quantizer cannot encode (NaN, too large).
+        FileExistsError: ``out_dir`` cannot be replaced (see :class:`~lutb_kernels.checkpoint.StagedDirectory`).
+        OSError: writing ``out_dir`` failed (a full disk, no permission); the message names the output.
     """
     from tqdm import tqdm
 
@@ -286,7 +285,7 @@ def import_hf_checkpoint(
     bar = tqdm(total=tiles_total, unit="tile", desc="quantize", disable=not progress, dynamic_ncols=True)
     writer = CheckpointWriter(out_dir, config, overwrite=overwrite, sources=set(where.values()))
     with writer, ExitStack() as stack, bar:
-        handles: dict[Path, Any] = {}
+        handles: dict[Path, SafetensorsFile] = {}
         for layer, experts in sorted(layers.items()):
             start = time.perf_counter()
             ids = sorted(experts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import lutb_kernels.checkpoint as checkpoint_module
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_kernels.errors import LutBFormatError
 from lutb_kernels.hf_import import compact_ids, import_hf_checkpoint, read_hf_config
@@ -253,6 +255,31 @@ def test_a_failed_import_leaves_no_checkpoint_and_keeps_the_old_one(tmp_path: Pa
             import_hf_checkpoint(tmp_path / "src", out, device="cpu", progress=False, overwrite=overwrite)
     assert not list((tmp_path / "fresh").glob("*.safetensors*"))
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+
+
+@pytest.mark.parametrize("failure", ["disk full", "output directory gone"])
+def test_an_output_write_error_names_the_output_not_the_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               failure: str) -> None:
+    """The source files stay open (open_safetensors) while the layers are written, and open_safetensors once
+    turned any OSError/SafetensorError raised in its `with` into "model.safetensors: unreadable safetensors file":
+    a full disk on the output was blamed on the source."""
+    make_mixtral(tmp_path / "src", experts=2, layers=1)
+    real_save_file = checkpoint_module.save_file
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def directory_gone(tensors: dict, filename: str, metadata: dict | None = None) -> None:  # safetensors' own write error
+        real_save_file(tensors, str(tmp_path / "gone" / Path(filename).name), metadata=metadata)
+
+    monkeypatch.setattr(checkpoint_module, "save_file", disk_full if failure == "disk full" else directory_gone)
+    with pytest.raises(OSError) as info:
+        import_hf_checkpoint(tmp_path / "src", tmp_path / "out", device="cpu", progress=False, iterations=1, refinements=0)
+    assert not isinstance(info.value, LutBFormatError)
+    assert "unreadable" not in str(info.value) and "model.safetensors" not in str(info.value)
+    if failure == "output directory gone":
+        assert str(tmp_path / "out") in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # and nothing half-written is left
 
 
 def safe_keys(file: Path) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import lutb_kernels.checkpoint as checkpoint_module
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_kernels.tiles import tiles_to_dense
 from lutb_server.cli import main
@@ -130,3 +132,30 @@ def test_quantize_qwen(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 def test_quantize_bad_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["quantize", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
     assert "config.json" in capsys.readouterr().err
+
+
+def test_quantize_reports_an_output_write_error_naming_the_output(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk on the output was once reported as "model.safetensors: unreadable safetensors file"."""
+    _hf.make_mixtral(tmp_path / "src", experts=2, layers=1)
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module, "save_file", disk_full)
+    out = tmp_path / "out"
+    assert main(["quantize", str(tmp_path / "src"), "--out", str(out), "--device", "cpu", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"lutb quantize: cannot write {out}: " in err and "No space left" in err and "model.safetensors" not in err
+
+
+def test_quantize_refuses_weights_too_large_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Finite float32 weights beyond bfloat16's range raised a plain ValueError out of `lutb quantize`."""
+    src = _hf.make_mixtral(tmp_path / "src", experts=2, layers=1, dtype=torch.float32)
+    name = "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+    src[name][0, 0] = 3.4e38
+    save_file(src, str(tmp_path / "src" / "model.safetensors"))
+    assert main(["quantize", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--device", "cpu", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"lutb quantize: {name}: weights too large for LUT-B" in err
+    assert not (tmp_path / "out").exists()

@@ -79,8 +79,11 @@ def run_quantize(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             overwrite=args.overwrite,
         )
-    except (LutBError, FileExistsError) as exc:
+    except (LutBError, ValueError, FileExistsError) as exc:  # (ValueError: weights the quantizer cannot encode)
         print(f"lutb quantize: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the source's read errors are LutBFormatErrors naming the file: this is the output's
+        print(f"lutb quantize: cannot write {args.out}: {exc}", file=sys.stderr)
         return 1
     cfg = report.config
     print(
