@@ -62,6 +62,10 @@ GRPC_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 16))
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
+_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""Opener of the front ends' loopback endpoints: no proxy, whatever ``http_proxy``/``HTTP_PROXY`` say (``urlopen`` sends
+loopback requests through them too, unless ``no_proxy`` names the address)."""
+
 
 class _GpuMemoryCollector(Collector):
     """Reports the CUDA allocator counters at scrape time: ``read() -> (allocated, reserved)`` bytes."""
@@ -210,6 +214,8 @@ class FrontEndsCollector(Collector):
         ports: the loopback metrics ports of front ends 1..N-1, in order.
         timeout_s: how long one front end's endpoint may take; one that fails shows as
             ``lutb_front_end_up{front_end="k"} 0`` and contributes no samples.
+
+    The endpoints are read directly, never through a proxy of the environment.
     """
 
     def __init__(self, own: CollectorRegistry, ports: list[int], timeout_s: float = 2.0) -> None:
@@ -224,7 +230,7 @@ class FrontEndsCollector(Collector):
         up.add_metric(["0"], 1.0)
         for k, port in enumerate(self.ports, 1):
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=self.timeout_s) as response:
+                with _LOOPBACK.open(f"http://127.0.0.1:{port}/metrics", timeout=self.timeout_s) as response:
                     texts.append((k, response.read().decode()))
                 up.add_metric([str(k)], 1.0)
             except OSError:

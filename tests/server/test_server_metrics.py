@@ -258,3 +258,27 @@ def test_internal_latencies_are_resolved_from_25_us() -> None:
     labels = {"service": "lutb.v1.ExpertService", "method": "Forward"}
     assert metrics.registry.get_sample_value("lutb_grpc_request_duration_seconds_bucket", {**labels, "le": "0.0005"}) == 1.0
     assert metrics.registry.get_sample_value("lutb_grpc_request_duration_seconds_bucket", {**labels, "le": "2.5e-05"}) is None
+
+
+def test_front_ends_are_read_on_loopback_past_a_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy in the environment (http_proxy, as in many pods) is not used for the loopback reads of front ends
+    1..N-1: through it every scrape reported lutb_front_end_up 0 for running front ends and dropped their samples."""
+    from lutb_server.metrics import FrontEndsCollector, ServerMetrics
+
+    def up(collector: FrontEndsCollector) -> dict[str, float]:
+        family = next(f for f in collector.collect() if f.name == "lutb_front_end_up")
+        return {s.labels["front_end"]: s.value for s in family.samples}
+
+    one = ServerMetrics()
+    one_port = one.serve("127.0.0.1", 0)
+    try:
+        collector = FrontEndsCollector(ServerMetrics().registry, [one_port], timeout_s=2.0)
+        assert up(collector) == {"0": 1.0, "1": 1.0}
+        for name in ("no_proxy", "NO_PROXY"):
+            monkeypatch.delenv(name, raising=False)
+        for name in ("http_proxy", "HTTP_PROXY"):
+            monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")  # a proxy that is not there
+        monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen reads the variables once, into this opener
+        assert up(collector) == {"0": 1.0, "1": 1.0}
+    finally:
+        one.close()
