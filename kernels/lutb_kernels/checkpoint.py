@@ -39,7 +39,9 @@ from lutb_kernels.tiles import TILE, TILE_BYTES, validate_tiles
 FORMAT = "lut-b"
 FORMAT_VERSION = 1
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_TENSOR_NAME = re.compile(r"^layers\.(\d+)\.(w13|w2|expert_ids)$")
+_TENSOR_NAME = re.compile(r"layers\.(0|[1-9][0-9]*)\.(w13|w2|expert_ids)", re.ASCII)
+"""A tensor name the format defines (whole name, ``fullmatch``): the layer index spelled as ``str(int)`` would, so
+``layers.00.w13`` or a non-ASCII digit is an unknown tensor, never a second spelling of a layer's tensor."""
 _INT_FIELDS = ("hidden_size", "intermediate_size", "num_experts")
 
 
@@ -460,14 +462,14 @@ class Checkpoint:
             elif file_config != config:
                 raise LutBFormatError(f"{file.name}: metadata {file_config} disagrees with {self.files[0].name}: {config}")
             for name in names:
-                if not _TENSOR_NAME.match(name):
+                if not _TENSOR_NAME.fullmatch(name):
                     raise LutBFormatError(f"{file.name}: unexpected tensor {name!r}; expected layers.<L>.w13, .w2 or .expert_ids")
                 if name in self._where:
                     raise LutBFormatError(f"{file.name}: tensor {name} also appears in {self._where[name].name}")
                 self._where[name] = file
         assert config is not None
         self.config = config
-        layers = sorted({int(_TENSOR_NAME.match(n).group(1)) for n in self._where})  # type: ignore[union-attr]
+        layers = sorted({int(_TENSOR_NAME.fullmatch(n).group(1)) for n in self._where})  # type: ignore[union-attr]
         for layer in layers:
             for part in ("w13", "w2", "expert_ids"):
                 if f"layers.{layer}.{part}" not in self._where:

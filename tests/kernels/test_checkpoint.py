@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,21 @@ def test_a_killed_writers_staging_directory_is_removed(tmp_path: Path) -> None:
     (stale / "layer-00000.safetensors").write_bytes(b"half")
     write_checkpoint(tmp_path / "ckpt", CONFIG, {0: _layer([0], 1)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("name", ["layers.00.w13", "layers.\u0661.w13", "layers.\uff10.w2", "layers.0.w13\n", "layers.+0.expert_ids"])
+def test_another_spelling_of_a_layer_tensor_is_an_unexpected_tensor(ckpt_dir: Path, name: str) -> None:
+    """The name pattern once took any (Unicode) digits: a second w13 of layer 0 as "layers.00.w13" opened and
+    validated (never checked nor served, but hashed)."""
+    save_file({name: _layer([0, 2, 5], 7).w13}, str(ckpt_dir / "extra.safetensors"), metadata=CONFIG.to_metadata())
+    with pytest.raises(LutBFormatError, match=re.escape(f"extra.safetensors: unexpected tensor {name!r}")):
+        Checkpoint(ckpt_dir)
+
+
+def test_a_zero_padded_layer_is_refused_as_unexpected_not_as_incomplete(tmp_path: Path) -> None:
+    """All three tensors of "layers.01" once gave the false "layer 1 lacks tensor layers.1.w13"."""
+    layer = _layer([1], 3)
+    save_file({"layers.01.w13": layer.w13, "layers.01.w2": layer.w2, "layers.01.expert_ids": layer.expert_ids},
+              str(tmp_path / "a.safetensors"), metadata=CONFIG.to_metadata())
+    with pytest.raises(LutBFormatError, match=r"unexpected tensor 'layers\.01\."):
+        Checkpoint(tmp_path)
