@@ -141,8 +141,7 @@ def check_layer(config: CheckpointConfig, layer: int, weights: LayerWeights, *, 
         raise LutBFormatError(f"{prefix}layer index must be an integer >= 0, got {layer!r}")  # (the reader's names need it)
     ids = weights.expert_ids
     name = f"{prefix}layers.{layer}.expert_ids"
-    if ids.dtype != torch.int32 or ids.dim() != 1:
-        raise LutBFormatError(f"{name}: must be a 1-D int32 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    _check_ids_tensor(ids, name)
     if ids.numel() == 0:
         raise LutBFormatError(f"{name}: holds no experts")
     if int(ids.min()) < 0 or int(ids.max()) >= config.num_experts:
@@ -163,6 +162,12 @@ def check_layer(config: CheckpointConfig, layer: int, weights: LayerWeights, *, 
             validate_tiles(tensor[..., :0, :], full, None)  # dtype and last dimension only
             if tuple(tensor.shape[:-1]) != shape:
                 raise LutBFormatError(f"{full}: tile counts {tuple(tensor.shape[:-1])} disagree with the checkpoint's sizes, which give {shape}")
+
+
+def _check_ids_tensor(ids: torch.Tensor, name: str) -> None:
+    """Refuse an ``expert_ids`` tensor (called ``name`` in the error) that is not 1-D int32."""
+    if ids.dtype != torch.int32 or ids.dim() != 1:
+        raise LutBFormatError(f"{name}: must be a 1-D int32 tensor, got {ids.dtype} {tuple(ids.shape)}")
 
 
 @contextmanager
@@ -506,8 +511,19 @@ class Checkpoint:
         return ", ".join(dict.fromkeys(names))
 
     def expert_ids(self, layer: int) -> torch.Tensor:
-        """int32 ``[E_local]`` global ids of the experts held in ``layer``."""
-        return self._tensor(f"layers.{layer}.expert_ids")
+        """int32 ``[E_local]`` global ids of the experts held in ``layer``.
+
+        Only the tensor's dtype and shape are checked (so that its values can be read as a list of ids);
+        :meth:`layer` and :meth:`validate` check the values too.
+
+        Raises:
+            KeyError: the checkpoint has no such layer.
+            LutBFormatError: the tensor is not 1-D int32 (naming its file and name).
+        """
+        name = f"layers.{layer}.expert_ids"
+        ids = self._tensor(name)
+        _check_ids_tensor(ids, f"{self._where[name].name}: {name}")
+        return ids
 
     def validate(self, progress: Callable[[Iterable[int]], Iterable[int]] | None = None) -> None:
         """Check every tensor and tile; raise :class:`LutBFormatError` naming file, tensor and tile."""

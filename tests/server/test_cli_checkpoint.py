@@ -15,6 +15,7 @@ import lutb_kernels.checkpoint as checkpoint_module
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_kernels.tiles import tiles_to_dense
 from lutb_server.cli import main
+from lutb_server.testing import make_tiny_checkpoint
 
 import hf_fixtures as _hf
 
@@ -159,3 +160,24 @@ def test_quantize_refuses_weights_too_large_without_a_traceback(tmp_path: Path, 
     err = capsys.readouterr().err
     assert f"lutb quantize: {name}: weights too large for LUT-B" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("ids", [[[0, 1], [2, 3]], 0], ids=["2-D", "0-D"])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_inspect_reports_malformed_expert_ids(tmp_path: Path, capsys: pytest.CaptureFixture[str], ids: object,
+                                              as_json: bool) -> None:
+    """describe() once turned each layer's expert_ids into ints before validating anything: a 2-D or 0-D tensor
+    ended `lutb inspect` in a TypeError traceback."""
+    out = make_tiny_checkpoint(tmp_path / "ckpt", layers=(0, 1), num_experts=4)
+    file = out / "layer-00001.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    tensors["layers.1.expert_ids"] = torch.tensor(ids, dtype=torch.int32)
+    save_file(tensors, str(file), metadata=meta)
+    assert main(["inspect", str(out), "--no-progress", *(["--json"] if as_json else [])]) == 1
+    captured = capsys.readouterr()
+    shape = str(tuple(torch.tensor(ids).shape))
+    assert f"layer-00001.safetensors: layers.1.expert_ids: must be a 1-D int32 tensor, got torch.int32 {shape}" in captured.err
+    if as_json:
+        info = json.loads(captured.out)
+        assert info["valid"] is False and "layers.1.expert_ids" in info["error"]

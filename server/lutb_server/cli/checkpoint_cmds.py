@@ -100,7 +100,8 @@ def describe(path: str, *, progress: bool = False) -> dict[str, Any]:
     """Everything ``lutb inspect`` reports, as a JSON-ready dict (``valid``/``error`` included).
 
     Raises:
-        LutBFormatError: the checkpoint cannot even be opened (metadata, tensor names).
+        LutBFormatError: the checkpoint cannot even be opened (metadata, tensor names) or described (an
+            ``expert_ids`` tensor that is not 1-D int32).
     """
     from lutb_kernels.checkpoint import Checkpoint
     from lutb_kernels.errors import LutBFormatError
