@@ -45,9 +45,9 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.registry import Collector
 
 from lutb_server.expert_load import ExpertLoad
@@ -65,6 +65,7 @@ REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 """Opener of the front ends' loopback endpoints: no proxy, whatever ``http_proxy``/``HTTP_PROXY`` say (``urlopen`` sends
 loopback requests through them too, unless ``no_proxy`` names the address)."""
+_OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
 
 class _GpuMemoryCollector(Collector):
@@ -212,37 +213,44 @@ class FrontEndsCollector(Collector):
     Args:
         own: front end 0's registry.
         ports: the loopback metrics ports of front ends 1..N-1, in order.
-        timeout_s: how long one front end's endpoint may take; one that fails shows as
-            ``lutb_front_end_up{front_end="k"} 0`` and contributes no samples.
+        timeout_s: how long one front end's endpoint may take; one that fails, or whose answer is not
+            valid OpenMetrics, shows as ``lutb_front_end_up{front_end="k"} 0`` and contributes no samples.
 
-    The endpoints are read directly, never through a proxy of the environment.
+    The endpoints are read directly, never through a proxy of the environment, in OpenMetrics, the
+    format that keeps every family's type (info, counter with its ``_created`` sample): the families
+    yielded are those a registry of all front ends' metrics would hold, so the endpoint serving this
+    collector writes valid Prometheus text or valid OpenMetrics, whichever the scraper asks for.
     """
 
     def __init__(self, own: CollectorRegistry, ports: list[int], timeout_s: float = 2.0) -> None:
         self.own, self.ports, self.timeout_s = own, list(ports), timeout_s
 
+    def _read(self, port: int) -> list[Metric]:
+        """The families of the front end whose metrics listen on loopback ``port``; OSError if it does not answer,
+        ValueError if its answer is not OpenMetrics."""
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": _OPENMETRICS})
+        with _LOOPBACK.open(request, timeout=self.timeout_s) as response:
+            text = response.read().decode()
+        return list(parse_openmetrics(text))
+
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         up = GaugeMetricFamily("lutb_front_end_up", "1 when this front end's metrics were read at this scrape", labels=["front_end"])
-        # Front end 0's own registry goes through the text format too, so that every family is
-        # named as the parser names it (an Info is "x" in a registry but "x_info" once exposed).
-        texts = [(0, generate_latest(self.own).decode())]
+        # Front end 0's registry is read as is: it names and types its families as the OpenMetrics parser does.
+        read: list[tuple[int, list[Metric]]] = [(0, list(self.own.collect()))]
         up.add_metric(["0"], 1.0)
         for k, port in enumerate(self.ports, 1):
             try:
-                with _LOOPBACK.open(f"http://127.0.0.1:{port}/metrics", timeout=self.timeout_s) as response:
-                    texts.append((k, response.read().decode()))
+                read.append((k, self._read(port)))
                 up.add_metric([str(k)], 1.0)
-            except OSError:
+            except (OSError, ValueError):
                 up.add_metric([str(k)], 0.0)
-        for k, text in texts:
-            for metric in text_string_to_metric_families(text):
+        for k, metrics in read:
+            for metric in metrics:
                 family = families.get(metric.name)
                 if family is None:
                     family = families[metric.name] = Metric(metric.name, metric.documentation, metric.type, metric.unit)
-                for sample in metric.samples:
-                    family.add_sample(sample.name, {**sample.labels, "front_end": str(k)}, sample.value, sample.timestamp,
-                                      sample.exemplar)
+                family.samples.extend(sample._replace(labels={**sample.labels, "front_end": str(k)}) for sample in metric.samples)
         yield from families.values()
         yield up
 

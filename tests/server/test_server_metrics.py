@@ -282,3 +282,54 @@ def test_front_ends_are_read_on_loopback_past_a_proxy(monkeypatch: pytest.Monkey
         assert up(collector) == {"0": 1.0, "1": 1.0}
     finally:
         one.close()
+
+
+@pytest.mark.parametrize("others", [0, 1, 3])
+def test_merged_front_ends_endpoint_is_valid_in_either_format(others: int) -> None:
+    """Front end 0's endpoint with ``others`` more front ends answers a scraper asking for OpenMetrics (Prometheus
+    negotiates it first) with valid OpenMetrics, and one asking for nothing with valid Prometheus text, each family
+    keeping its type. Front ends' metrics once went through the Prometheus text parser, after which each counter's
+    `_created` line became a gauge family of its own clashing with the counter and the info metric a gauge: the
+    OpenMetrics parser refused the merged output."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+
+    from lutb_server.metrics import ServerMetrics
+
+    def front_end(k: int) -> ServerMetrics:
+        m = ServerMetrics(expert_metrics=True)  # every kind of family a front end exports
+        m.describe_backend(backend="reference", device="cuda:0", compute_capability="9.0", dtype="bfloat16",
+                           activation="silu", content_hash="sha256:0", weight_bytes=3, gpu_memory=lambda: (5, 7),
+                           inline_batches=lambda: 2)
+        m.forward_requests.labels("Forward", "OK").inc(3 + k)
+        m.compute.labels("reference", "0").observe(0.002)
+        return m
+
+    zero, rest = front_end(0), [front_end(k) for k in range(1, others + 1)]
+    try:
+        ports = [m.serve("127.0.0.1", 0) for m in rest]
+        port = zero.serve("127.0.0.1", 0, other_front_ends=ports or None)
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                         headers={"Accept": "application/openmetrics-text; version=1.0.0; charset=utf-8"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+            families = {f.name: f for f in parse_openmetrics(response.read().decode())}  # strict: raises on a clash
+        assert {name: families[name].type for name in ("lutb_backend", "lutb_forward_requests", "lutb_compute_seconds")} == {
+            "lutb_backend": "info", "lutb_forward_requests": "counter", "lutb_compute_seconds": "histogram"}
+        assert not any(name.endswith("_created") for name in families)
+        labels = [{"front_end": str(k)} if others else {} for k in range(others + 1)]
+        totals = {s.labels.get("front_end"): s.value for s in families["lutb_forward_requests"].samples if s.name.endswith("_total")}
+        assert totals == {lab.get("front_end"): 3.0 + k for k, lab in enumerate(labels)}
+        info = [s for s in families["lutb_backend"].samples if s.name == "lutb_backend_info"]
+        assert len(info) == others + 1 and all(s.labels["backend"] == "reference" for s in info)
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        typed = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+        assert len(typed) == len(set(typed))
+        parsed = {f.name: f.type for f in text_string_to_metric_families(text)}
+        assert parsed["lutb_backend_info"] == "gauge" and parsed["lutb_forward_requests"] == "counter"
+        assert parsed["lutb_compute_seconds"] == "histogram"
+        assert _get(_scrape(port), "lutb_forward_requests_total", rpc="Forward", code="OK", **labels[-1]) == 3.0 + others
+    finally:
+        zero.close()
+        for m in rest:
+            m.close()
