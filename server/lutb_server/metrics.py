@@ -10,10 +10,13 @@ lutb_forward_requests_total              counter   rpc, code                    
                                                                                          and each stream message; not unary calls the
                                                                                          gate refused while loading or draining)
 lutb_queue_wait_seconds                  histogram backend, layer                        time from enqueue to the start of its batch
-lutb_compute_seconds                     histogram backend, layer                        one experts call (a pooled batch)
+lutb_compute_seconds                     histogram backend, layer                        per batch this process handed over: the
+                                                                                         experts call that ran it (a call merging
+                                                                                         several batches: once per batch)
 lutb_batch_tokens                        histogram backend, layer                        tokens per experts call
 lutb_batch_requests                      histogram backend, layer                        requests pooled per experts call
-lutb_batches_total                       counter   backend, layer, path                  experts calls by how they ran: graph, chunks, eager
+lutb_batches_total                       counter   backend, layer, path                  this process's batches by how the call that
+                                                                                         ran them ran: graph, chunks, eager
 lutb_tokens_processed_total              counter   backend, layer                        tokens computed
 lutb_deadline_dropped_total              counter   layer                                 requests dropped unrun: deadline passed in the queue
 lutb_queue_depth                         gauge                                           requests waiting in the scheduler
@@ -36,6 +39,9 @@ layers those of the checkpoint.
 With several front ends (``front_ends`` = N > 1), front end 0's endpoint serves every front end's
 metrics, each sample labelled ``front_end`` (0..N-1; :class:`FrontEndsCollector`), plus
 ``lutb_front_end_up{front_end}`` (1 when that front end's metrics could be read at the scrape).
+The compute process merges their batches into shared experts calls, each recorded by every front end
+with a batch in it: summed over ``front_end``, lutb_batches_total and lutb_compute_seconds count
+front-end batches, not experts calls (docs/serving.md, Metrics).
 """
 
 from __future__ import annotations
@@ -128,7 +134,8 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS, registry=r,
         )
         self.compute = Histogram(
-            "lutb_compute_seconds", "Duration of one experts call (a pooled batch)", ["backend", "layer"],
+            "lutb_compute_seconds", "Duration of the experts call that ran one of this serving process's batches (a call "
+            "merging several batches is observed once per batch)", ["backend", "layer"],
             buckets=LATENCY_BUCKETS, registry=r,
         )
         self.handoff = Histogram(
@@ -143,7 +150,8 @@ class ServerMetrics:
             "lutb_batch_requests", "Requests pooled per experts call", ["backend", "layer"], buckets=REQUEST_BUCKETS, registry=r
         )
         self.batches = Counter(
-            "lutb_batches", "Experts calls by how they ran: graph (one CUDA-graph replay), chunks (graph replays chunk by "
+            "lutb_batches", "This serving process's batches by how the experts call that ran them ran (a call merging "
+            "several batches counts once per batch): graph (one CUDA-graph replay), chunks (graph replays chunk by "
             "chunk), eager (the backend called directly)", ["backend", "layer", "path"], registry=r,
         )
         self.tokens = Counter("lutb_tokens_processed", "Tokens computed", ["backend", "layer"], registry=r)
