@@ -22,7 +22,7 @@ import re
 import secrets
 import shutil
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -541,24 +541,41 @@ class Checkpoint:
                     total += _numel(f.get_slice(name).get_shape())
         return total
 
-    def content_hash(self) -> str:
+    def content_hash(self, progress: Callable[[int], AbstractContextManager[Any]] | None = None) -> str:
         """``sha256:<hex>`` of what the checkpoint holds, independent of how it is split into files.
 
         Covers the configuration as parsed from the metadata (:meth:`CheckpointConfig.to_metadata`,
         keys sorted: metadata keys the format does not define, and spellings that parse alike, do
         not change it) and then, for each tensor in name order, its name, dtype, shape and raw
         bytes. Two checkpoints hash alike exactly when they hold the same tensors and the same
-        configuration. Computed once, then cached.
+        configuration. Computed once (reading every byte), then cached.
+
+        Args:
+            progress: makes a progress bar for the pass that reads every byte: called once, with the
+                number of bytes to read, it returns a context manager whose value is told each
+                tensor's bytes as they are hashed (``update(n)``), e.g.
+                ``lambda total: tqdm(total=total, unit="B", unit_scale=True, desc="hash")``. Not called
+                when the hash is cached. It does not change the hash.
         """
         if self._hash is None:
             digest = hashlib.sha256()
             digest.update(json.dumps(self.config.to_metadata(), sort_keys=True).encode())
-            for name in sorted(self._where):
-                tensor = self._tensor(name).contiguous()
-                digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
-                digest.update(tensor.view(torch.uint8).reshape(-1).numpy().data)
+            with progress(sum(map(_data_bytes, self.files))) if progress else nullcontext() as bar:
+                for name in sorted(self._where):
+                    tensor = self._tensor(name).contiguous()
+                    digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+                    digest.update(tensor.view(torch.uint8).reshape(-1).numpy().data)
+                    if bar is not None:
+                        bar.update(tensor.nbytes)
             self._hash = f"sha256:{digest.hexdigest()}"
         return self._hash
+
+
+def _data_bytes(file: Path) -> int:
+    """Bytes of the tensors a safetensors file holds: all that follows its header (the format allows no holes)."""
+    with open(file, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+    return file.stat().st_size - 8 - header
 
 
 def _numel(shape: Iterable[int]) -> int:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -191,6 +191,7 @@ def write_shards(
     *,
     overwrite: bool = False,
     progress: Callable[[Iterable[int]], Iterable[int]] | None = None,
+    hash_progress: Callable[[int], AbstractContextManager[Any]] | None = None,
 ) -> list[Path]:
     """Write one checkpoint per shard (``out_dir/shard-N``) plus ``out_dir/shards.json``, all or nothing.
 
@@ -202,6 +203,9 @@ def write_shards(
     Args:
         overwrite: replace the shards ``out_dir`` holds. An ``out_dir`` holding anything but shard
             directories and ``shards.json`` is refused either way, as is one holding the source.
+        progress: wraps the layers as they are written (e.g. a tqdm bar).
+        hash_progress: a progress bar for hashing the source (``shards.json`` records its content hash,
+            which reads every byte); see :meth:`Checkpoint.content_hash`.
 
     Returns:
         The shard directories, in shard order.
@@ -217,7 +221,7 @@ def write_shards(
         _write_shard_checkpoints(checkpoint, staged.staging, plan, progress)
         manifest = {
             "source": str(checkpoint.path),
-            "source_content_hash": checkpoint.content_hash(),
+            "source_content_hash": checkpoint.content_hash(progress=hash_progress),
             "shards": [shard_dir_name(s) for s in range(shards)],
             "layers": {str(layer): [list(map(int, ids)) for ids in plan[layer]] for layer in sorted(plan)},
         }

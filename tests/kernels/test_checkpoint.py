@@ -275,3 +275,33 @@ def test_a_zero_padded_layer_is_refused_as_unexpected_not_as_incomplete(tmp_path
               str(tmp_path / "a.safetensors"), metadata=CONFIG.to_metadata())
     with pytest.raises(LutBFormatError, match=r"unexpected tensor 'layers\.01\."):
         Checkpoint(tmp_path)
+
+
+class _Bar:
+    """A progress bar that records what it is told."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.updates, self.closed = total, [], False
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.closed = True
+
+    def update(self, n: int) -> None:
+        self.updates.append(n)
+
+
+def test_content_hash_reports_progress_over_every_byte(ckpt_dir: Path) -> None:
+    """content_hash() read every byte with no way to show progress: `lutb inspect` and `lutb shard` sat silent
+    for minutes on a large checkpoint."""
+    bars: list[_Bar] = []
+    ckpt = Checkpoint(ckpt_dir)
+    h = ckpt.content_hash(progress=lambda total: bars.append(_Bar(total)) or bars[-1])
+    assert h == Checkpoint(ckpt_dir).content_hash()  # the same hash with or without a bar
+    (bar,) = bars
+    tensors = [t for layer in ckpt.layers for t in ckpt.layer(layer)]
+    assert bar.total == sum(t.nbytes for t in tensors) == sum(bar.updates) and len(bar.updates) == len(tensors)
+    assert bar.closed
+    assert ckpt.content_hash(progress=lambda total: bars.append(_Bar(total)) or bars[-1]) == h and len(bars) == 1  # cached

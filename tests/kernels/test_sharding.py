@@ -249,3 +249,21 @@ def test_shard_output_refuses_a_directory_holding_other_files(ckpt: Checkpoint, 
     with pytest.raises(FileExistsError, match="README, not shard checkpoints"):
         write_shards(ckpt, out, plan_placement(ckpt, 3), overwrite=True)
     assert (out / "README").is_file() and len(_placement(out, 0)[0]) == 2
+
+
+def test_cli_shard_shows_progress_while_hashing_the_source(ckpt: Checkpoint, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """shards.json records the source's content hash, which reads every byte: that pass once showed nothing."""
+    during: list[str] = []
+    real = Checkpoint.content_hash
+
+    def spy(self: Checkpoint, *args: object, **kwargs: object) -> str:
+        capsys.readouterr()
+        result = real(self, *args, **kwargs)
+        during.append(capsys.readouterr().err)
+        return result
+
+    monkeypatch.setattr(Checkpoint, "content_hash", spy)
+    assert main(["shard", str(ckpt.path), "--out", str(tmp_path / "ep"), "--shards", "2"]) == 0
+    assert len(during) == 1 and "hash" in during[0] and "100%" in during[0]

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 SCALE_MODES = ("rceil", "floor")
 
@@ -96,8 +99,18 @@ def run_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def hash_bar(total: int) -> tqdm:
+    """The progress bar of a content-hash pass (``Checkpoint.content_hash(progress=hash_bar)``): ``total`` bytes, on stderr."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="hash", file=sys.stderr)
+
+
 def describe(path: str, *, progress: bool = False) -> dict[str, Any]:
     """Everything ``lutb inspect`` reports, as a JSON-ready dict (``valid``/``error`` included).
+
+    Args:
+        progress: show progress bars on stderr for the passes that read every byte (hash, validate).
 
     Raises:
         LutBFormatError: the checkpoint cannot even be opened (metadata, tensor names) or described (an
@@ -132,7 +145,7 @@ def describe(path: str, *, progress: bool = False) -> dict[str, Any]:
         "weight_bytes": weight_bytes,
         "bits_per_weight": weight_bytes * 8 / weights if weights else 0.0,
         "tile_bytes": TILE_BYTES,
-        "content_hash": ckpt.content_hash(),
+        "content_hash": ckpt.content_hash(progress=hash_bar if progress else None),
     }
     bar = None
     if progress:

@@ -36,12 +36,14 @@ def run(args: argparse.Namespace) -> int:
     from lutb_kernels.checkpoint import Checkpoint
     from lutb_kernels.errors import LutBFormatError
     from lutb_kernels.sharding import plan_placement, read_load_file, write_shards
+    from lutb_server.cli.checkpoint_cmds import hash_bar
 
     try:
         ckpt = Checkpoint(args.checkpoint)
         load = read_load_file(args.load) if args.load else None
         plan = plan_placement(ckpt, args.shards, placement=args.placement, replicas=args.replicas, load=load)
-        dirs = write_shards(ckpt, args.out, plan, overwrite=args.overwrite, progress=lambda it: tqdm(it, desc="layers", unit="layer"))
+        dirs = write_shards(ckpt, args.out, plan, overwrite=args.overwrite, progress=lambda it: tqdm(it, desc="layers", unit="layer"),
+                            hash_progress=hash_bar)
     except (LutBFormatError, ValueError, FileExistsError, OSError) as exc:
         print(f"lutb shard: error: {exc}", file=sys.stderr)
         return 1
