@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from lutb_kernels.activations import check_activation, w13_rows
 from lutb_kernels.errors import LutBFormatError
 from lutb_kernels.mxfp8 import check_scale_mode
-from lutb_kernels.tiles import TILE, TILE_BYTES, validate_tiles
+from lutb_kernels.tiles import TILE, TILE_BYTES, check_tile_layout, validate_tiles
 
 FORMAT = "lut-b"
 FORMAT_VERSION = 1
@@ -156,12 +156,7 @@ def check_layer(config: CheckpointConfig, layer: int, weights: LayerWeights, *, 
         full = f"{prefix}layers.{layer}.{tensor_name}"
         if tensor.dim() < 2:
             raise LutBFormatError(f"{full}: must be a uint8 tensor of tiles {shape + (TILE_BYTES,)}, got {tensor.dtype} {tuple(tensor.shape)}")
-        if tiles:
-            validate_tiles(tensor, full, shape)
-        else:
-            validate_tiles(tensor[..., :0, :], full, None)  # dtype and last dimension only
-            if tuple(tensor.shape[:-1]) != shape:
-                raise LutBFormatError(f"{full}: tile counts {tuple(tensor.shape[:-1])} disagree with the checkpoint's sizes, which give {shape}")
+        (validate_tiles if tiles else check_tile_layout)(tensor, full, shape)
 
 
 def _check_ids_tensor(ids: torch.Tensor, name: str) -> None:

@@ -246,6 +246,23 @@ def _tile_index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(idx))
 
 
+def check_tile_layout(tiles: torch.Tensor, name: str, expected_shape: tuple[int, ...] | None = None) -> None:
+    """The cheap part of :func:`validate_tiles`: dtype, last dimension and tile counts (reads no tile bytes).
+
+    Raises:
+        LutBFormatError: naming the tensor (and giving its shape).
+    """
+    if tiles.dtype != torch.uint8:
+        raise LutBFormatError(f"{name}: dtype must be uint8, got {tiles.dtype}")
+    if tiles.dim() < 1 or tiles.shape[-1] != TILE_BYTES:
+        raise LutBFormatError(f"{name}: last dimension must be {TILE_BYTES} tile bytes, got shape {tuple(tiles.shape)}")
+    if expected_shape is not None and tuple(tiles.shape[:-1]) != tuple(expected_shape):
+        raise LutBFormatError(
+            f"{name}: tile counts {tuple(tiles.shape[:-1])} disagree with the checkpoint's sizes, "
+            f"which give {tuple(expected_shape)}"
+        )
+
+
 def validate_tiles(tiles: torch.Tensor, name: str, expected_shape: tuple[int, ...] | None = None) -> None:
     """Check a stack of tiles against every rejection rule of spec section 1.
 
@@ -258,15 +275,7 @@ def validate_tiles(tiles: torch.Tensor, name: str, expected_shape: tuple[int, ..
     Raises:
         LutBFormatError: naming the tensor and the first offending tile index.
     """
-    if tiles.dtype != torch.uint8:
-        raise LutBFormatError(f"{name}: dtype must be uint8, got {tiles.dtype}")
-    if tiles.dim() < 1 or tiles.shape[-1] != TILE_BYTES:
-        raise LutBFormatError(f"{name}: last dimension must be {TILE_BYTES} tile bytes, got shape {tuple(tiles.shape)}")
-    if expected_shape is not None and tuple(tiles.shape[:-1]) != tuple(expected_shape):
-        raise LutBFormatError(
-            f"{name}: tile counts {tuple(tiles.shape[:-1])} disagree with the checkpoint's sizes, "
-            f"which give {tuple(expected_shape)}"
-        )
+    check_tile_layout(tiles, name, expected_shape)
     lead = tuple(tiles.shape[:-1])
     flat = tiles.reshape(-1, TILE_BYTES)
     if flat.shape[0] == 0:

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lutb_kernels.checkpoint import Checkpoint, CheckpointConfig, CheckpointWriter, LayerWeights, write_checkpoint
+from lutb_kernels.checkpoint import Checkpoint, CheckpointConfig, CheckpointWriter, LayerWeights, check_layer, write_checkpoint
 from lutb_kernels.errors import LutBFormatError
 from lutb_kernels.tiles import pack_tiles
 
@@ -305,3 +305,13 @@ def test_content_hash_reports_progress_over_every_byte(ckpt_dir: Path) -> None:
     assert bar.total == sum(t.nbytes for t in tensors) == sum(bar.updates) and len(bar.updates) == len(tensors)
     assert bar.closed
     assert ckpt.content_hash(progress=lambda total: bars.append(_Bar(total)) or bars[-1]) == h and len(bars) == 1  # cached
+
+
+@pytest.mark.parametrize("tiles", [True, False])
+def test_a_wrong_last_dimension_is_reported_with_the_real_shape(tiles: bool) -> None:
+    """The cheap check (tiles=False: the server's load, sharding) once checked a 0-length slice and reported its
+    shape, "(3, 2, 0, 6000)", for a tensor of shape (3, 2, 2, 6000)."""
+    layer = _layer([0, 2, 5], 1)
+    bad = layer._replace(w13=layer.w13[..., :6000].contiguous())
+    with pytest.raises(LutBFormatError, match=r"layers\.0\.w13: last dimension must be 6672 tile bytes, got shape \(3, 2, 2, 6000\)"):
+        check_layer(CONFIG, 0, bad, tiles=tiles)
