@@ -176,9 +176,12 @@ class ServerSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags (``init_settings``) over the environment over the YAML file named by ``config``, taken from the
+        flags or else from the environment exactly as the ``config`` field itself is read there (prefix, case and
+        empty values alike: ``lutb_config`` names the file as ``LUTB_CONFIG`` does)."""
         init_kwargs = getattr(init_settings, "init_kwargs", {}) or {}
-        path = init_kwargs.get("config") or os.environ.get(f"{ENV_PREFIX}CONFIG") or None
-        return init_settings, env_settings, _YamlFileSource(settings_cls, path)
+        path = init_kwargs.get("config") or env_settings.get_field_value(settings_cls.model_fields["config"], "config")[0]
+        return init_settings, env_settings, _YamlFileSource(settings_cls, path or None)
 
 
 class _YamlFileSource(PydanticBaseSettingsSource):

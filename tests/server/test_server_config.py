@@ -71,6 +71,24 @@ def test_an_empty_variable_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.checkpoint is None and s.port == 50051
 
 
+def test_the_config_file_is_the_one_the_settings_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Environment variables are read case-insensitively (pydantic-settings): ``lutb_config`` set settings.config,
+    which the log shows, while the file loader looked up LUTB_CONFIG only and applied none of the file's values."""
+    config = tmp_path / "lower.yaml"
+    config.write_text("port: 1111\n")
+    for name in ("LUTB_CONFIG", "lutb_config"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("lutb_config", str(config))
+    s = load_settings({})
+    assert s.config == config and s.port == 1111
+    other = tmp_path / "flag.yaml"
+    other.write_text("port: 2222\n")
+    s = _parse(["--config", str(other)])  # the flag over the variable, for the file as for its values
+    assert s.config == other and s.port == 2222
+    monkeypatch.setenv("lutb_config", "")  # empty: unset, as for every variable
+    assert load_settings({}).config is None and load_settings({}).port == 50051
+
+
 def test_front_ends_need_metrics_ports_within_range() -> None:
     kwargs = {"compute_worker": "process", "front_ends": 2}
     with pytest.raises(ValidationError, match="no port for front ends 1..1"):
