@@ -185,7 +185,8 @@ class ServerSettings(BaseSettings):
 
 
 class _YamlFileSource(PydanticBaseSettingsSource):
-    """Settings from a YAML mapping of field names to values (the ``--config`` file)."""
+    """Settings from a YAML mapping of field names to values (the ``--config`` file); a key whose value is the empty
+    string counts as absent, as an empty ``LUTB_*`` variable does (``checkpoint: ''`` is no checkpoint)."""
 
     def __init__(self, settings_cls: type[BaseSettings], path: str | Path | None) -> None:
         super().__init__(settings_cls)
@@ -206,7 +207,7 @@ class _YamlFileSource(PydanticBaseSettingsSource):
         if not isinstance(data, dict):
             raise ValueError(f"config file {self.path}: must hold a mapping of setting names to values")
         # Accept "max-wait-us" as well as "max_wait_us".
-        return {str(k).replace("-", "_"): v for k, v in data.items()}
+        return {str(k).replace("-", "_"): v for k, v in data.items() if not _empty(v)}
 
 
 def flag_name(field: str) -> str:
@@ -238,9 +239,19 @@ def unknown_env(environ: Mapping[str, str] | None = None) -> list[str]:
     return messages
 
 
+def _empty(value: object) -> bool:
+    """Whether a flag's or file key's ``value`` counts as not given: the empty string, as for an environment variable
+    (``env_ignore_empty``)."""
+    return isinstance(value, str) and value == ""
+
+
 def load_settings(cli: dict[str, Any] | None = None) -> ServerSettings:
-    """Build the settings: ``cli`` (only flags actually given) over ``LUTB_*`` env over the YAML file over defaults."""
-    return ServerSettings(**(cli or {}))
+    """Build the settings: ``cli`` (only flags actually given) over ``LUTB_*`` env over the YAML file over defaults.
+
+    A flag given the empty string (``--checkpoint ""``) counts as not given, like an empty variable
+    (``LUTB_CHECKPOINT=``): the setting comes from the layers below it.
+    """
+    return ServerSettings(**{name: value for name, value in (cli or {}).items() if not _empty(value)})
 
 
 __all__ = ["BUILTIN_BACKENDS", "OTHER_ENV", "ServerSettings", "env_name", "flag_name", "load_settings", "unknown_env"]

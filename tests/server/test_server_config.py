@@ -89,6 +89,22 @@ def test_the_config_file_is_the_one_the_settings_name(tmp_path: Path, monkeypatc
     assert load_settings({}).config is None and load_settings({}).port == 50051
 
 
+def test_an_empty_flag_or_file_value_is_unset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--checkpoint ""`` and ``checkpoint: ''`` once meant Path("") = the working directory, as LUTB_CHECKPOINT= did
+    before it counted as unset; now all three mean no checkpoint (the demo), and the layers below fill in."""
+    for name in ("LUTB_CHECKPOINT", "LUTB_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    assert _parse(["--checkpoint", ""]).checkpoint is None
+    config = tmp_path / "empty.yaml"
+    config.write_text("checkpoint: ''\nhost: ''\n")
+    s = _parse(["--config", str(config)])
+    assert s.checkpoint is None and s.host == "0.0.0.0"
+    config.write_text(f"checkpoint: {tmp_path / 'ckpt'}\n")
+    assert _parse(["--config", str(config), "--checkpoint", ""]).checkpoint == tmp_path / "ckpt"  # the file's
+    monkeypatch.setenv("LUTB_CHECKPOINT", str(tmp_path / "env"))
+    assert _parse(["--checkpoint", ""]).checkpoint == tmp_path / "env"  # the variable's
+
+
 def test_front_ends_need_metrics_ports_within_range() -> None:
     kwargs = {"compute_worker": "process", "front_ends": 2}
     with pytest.raises(ValidationError, match="no port for front ends 1..1"):
