@@ -710,12 +710,14 @@ def inprocess_times(ckpt: Path, args: argparse.Namespace, cells: list[tuple[Cell
     import torch
 
     from lutb_kernels.checkpoint import Checkpoint
+    from lutb_server.app import apply_intra_op_threads
     from lutb_server.backends import choose_backend, resolve_device
     from lutb_server.engine import ExpertEngine
     from lutb_server.worker import ComputeWorker
 
     checkpoint = Checkpoint(ckpt)
     device = resolve_device(args.device)
+    apply_intra_op_threads(0, device)  # torch's CPU threads as the server's default sets them (1 on a CUDA device)
     engine = ExpertEngine(checkpoint, choose_backend(args.backend, checkpoint.config, device), validate_tiles=False,
                           max_tokens_per_request=1 << 20)
     worker = ComputeWorker(engine, cuda_graph_max_tokens=args.cuda_graph_max_tokens, cuda_graph_top_k=SHAPES[args.shape_name]["top_k"])
