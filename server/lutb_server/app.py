@@ -34,7 +34,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
-from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_client.allocator import tune_malloc
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_server.backends import BackendChoice, choose_backend, compute_capability, resolve_device
@@ -45,7 +44,7 @@ from lutb_server.front_ends import FrontEnds
 from lutb_server.interceptors import Gate, GateInterceptor, MetricsInterceptor
 from lutb_server.metrics import ServerMetrics
 from lutb_server.scheduler import BatchScheduler
-from lutb_server.servicer import ExpertServicer
+from lutb_server.servicer import ExpertServicer, add_to_server
 from lutb_server.settings import ServerSettings
 from lutb_server.worker import BatchWorker, ComputeWorker
 from lutb_server.worker_process import ProcessComputeWorker, WorkerSpec, spawn_compute_process
@@ -321,7 +320,7 @@ class ExpertServer:
             interceptors=[MetricsInterceptor(self.metrics), GateInterceptor(self.gate, (SERVICE_NAME,))],
             options=options,
         )
-        pb_grpc.add_ExpertServiceServicer_to_server(self.servicer, server)
+        add_to_server(self.servicer, server)  # the generated registration, but a request that is not protobuf is INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         for name in ("", SERVICE_NAME):

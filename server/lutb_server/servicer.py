@@ -2,6 +2,12 @@
 
 Thin by design: validation lives in the engine, pooling in the scheduler, the
 error-to-status map in :mod:`lutb_server.errors`.
+
+:func:`add_to_server` registers the handlers as the generated ``add_ExpertServiceServicer_to_server`` does
+(the same methods, kinds and serializers, taken from the service descriptor) except for how a request is
+parsed: bytes that are not the method's request message become a :class:`MalformedRequest`, which the
+handler refuses with INVALID_ARGUMENT like any other bad input (on a stream: that request's response, the
+stream going on), instead of a parse error escaping to grpc, which answers UNKNOWN and ends the call.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from typing import Any
 
 import grpc
 import torch
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError, Message
 
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
@@ -57,6 +66,75 @@ def build_model_info(engine: ExpertEngine, *, max_batch_tokens: int, front_end: 
         front_end=front_end,
         front_ends=front_ends,
     )
+
+
+SERVICE: ServiceDescriptor = pb.DESCRIPTOR.services_by_name["ExpertService"]
+"""``lutb.v1.ExpertService``'s descriptor: the methods :func:`add_to_server` registers."""
+
+
+class MalformedRequest:
+    """What a request that does not parse as its method's message becomes (see :func:`lenient_deserializer`).
+
+    The handlers refuse it with :meth:`error` (INVALID_ARGUMENT); ``request_id`` is 0, as the bytes carry none
+    that can be read, so a stream answers it with request_id 0 in its place in the order.
+    """
+
+    __slots__ = ("type_name", "reason")
+    request_id = 0
+
+    def __init__(self, type_name: str, reason: str) -> None:
+        self.type_name = type_name
+        self.reason = reason
+
+    def error(self) -> InvalidArgument:
+        """``request: not a valid lutb.v1.ForwardRequest (<what protobuf said>)``."""
+        return InvalidArgument(f"request: not a valid {self.type_name} ({self.reason})")
+
+
+def lenient_deserializer(message_class: type[Message]) -> Callable[[bytes], Any]:
+    """``message_class.FromString``, except that bytes it cannot parse give a :class:`MalformedRequest`, never an
+    exception (grpc would answer UNKNOWN, and end a stream)."""
+    parse = message_class.FromString
+    type_name = message_class.DESCRIPTOR.full_name
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:  # "Error parsing message with type '...': Wire format was corrupt": the last part
+            return MalformedRequest(type_name, str(exc).rpartition(": ")[2] or "unparsable")
+
+    return deserialize
+
+
+_HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+"""The handler maker of a method, by (client streaming, server streaming)."""
+
+
+def method_handlers(servicer: pb_grpc.ExpertServiceServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """Every ``lutb.v1.ExpertService`` method's handler, by method name: the kind, behaviour and response
+    serializer the generated code gives it, and a :func:`lenient_deserializer` of its request message."""
+    handlers = {}
+    for method in SERVICE.methods:
+        make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=lenient_deserializer(message_factory.GetMessageClass(method.input_type)),
+            response_serializer=message_factory.GetMessageClass(method.output_type).SerializeToString,
+        )
+    return handlers
+
+
+def add_to_server(servicer: pb_grpc.ExpertServiceServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` on ``server`` as ``pb_grpc.add_ExpertServiceServicer_to_server`` does (a generic
+    handler and the registered methods, under the same paths), with :func:`method_handlers`."""
+    handlers = method_handlers(servicer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -103,12 +181,16 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self._info = build_model_info(engine, max_batch_tokens=scheduler.max_batch_tokens, front_end=front_end,
                                       front_ends=front_ends)
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest | MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request.error()))
         if self._info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is still loading its checkpoint")
         return self._info
 
-    async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
+    async def Forward(self, request: pb.ForwardRequest | MalformedRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
         received = time.monotonic()
         deadline = _deadline(context)
         try:
@@ -126,7 +208,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         return response
 
     async def ForwardStream(
-        self, request_iterator: AsyncIterator[pb.ForwardRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.ForwardRequest | MalformedRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ForwardResponse]:
         deadline = _deadline(context)
         window: asyncio.Queue[asyncio.Task[pb.ForwardResponse] | None] = asyncio.Queue()
@@ -157,7 +239,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 if leftover is not None:
                     leftover.cancel()
 
-    async def _stream_one(self, request: pb.ForwardRequest, deadline: float | None) -> pb.ForwardResponse:
+    async def _stream_one(self, request: pb.ForwardRequest | MalformedRequest, deadline: float | None) -> pb.ForwardResponse:
         """One stream message: never raises; an error becomes the response's status."""
         received = time.monotonic()
         try:
@@ -176,7 +258,12 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self._count("ForwardStream", grpc.StatusCode.OK)
         return response
 
-    async def _forward(self, request: pb.ForwardRequest, deadline: float | None, received: float) -> pb.ForwardResponse:
+    async def _forward(
+        self, request: pb.ForwardRequest | MalformedRequest, deadline: float | None, received: float
+    ) -> pb.ForwardResponse:
+        """Answer one request; a :class:`~lutb_server.errors.ServiceError` (or a bug) for one it cannot answer."""
+        if isinstance(request, MalformedRequest):
+            raise request.error()
         if self._engine is None or self._scheduler is None:
             raise Unavailable("server is still loading its checkpoint")
         if request.output_mode not in _OUTPUT_MODES:
@@ -233,4 +320,14 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             child.inc()
 
 
-__all__ = ["RESPONSE_ENVELOPE_BYTES", "STREAM_WINDOW", "ExpertServicer", "build_model_info"]
+__all__ = [
+    "RESPONSE_ENVELOPE_BYTES",
+    "SERVICE",
+    "STREAM_WINDOW",
+    "ExpertServicer",
+    "MalformedRequest",
+    "add_to_server",
+    "build_model_info",
+    "lenient_deserializer",
+    "method_handlers",
+]

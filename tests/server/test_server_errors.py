@@ -131,3 +131,37 @@ def test_float32_input_is_rounded_to_the_model_dtype(stub) -> None:
     a = stub.Forward(request32, timeout=10)
     b = stub.Forward(request16, timeout=10)
     assert a.output == b.output and a.output.dtype == pb.BFLOAT16
+
+
+GARBAGE = b"\xff\xff\xff\xff"
+"""Field 31 of wire type 7: bytes that no protobuf message parses from."""
+
+
+def test_a_request_that_is_not_protobuf_is_invalid_argument(server: ServerThread) -> None:
+    """grpc.aio parses requests before the servicer runs: protobuf's DecodeError once escaped as UNKNOWN, naming
+    a Python class. It is bad input: INVALID_ARGUMENT naming the request (GetModelInfo as Forward)."""
+    with grpc.insecure_channel(server.address) as channel:
+        for method in ("Forward", "GetModelInfo"):
+            call = channel.unary_unary(f"/lutb.v1.ExpertService/{method}")  # raw bytes both ways
+            with pytest.raises(grpc.RpcError) as info:
+                call(GARBAGE, timeout=10)
+            assert info.value.code() == INVALID, (method, info.value.code(), info.value.details())
+            details = info.value.details()
+            assert "request: not a valid lutb.v1." in details and "DecodeError" not in details and "<class" not in details
+
+
+def test_a_request_that_is_not_protobuf_does_not_end_the_stream(server: ServerThread) -> None:
+    """On a stream that request gets its own INVALID_ARGUMENT response (request_id 0: it has none) and the stream
+    answers the requests after it; the parse error once ended the whole call."""
+    first, last = _request(), _request()
+    first.request_id, last.request_id = 1, 3
+    with grpc.insecure_channel(server.address) as channel:
+        stream = channel.stream_stream("/lutb.v1.ExpertService/ForwardStream")
+        raw = [first.SerializeToString(), GARBAGE, last.SerializeToString()]
+        try:
+            responses = [pb.ForwardResponse.FromString(r) for r in stream(iter(raw), timeout=30)]
+        except grpc.RpcError as err:
+            pytest.fail(f"the stream ended with {err.code()}: {err.details()}")
+    assert [(r.request_id, r.status.code) for r in responses] == [(1, OK.value[0]), (0, INVALID.value[0]), (3, OK.value[0])]
+    assert "request: not a valid lutb.v1.ForwardRequest" in responses[1].status.message
+    assert responses[0].HasField("output") and responses[2].HasField("output") and not responses[1].HasField("output")

@@ -8,16 +8,21 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
 import torch
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lutb_client import ExpertClient, ExpertServiceError
+from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_kernels.experts.reference import ReferenceExperts
 from lutb_server.app import ExpertServer, load_engine, plan_engine
+from lutb_server.servicer import ExpertServicer, MalformedRequest, add_to_server
 from lutb_server.settings import ServerSettings
 from lutb_server.testing import ServerThread
 
@@ -267,3 +272,44 @@ def test_reflection_lists_the_services(server: ServerThread) -> None:
         responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
         names = {s.name for r in responses for s in r.list_services_response.service}
     assert {"lutb.v1.ExpertService", "grpc.health.v1.Health"} <= names
+
+
+def test_the_handlers_are_the_generated_ones_but_for_parsing() -> None:
+    """add_to_server registers what the generated add_ExpertServiceServicer_to_server does (the same service,
+    paths, kinds, behaviours and serializers, as a generic handler and as registered methods); only the request
+    deserializers differ: they parse as the generated ones do, and give a MalformedRequest where those raise."""
+    class Recorder:
+        def __init__(self) -> None:
+            self.generic: list = []
+            self.registered: dict = {}
+
+        def add_generic_rpc_handlers(self, handlers) -> None:
+            self.generic.extend(handlers)
+
+        def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+            self.registered[service] = handlers
+
+    servicer = ExpertServicer()
+    generated, ours = Recorder(), Recorder()
+    pb_grpc.add_ExpertServiceServicer_to_server(servicer, generated)
+    add_to_server(servicer, ours)
+    assert ours.registered.keys() == generated.registered.keys() == {"lutb.v1.ExpertService"}
+    want, got = generated.registered["lutb.v1.ExpertService"], ours.registered["lutb.v1.ExpertService"]
+    assert got.keys() == want.keys()
+    request = pb.ForwardRequest(request_id=9, layer=1)
+    for name, handler in want.items():
+        mine = got[name]
+        assert (mine.request_streaming, mine.response_streaming) == (handler.request_streaming, handler.response_streaming)
+        assert (mine.unary_unary, mine.unary_stream, mine.stream_unary, mine.stream_stream) == (
+            handler.unary_unary, handler.unary_stream, handler.stream_unary, handler.stream_stream)
+        assert mine.response_serializer == handler.response_serializer
+        wire = b"" if name == "GetModelInfo" else request.SerializeToString()
+        assert mine.request_deserializer(wire) == handler.request_deserializer(wire)
+        with pytest.raises(DecodeError):
+            handler.request_deserializer(b"\xff\xff\xff\xff")
+        bad = mine.request_deserializer(b"\xff\xff\xff\xff")
+        assert isinstance(bad, MalformedRequest) and bad.request_id == 0
+    assert len(ours.generic) == len(generated.generic) == 1
+    for method in [*want, "Nonexistent"]:
+        details = SimpleNamespace(method=f"/lutb.v1.ExpertService/{method}", invocation_metadata=())
+        assert (ours.generic[0].service(details) is None) == (generated.generic[0].service(details) is None) == (method == "Nonexistent")
