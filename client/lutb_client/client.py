@@ -388,6 +388,12 @@ def _settle(future: Any, request_id: int, response: pb.ForwardResponse, detailed
             future.set_result(result if detailed else result.output)
 
 
+def _reader_error(exc: Exception) -> ExpertServiceError:
+    """The error a stream's requests fail with when its reader met ``exc``, which it never should (a client bug,
+    or a server answering more requests than it was sent)."""
+    return ExpertServiceError(grpc.StatusCode.INTERNAL, f"stream reader failed: {type(exc).__name__}: {exc}")
+
+
 class ForwardStream:
     """Many requests in flight on one ``ForwardStream`` call (blocking API).
 
@@ -420,20 +426,33 @@ class ForwardStream:
             yield item
 
     def _read(self) -> None:
+        """The reader thread: settle each response's future in turn (one its owner cancelled is skipped). When the
+        call ends, or settling a response raises what it never should (a bug: the call is cancelled then), the
+        future being settled and every pending one fail with :class:`ExpertServiceError`: none is left waiting."""
+        settling: tuple[int, Future[Any]] | None = None
         try:
             for response in self._call:
                 with self._lock:
                     request_id, future, detailed = self._pending.popleft()
                 self._slots.release()
-                _settle(future, request_id, response, detailed)
+                settling = (request_id, future)
+                if future.set_running_or_notify_cancel():  # False: cancelled by its owner, nothing to settle
+                    _settle(future, request_id, response, detailed)
+                settling = None
             error = ExpertServiceError(grpc.StatusCode.INTERNAL, "stream ended before every request was answered")
         except grpc.RpcError as err:
             error = ExpertServiceError.from_rpc_error(err)
+        except Exception as exc:  # noqa: BLE001 - a dead reader would leave every future of the stream pending
+            error = _reader_error(exc)
+            self._call.cancel()
         with self._lock:
             self._error = error
             pending, self._pending = self._pending, deque()
+        if settling is not None and not settling[1].done():
+            settling[1].set_exception(ExpertServiceError(error.code, error.message, settling[0]))
         for request_id, future, _ in pending:
-            future.set_exception(ExpertServiceError(error.code, error.message, request_id))
+            if future.set_running_or_notify_cancel():
+                future.set_exception(ExpertServiceError(error.code, error.message, request_id))
             self._slots.release()
 
     def submit(
@@ -659,6 +678,8 @@ class AsyncForwardStream:
             self._call.cancel()
 
     async def _read(self) -> None:
+        """The reader task: as :meth:`ForwardStream._read`."""
+        settling: tuple[int, asyncio.Future[Any]] | None = None
         try:
             while True:
                 response = await self._call.read()
@@ -666,15 +687,22 @@ class AsyncForwardStream:
                     break
                 request_id, future, detailed = self._pending.popleft()
                 self._slots.release()
+                settling = (request_id, future)
                 if not future.done():
                     _settle(future, request_id, response, detailed)
+                settling = None
             error = ExpertServiceError(grpc.StatusCode.INTERNAL, "stream ended before every request was answered")
         except grpc.RpcError as err:
             error = ExpertServiceError.from_rpc_error(err)
         except asyncio.CancelledError:
             error = ExpertServiceError(grpc.StatusCode.CANCELLED, "stream cancelled")
+        except Exception as exc:  # noqa: BLE001 - a dead reader would leave every future of the stream pending
+            error = _reader_error(exc)
+            self._call.cancel()
         self._error = error
         self._writer.cancel()  # the call is over: nothing more can be written (a stream dropped unclosed leaves no task)
+        if settling is not None and not settling[1].done():
+            settling[1].set_exception(ExpertServiceError(error.code, error.message, settling[0]))
         pending, self._pending = self._pending, deque()
         for request_id, future, _ in pending:
             if not future.done():

@@ -49,6 +49,15 @@ _NUMPY: dict[torch.dtype, np.dtype] = {
 }
 
 
+MAX_NDIM = 32
+"""Most dimensions a Tensor may have (numpy's limit before 2.0)."""
+MAX_SHAPE_BYTES = 2**62
+"""Largest byte size a Tensor's shape may claim, with each 0 among its dims counted as 1: numpy and torch refuse
+a shape by that size even when it holds no elements (numpy beyond 2**63 - 1 bytes, torch where the dims' product
+overflows int64), so a shape of no elements whose other dims are huge matches 0 bytes of data, yet no array can
+take it."""
+
+
 class CodecError(ValueError):
     """A Tensor message that cannot become a torch tensor (or the reverse); the message names the field."""
 
@@ -112,15 +121,25 @@ class WireTensor(NamedTuple):
         shape = tuple(msg.shape)
         if ndim is not None and len(shape) != ndim:
             raise CodecError(f"{name}: needs {ndim} dimensions, got shape {list(shape)}")
+        if len(shape) > MAX_NDIM:
+            raise CodecError(f"{name}: {len(shape)} dimensions; at most {MAX_NDIM}")
         numel = 1
+        span = 1  # the dims' product with each 0 counted as 1: what numpy and torch bound a shape by
         for s in shape:
             if s < 0:
                 raise CodecError(f"{name}: negative dimension in shape {list(shape)}")
             numel *= s
-        data = msg.data  # one Python bytes object per access: read it once
-        if len(data) != numel * _ITEMSIZE[dtype]:
+            span *= s or 1
+        itemsize = _ITEMSIZE[dtype]
+        if span * itemsize > MAX_SHAPE_BYTES:
             raise CodecError(
-                f"{name}: data holds {len(data)} bytes, but shape {list(shape)} of {dtype_name(dtype)} needs {numel * _ITEMSIZE[dtype]}"
+                f"{name}: shape {list(shape)} of {dtype_name(dtype)} is too large: over {MAX_SHAPE_BYTES} bytes "
+                "(each 0 among its dims counted as 1)"
+            )
+        data = msg.data  # one Python bytes object per access: read it once
+        if len(data) != numel * itemsize:
+            raise CodecError(
+                f"{name}: data holds {len(data)} bytes, but shape {list(shape)} of {dtype_name(dtype)} needs {numel * itemsize}"
             )
         return cls(dtype, shape, data)
 
@@ -225,13 +244,16 @@ def decode_tensor(
         ndim: required number of dimensions (any if None).
 
     Raises:
-        CodecError: naming ``name``: unknown or refused dtype, wrong rank, negative
-            dimension, or a data length that does not match shape and dtype.
+        CodecError: naming ``name``: unknown or refused dtype, wrong rank, more than :data:`MAX_NDIM`
+            dimensions, a negative dimension, a shape over :data:`MAX_SHAPE_BYTES` (each 0 among its dims
+            counted as 1: no array can take it), or a data length that does not match shape and dtype.
     """
     return WireTensor.from_message(msg, name=name, dtypes=dtypes, ndim=ndim).tensor()
 
 
 __all__ = [
+    "MAX_NDIM",
+    "MAX_SHAPE_BYTES",
     "PROTO_TO_TORCH",
     "TORCH_TO_PROTO",
     "CodecError",

@@ -7,14 +7,21 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import torch
 
 from lutb_client import AsyncExpertClient, ExpertClient, ExpertServiceError
+import lutb_client.client as client_module
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+from lutb_client.client import AsyncForwardStream, ForwardStream, parse_response
+from lutb_client.codec import encode_tensor
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_kernels.reference import reference_moe_forward
 from lutb_kernels.tiles import tiles_to_dense
@@ -286,3 +293,170 @@ def test_client_package_needs_no_server_dependencies() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+HUGE_EMPTY = pb.Tensor(dtype=pb.BFLOAT16, shape=[2**62, 2**62, 0], data=b"")
+"""A tensor of no elements whose other dims no array can take: no data matches its shape."""
+
+
+def test_a_malformed_output_shape_raises_expert_service_error() -> None:
+    """parse_response once let the RuntimeError of torch.empty escape on such an output, not ExpertServiceError."""
+    with pytest.raises(ExpertServiceError) as info:
+        parse_response(pb.ForwardResponse(request_id=5, output=HUGE_EMPTY))
+    assert info.value.code == grpc.StatusCode.INTERNAL and info.value.request_id == 5 and "output" in info.value.message
+
+
+def _answer(request: pb.ForwardRequest) -> pb.ForwardResponse:
+    """A good response of a fake server (a 1 x HIDDEN output), or one with :data:`HUGE_EMPTY` for layer 9."""
+    response = pb.ForwardResponse(request_id=request.request_id)
+    if request.layer == 9:
+        response.output.CopyFrom(HUGE_EMPTY)
+    else:
+        encode_tensor(torch.zeros(1, HIDDEN, dtype=torch.bfloat16), out=response.output)
+    return response
+
+
+class _FakeCall:
+    """A blocking ForwardStream call of a fake server: reads ``batch`` requests, answers them in order, and ends."""
+
+    def __init__(self, requests: Iterator[pb.ForwardRequest], batch: int) -> None:
+        self._requests, self._batch = requests, batch
+        self.cancelled = False
+
+    def __iter__(self) -> Iterator[pb.ForwardResponse]:
+        received = [next(self._requests) for _ in range(self._batch)]
+        for request in received:
+            yield _answer(request)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _FakeStub:
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.call: Any = None
+
+    def ForwardStream(self, requests: Any = None, timeout: float | None = None) -> Any:  # noqa: N802 - grpc's name
+        self.call = _FakeCall(requests, self.batch)
+        return self.call
+
+
+class _FakeAsyncCall:
+    """The asyncio form of :class:`_FakeCall`."""
+
+    def __init__(self, batch: int) -> None:
+        self._batch = batch
+        self._requests: asyncio.Queue[pb.ForwardRequest] = asyncio.Queue()
+        self._answers: list[pb.ForwardResponse] = []
+        self.cancelled = False
+
+    async def write(self, request: pb.ForwardRequest) -> None:
+        self._requests.put_nowait(request)
+
+    async def done_writing(self) -> None:
+        pass
+
+    async def read(self) -> Any:
+        if not self._answers:
+            self._answers = [_answer(await self._requests.get()) for _ in range(self._batch)]
+        return self._answers.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _FakeAsyncStub(_FakeStub):
+    def ForwardStream(self, requests: Any = None, timeout: float | None = None) -> Any:  # noqa: N802 - grpc's name
+        self.call = _FakeAsyncCall(self.batch)
+        return self.call
+
+
+def _one_token() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.zeros(1, HIDDEN, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+
+
+def _outcomes(futures: list[Future[Any]]) -> list[Any]:
+    """Each future's result or ExpertServiceError; a future not done in time fails the test (a dead reader)."""
+    outcomes = []
+    for future in futures:
+        try:
+            outcomes.append(future.result(timeout=10))
+        except ExpertServiceError as err:
+            outcomes.append(err)
+        except FutureTimeoutError:
+            pytest.fail("a stream future never completed: the stream's reader died")
+    return outcomes
+
+
+def test_a_malformed_output_fails_only_its_stream_future() -> None:
+    """The blocking stream's reader once died on such an output (a RuntimeError): every later future hung."""
+    stub = _FakeStub(batch=3)
+    stream = ForwardStream(stub, timeout=None, max_in_flight=4, ids=iter(range(1, 100)))
+    futures = [stream.submit(layer, *_one_token()) for layer in (0, 9, 0)]
+    outcomes = _outcomes(futures)
+    assert isinstance(outcomes[1], ExpertServiceError) and outcomes[1].code == grpc.StatusCode.INTERNAL
+    assert "output" in outcomes[1].message and outcomes[1].request_id == 2
+    assert outcomes[0].shape == outcomes[2].shape == (1, HIDDEN)
+
+
+@pytest.fixture
+def settling_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settling a response raises what no stream expects (a client bug)."""
+    def boom(response: pb.ForwardResponse) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(client_module, "parse_response", boom)
+
+
+def _assert_failed_alike(outcomes: list[Any], ids: list[int]) -> None:
+    assert [type(o) for o in outcomes] == [ExpertServiceError] * len(ids)
+    assert [o.request_id for o in outcomes] == ids
+    for outcome in outcomes:
+        assert outcome.code == grpc.StatusCode.INTERNAL and "RuntimeError: boom" in outcome.message
+
+
+def test_a_failure_settling_a_response_fails_the_sync_stream_not_hangs_it(settling_fails: None) -> None:
+    """An unexpected exception in the blocking stream's reader fails that future and the pending ones with
+    ExpertServiceError (the call cancelled), where the reader thread once died and left them all pending."""
+    stub = _FakeStub(batch=3)
+    stream = ForwardStream(stub, timeout=None, max_in_flight=4, ids=iter(range(1, 100)))
+    futures = [stream.submit(0, *_one_token()) for _ in range(3)]
+    _assert_failed_alike(_outcomes(futures), [1, 2, 3])
+    assert stub.call.cancelled and stream.broken
+    with pytest.raises(ExpertServiceError):
+        stream.submit(0, *_one_token())
+    stream.close(timeout=10)
+
+
+def test_a_failure_settling_a_response_fails_the_async_stream_not_hangs_it(settling_fails: None) -> None:
+    async def body() -> None:
+        stub = _FakeAsyncStub(batch=3)
+        stream = AsyncForwardStream(stub, timeout=None, max_in_flight=4, ids=iter(range(1, 100)))
+        futures = [await stream.submit(0, *_one_token()) for _ in range(3)]
+        outcomes = []
+        for future in futures:  # awaited one by one: a hang is a timeout, not the whole test's
+            try:
+                outcomes.append(await asyncio.wait_for(future, 10))
+            except ExpertServiceError as err:
+                outcomes.append(err)
+            except asyncio.TimeoutError:
+                pytest.fail("a stream future never completed: the stream's reader died")
+        _assert_failed_alike(outcomes, [1, 2, 3])
+        assert stub.call.cancelled and stream.broken
+        with pytest.raises(ExpertServiceError):
+            await stream.submit(0, *_one_token())
+        await asyncio.wait_for(stream.close(), 10)
+
+    asyncio.run(body())
+
+
+def test_a_stream_future_its_owner_cancelled_leaves_the_others_answered() -> None:
+    """Settling a future its owner had cancelled raised InvalidStateError in the blocking stream's reader (once
+    a dead reader, now an unexpected exception): the reader skips it and answers the rest."""
+    stub = _FakeStub(batch=2)
+    stream = ForwardStream(stub, timeout=None, max_in_flight=4, ids=iter(range(1, 100)))
+    first = stream.submit(0, *_one_token())
+    assert first.cancel()
+    second = stream.submit(0, *_one_token())
+    assert second.result(timeout=10).shape == (1, HIDDEN) and first.cancelled()

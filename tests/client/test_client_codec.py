@@ -107,3 +107,30 @@ def test_refusals_name_the_field(msg: pb.Tensor, kwargs: dict, words: list[str])
 def test_encode_refuses_dtype_without_wire_type() -> None:
     with pytest.raises(CodecError, match="complex64"):
         encode_tensor(torch.zeros(2, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize(
+    ("shape", "words"),
+    [
+        ([2**62, 2**62, 0], ["x", "too large"]),  # no elements, so 0 bytes of data match it: torch / numpy then refused it
+        ([0, 2**62], ["x", "too large"]),  # 2**62 bfloat16 elements would take 2**63 bytes, over numpy's limit
+        ([2**61, 4, 0], ["x", "too large"]),
+        ([0] * 33, ["x", "33 dimensions"]),
+    ],
+)
+def test_shapes_no_array_can_take_are_refused(shape: list[int], words: list[str]) -> None:
+    """A shape is checked for what numpy and torch can hold, not only against the data's length: with a zero
+    among the dims any other dims matched no data, and decoding or viewing then raised RuntimeError / ValueError
+    instead of the documented CodecError."""
+    msg = pb.Tensor(dtype=pb.BFLOAT16, shape=shape, data=b"")
+    for decode in (lambda: decode_tensor(msg, name="x"), lambda: WireTensor.from_message(msg, name="x").numpy()):
+        with pytest.raises(CodecError) as info:
+            decode()
+        for word in words:
+            assert word in str(info.value)
+
+
+@pytest.mark.parametrize("shape", [[2**30, 2**31, 0], [0] * 32, [1, 0, 2**61 - 1]])
+def test_empty_shapes_within_the_limits_decode(shape: list[int]) -> None:
+    msg = pb.Tensor(dtype=pb.BFLOAT16, shape=shape, data=b"")
+    assert decode_tensor(msg).shape == tuple(shape) and WireTensor.from_message(msg).numpy().shape == tuple(shape)
