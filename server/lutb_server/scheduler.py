@@ -119,7 +119,7 @@ class _Running:
 
 WORKER_CLOSE_TIMEOUT_S = 30.0
 """How long :meth:`BatchScheduler.close` lets the worker finish: a thread worker's last batch, or a compute process
-that has to exit (terminated after this, so that a stuck child cannot hold the server's shutdown forever)."""
+that has to exit (killed after this, so that a stuck child cannot hold the server's shutdown forever)."""
 
 
 class BatchScheduler:

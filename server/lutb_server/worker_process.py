@@ -63,12 +63,14 @@ import itertools
 import logging
 import math
 import multiprocessing as mp
+import multiprocessing.util
 import pickle
 import select
 import signal
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -312,7 +314,11 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
     one batch at a time, so that one front end's bad batch fails only its own. The child exits
     when every serving process has said stop or closed its socket.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the serving processes drain first
+    # Ctrl-C (SIGINT) and a SIGTERM to the whole process group (systemd's KillMode=control-group, `kill -- -PGID`, a
+    # shell job) reach this process too: the serving processes drain first, and it exits when the last of them has
+    # said stop or closed its socket (ProcessComputeWorker.close kills it if that does not come in time).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [compute]: %(message)s")
     connections = [_Connection(sock) for sock in socks]
     try:
@@ -536,6 +542,10 @@ def spawn_compute_process(spec: WorkerSpec, connections: int = 1) -> tuple[BaseP
     Returns the process and the serving processes' ends of the sockets, one per front end; each
     goes to one :class:`ProcessComputeWorker` (``connection=``), in this or another process
     (a spawned process inherits a socket passed in its arguments).
+
+    The child ignores SIGTERM, so this process's exit no longer ends it through multiprocessing's ``terminate()`` of
+    daemonic children (after which it joins them, for ever while this process still holds a socket to the child): a
+    child still running when this process exits without having closed its worker is killed first.
     """
     if connections < 1:
         raise ValueError(f"connections must be >= 1, got {connections}")
@@ -547,7 +557,20 @@ def spawn_compute_process(spec: WorkerSpec, connections: int = 1) -> tuple[BaseP
     finally:
         for _, theirs in pairs:
             theirs.close()
+    # exitpriority >= 0: run at exit before multiprocessing terminates (a no-op here) and joins its children
+    multiprocessing.util.Finalize(None, _kill_at_exit, args=(weakref.ref(process),), exitpriority=0)
     return process, [ours for ours, _ in pairs]
+
+
+def _kill_at_exit(ref: weakref.ref[BaseProcess]) -> None:
+    """At exit of the process that spawned it: kill the compute process if it still runs (nobody closed its worker;
+    it ignores the SIGTERM that multiprocessing would send it and would keep this process's exit waiting for it)."""
+    process = ref()
+    if process is None or process.exitcode is not None:
+        return
+    log.warning("compute process %d still running at exit (its worker was not closed); killing it", process.pid)
+    process.kill()
+    process.join(5)
 
 
 class ProcessComputeWorker:
@@ -643,8 +666,8 @@ class ProcessComputeWorker:
             if arena is not None:
                 arena.close()
             if process is not None:
-                if closed:
-                    process.terminate()
+                if closed:  # it was loading (it ignores SIGTERM): nothing of it to keep
+                    process.kill()
                 process.join(5)
             if closed:
                 raise ComputeWorkerGone("the compute worker is closed (it was closed before or while it started)")
@@ -718,9 +741,10 @@ class ProcessComputeWorker:
     def close(self, timeout: float | None = None) -> None:
         """Let the child finish this worker's queued batches and disconnect; where this process
         started the child, wait for it to exit (it does once every front end has disconnected;
-        terminated after ``timeout`` seconds). While :meth:`start` still waits for the child on another thread (a
-        server stopped while loading), this ends that wait at once: ``start`` raises :class:`ComputeWorkerGone` and
-        the child it spawned is terminated. A closed worker does not start again.
+        killed (SIGKILL) after ``timeout`` seconds: it ignores SIGTERM, see :func:`_child_main`). While :meth:`start`
+        still waits for the child on another thread (a server stopped while loading), this ends that wait at once:
+        ``start`` raises :class:`ComputeWorkerGone` and the child it spawned is killed. A closed worker does not start
+        again.
 
         Blocking: call it off the I/O loop.
         """
@@ -734,7 +758,7 @@ class ProcessComputeWorker:
                 except OSError:
                     pass
                 if self._process is not None:
-                    self._process.terminate()  # it was loading; start() reaps it
+                    self._process.kill()  # it was loading (it ignores SIGTERM); start() reaps it
             return
         assert self._loop is not None
         if not self._loop.is_closed():
@@ -742,8 +766,8 @@ class ProcessComputeWorker:
         if self._process is not None:
             self._process.join(timeout)
             if self._process.is_alive():
-                log.warning("compute process %d did not stop within %ss; terminating it", self._process.pid, timeout)
-                self._process.terminate()
+                log.warning("compute process %d did not stop within %ss; killing it", self._process.pid, timeout)
+                self._process.kill()  # it ignores SIGTERM
                 self._process.join(5)
         else:  # a shared child: our answers come before it reads the stop
             end = time.monotonic() + (timeout if timeout is not None else 60.0)

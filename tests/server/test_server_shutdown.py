@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -18,33 +17,36 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lutb_client import ExpertClient, ExpertServiceError
-from lutb_server.testing import free_port
+from lutb_server.testing import SLEEP_EXPERTS_ENV, free_port
 
 SERVE = "import sys; from lutb_server.cli import main; sys.exit(main(sys.argv[1:]))"
 GRACE_S = 8
 
 
-def _start(args: list[str], env: dict | None = None) -> subprocess.Popen:
+def _start(args: list[str], env: dict | None = None, *, new_session: bool = False) -> subprocess.Popen:
+    """``lutb serve ARGS``; ``new_session``: in a session (and process group) of its own, as a service manager starts it."""
     return subprocess.Popen(
         [sys.executable, "-c", SERVE, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {})}, start_new_session=new_session,
     )
 
 
 def _wait_listening(proc: subprocess.Popen, timeout: float = 90) -> list[str]:
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    seen, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.5)
-        except queue.Empty:
-            if proc.poll() is not None:
-                break
-            continue
-        seen.append(line)
-        if "listening on" in line:
-            return seen
+    """Wait for the ``listening on`` line; returns the output's lines, to which a thread adds the server's later lines
+    as they come."""
+    seen: list[str] = []
+    listening = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            seen.append(line)
+            if "listening on" in line:
+                listening.set()
+        listening.set()  # its output closed
+
+    threading.Thread(target=read, daemon=True).start()
+    if listening.wait(timeout) and any("listening on" in line for line in seen):
+        return seen
     proc.kill()
     pytest.fail("server did not start:\n" + "".join(seen))
 
@@ -105,6 +107,51 @@ def test_sigterm_drains_in_flight_calls(tiny_checkpoint: Path) -> None:
         assert isinstance(outcome, ExpertServiceError) and outcome.code == grpc.StatusCode.UNAVAILABLE, outcome
     SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     assert statuses[-2:] == [SERVING, NOT_SERVING], statuses
+
+
+@pytest.mark.parametrize("group", [True, False], ids=["process group", "server alone"])
+def test_sigterm_drains_a_call_in_flight_on_the_compute_process(tiny_checkpoint: Path, group: bool) -> None:
+    """``--compute-worker process``, a 1 s experts call in flight, then SIGTERM: to the server's whole process group
+    (systemd's KillMode=control-group, ``kill -- -PGID``, a shell job: the compute process gets it too and must not
+    die of it) or to the server alone (Kubernetes signals the container's PID 1). Either way the call finishes, the
+    compute process leaves when the server closes it, and the server exits 0."""
+    port = free_port()
+    proc = _start(["--checkpoint", str(tiny_checkpoint), "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
+                   "--compute-worker", "process", "--backend", "lutb_server.testing:SleepExperts", "--no-validate-checkpoint",
+                   "--shutdown-grace-s", str(GRACE_S)], env={SLEEP_EXPERTS_ENV: "1000000,0"}, new_session=True)
+    try:
+        lines = _wait_listening(proc)
+        x = torch.randn(3, 128).to(torch.bfloat16)
+
+        def call() -> object:
+            try:
+                with ExpertClient(f"127.0.0.1:{port}", retries=0, timeout=30) as client:
+                    return client.forward(0, x, torch.zeros(3, 2, dtype=torch.int32), torch.full((3, 2), 0.5))
+            except ExpertServiceError as exc:
+                return exc
+
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(call)
+            time.sleep(0.4)  # the 1 s call is running in the compute process
+            if group:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
+            outcome = in_flight.result(30)
+        code = proc.wait(GRACE_S + 10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    done = "[compute]: done: 1 experts call(s)"  # it ran the call and left on the stop message
+    deadline = time.monotonic() + 10
+    while not any(done in line for line in lines) and time.monotonic() < deadline:  # the reader catches up
+        time.sleep(0.05)
+    log = "".join(lines)
+    # with SIGTERM at its default in the compute process: UNAVAILABLE (the compute process is gone, exit code -15)
+    assert isinstance(outcome, torch.Tensor) and outcome.shape == (3, 128), f"{outcome!r}\n{log[-2000:]}"
+    assert code == 0, log[-2000:]
+    assert done in log, log[-2000:]
 
 
 def test_forcing_an_unavailable_backend_exits_with_a_reason(tiny_checkpoint: Path) -> None:

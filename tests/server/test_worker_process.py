@@ -26,7 +26,7 @@ from lutb_kernels.experts import ReferenceExperts
 from lutb_server.backends import choose_backend, resolve_device
 from lutb_server.engine import ExpertEngine, PreparedRequest
 from lutb_server.errors import to_status
-from lutb_server.testing import ServerThread, ServeProcess
+from lutb_server.testing import SLEEP_EXPERTS_ENV, ServerThread, ServeProcess
 from lutb_server.worker import ComputeWorker
 from lutb_server.shared_arena import arena_supported
 from lutb_server.worker_process import DEFAULT_ARENA_BYTES, ComputeWorkerGone, ProcessComputeWorker, WorkerSpec, spawn_compute_process
@@ -746,6 +746,122 @@ def test_close_while_start_waits_for_the_child_ends_the_wait() -> None:
             worker.start()  # closed: it does not start again
     finally:
         theirs.close()
+
+
+def _sleeping_worker(checkpoint: Path, monkeypatch: pytest.MonkeyPatch, seconds: float) -> ProcessComputeWorker:
+    """A started compute process whose every experts call takes ``seconds`` (``SleepExperts``, GIL released)."""
+    monkeypatch.setenv(SLEEP_EXPERTS_ENV, f"{seconds * 1e6:.0f},0")  # the spawned child reads it when it builds a layer
+    spec = WorkerSpec(str(checkpoint), "lutb_server.testing:SleepExperts", "cpu", validate_tiles=False)
+    return ProcessComputeWorker(spec).start()
+
+
+def _one_request(tokens: int = 3) -> PreparedRequest:
+    return PreparedRequest(0, torch.randn(tokens, 128).to(torch.bfloat16), torch.zeros(tokens, 2, dtype=torch.int32),
+                           torch.full((tokens, 2), 0.5), False, "combined")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_batch_in_flight_survives_a_signal_to_the_process_group(sig: int, tiny_checkpoint: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C, or a SIGTERM to the server's whole process group (systemd's KillMode=control-group, ``kill -- -PGID``,
+    a shell job), reaches the compute process too: it ignores both and finishes the batch, the serving processes drain
+    and close it (docs/serving.md: SIGTERM drains all front ends, then stops the compute process)."""
+    worker = _sleeping_worker(tiny_checkpoint, monkeypatch, 1.0)
+    try:
+        in_flight = worker.submit([_one_request()])
+        time.sleep(0.3)  # the call is running in the child
+        os.kill(worker._process.pid, sig)
+        out = in_flight.result(10)  # with SIGTERM at its default: ComputeWorkerGone (exit code -15)
+        assert [tuple(o.shape) for o in out.outputs] == [(3, 128)]
+        assert worker._process.is_alive()
+    finally:
+        worker.close(10)
+    assert worker._process.exitcode == 0  # it left on the stop message, not on the signal
+
+
+def test_close_kills_a_child_that_does_not_stop_in_time(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child ignores SIGTERM, so a compute process still busy (or wedged) when ``close(timeout)`` runs out is
+    killed (SIGKILL): a stuck child cannot hold the server's shutdown for ever."""
+    worker = _sleeping_worker(tiny_checkpoint, monkeypatch, 30.0)
+    in_flight = worker.submit([_one_request()])
+    time.sleep(0.3)  # the 30 s call is running in the child
+    began = time.monotonic()
+    worker.close(0.5)
+    assert time.monotonic() - began < 5
+    assert worker._process.exitcode == -signal.SIGKILL
+    with pytest.raises(ComputeWorkerGone):
+        in_flight.result(0)
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    """Whether ``pid`` has SIGTERM set to SIG_IGN (Linux: the SigIgn mask of /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(re.search(r"^SigIgn:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+def test_close_while_the_child_loads_kills_it(tmp_path: Path) -> None:
+    """A server stopped while its compute process loads: the child, which ignores SIGTERM, is killed, and ``start()``
+    raises ComputeWorkerGone at once instead of waiting for a load that may take minutes."""
+    import threading
+
+    stuck = tmp_path / "stuck"
+    stuck.mkdir()
+    os.mkfifo(stuck / "a.safetensors")  # opening it blocks until a writer comes: a load that never ends
+    worker = ProcessComputeWorker(WorkerSpec(str(stuck), "reference", "cpu"))
+    outcome: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            worker.start()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - examined below
+            outcome.append(exc)
+
+    starting = threading.Thread(target=start, daemon=True)
+    starting.start()
+    try:
+        deadline = time.monotonic() + 30
+        while worker._process is None or not _ignores_sigterm(worker._process.pid):  # in _child_main, loading
+            assert time.monotonic() < deadline and starting.is_alive(), f"the child did not start loading: {outcome}"
+            time.sleep(0.05)
+        began = time.monotonic()
+        worker.close(10)
+        starting.join(10)
+        took = time.monotonic() - began
+    finally:  # a failed test leaves no child stuck on the FIFO
+        if worker._process is not None and worker._process.exitcode is None:
+            worker._process.kill()
+        starting.join(10)
+    assert not starting.is_alive() and took < 5
+    assert len(outcome) == 1 and isinstance(outcome[0], ComputeWorkerGone), outcome
+    assert worker._process.exitcode == -signal.SIGKILL
+
+
+def test_an_unclosed_compute_process_does_not_hold_up_its_parents_exit(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """A script that exits without closing its worker: multiprocessing's SIGTERM to its daemonic children no longer
+    ends the compute process, and its join at exit would wait for ever (this process still holds the socket the
+    child waits on); the child is killed at exit instead."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from lutb_server.worker_process import ProcessComputeWorker, WorkerSpec\n"
+        "if __name__ == '__main__':\n"
+        "    worker = ProcessComputeWorker(WorkerSpec(sys.argv[1], 'reference', 'cpu', validate_tiles=False)).start()\n"
+        "    print(worker._process.pid, flush=True)\n"
+    )
+    path = tmp_path / "exits_without_close.py"  # a file: spawn re-imports the parent's __main__ in the child
+    path.write_text(script)
+    done = subprocess.run([sys.executable, str(path), str(tiny_checkpoint)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    child = int(done.stdout.split()[0])
+    assert not _alive(child) and "still running at exit" in done.stderr
 
 
 def test_a_serving_process_gone_during_the_handshake_leaves_nothing_page_locked() -> None:
