@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import operator
 import queue
 import random
 import threading
@@ -68,13 +69,23 @@ def build_request(
     """Encode one forward request (tensors on any device; ``output_mode`` "combined" or "route_major").
 
     ``hidden_scales``: uint8 ``[T, H/32]`` E8M0 scales when ``hidden_states`` is float8_e4m3fn (MXFP8 input).
+
+    Raises:
+        ExpertServiceError: INVALID_ARGUMENT, the message starting with the argument's name: ``layer`` not an
+            integer in int32's range, ``request_id`` not one in uint64's, an ``apply_router_weight_on_input``
+            protobuf cannot take as a bool, an unknown ``output_mode``, or a tensor the codec refuses.
     """
     if output_mode not in _OUTPUT_MODES:
         raise ExpertServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"output_mode: {output_mode!r} is not combined or route_major")
-    request = pb.ForwardRequest(
-        request_id=request_id, layer=layer, apply_router_weight_on_input=apply_router_weight_on_input,
-        output_mode=_OUTPUT_MODES[output_mode],
-    )
+    request_id = _check_integer("request_id", request_id, 0, 2**64 - 1)  # the message's field types: uint64
+    layer = _check_integer("layer", layer, -(2**31), 2**31 - 1)  # int32
+    try:
+        request = pb.ForwardRequest(
+            request_id=request_id, layer=layer, apply_router_weight_on_input=apply_router_weight_on_input,
+            output_mode=_OUTPUT_MODES[output_mode],
+        )
+    except (TypeError, ValueError) as exc:  # the one field left unchecked: protobuf's own rule for a bool
+        raise ExpertServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"apply_router_weight_on_input: {exc}", request_id) from None
     try:
         encode_tensor(hidden_states, out=request.hidden_states)
         encode_tensor(topk_ids, out=request.topk_ids)
@@ -84,6 +95,24 @@ def build_request(
     except CodecError as exc:
         raise ExpertServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), request_id) from None
     return request
+
+
+def _check_integer(name: str, value: Any, low: int, high: int) -> int:
+    """``value`` as an int if it is an integer (``operator.index``; not a bool) in ``[low, high]``.
+
+    Raises:
+        ExpertServiceError: INVALID_ARGUMENT naming ``name`` otherwise (protobuf would raise its own ValueError or
+            TypeError, or take None for 0).
+    """
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if low <= number <= high:
+                return number
+    raise ExpertServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {value!r} is not an integer in [{low}, {high}]")
 
 
 def parse_response(response: pb.ForwardResponse) -> ForwardResult:
@@ -176,6 +205,21 @@ def _check_timeout(timeout: float) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     return float(timeout)
+
+
+def _call_timeout(timeout: Any) -> float | None:
+    """A per-call ``timeout`` by the constructor's rule (:func:`_check_timeout`); None stays None (the client's
+    default deadline, or no deadline for a stream).
+
+    Raises:
+        ExpertServiceError: INVALID_ARGUMENT naming ``timeout``: not a positive finite number of seconds.
+    """
+    if timeout is None:
+        return None
+    try:
+        return _check_timeout(timeout)
+    except ValueError as exc:
+        raise ExpertServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 def _closed_error() -> ExpertServiceError:
@@ -286,8 +330,10 @@ class ExpertClient(_Connections):
         each connection reached (all 0 where the server has one).
 
         Raises:
-            ExpertServiceError: the server did not answer within ``timeout`` (default: the client's).
+            ExpertServiceError: the server did not answer within ``timeout`` (default: the client's); a
+                ``timeout`` not a positive finite number of seconds (INVALID_ARGUMENT).
         """
+        timeout = _call_timeout(timeout)
         if self._closed:
             raise _closed_error()
         try:
@@ -299,6 +345,7 @@ class ExpertClient(_Connections):
 
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         """The server's ``ModelInfo`` (sizes, layers and experts held, dtype, backend, content hash)."""
+        timeout = _call_timeout(timeout)
         info = self._call(lambda t: self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, wait_for_ready=True), timeout)
         self._wire.learn(info)
         return info
@@ -321,6 +368,7 @@ class ExpertClient(_Connections):
         timeout: float | None = None,
     ) -> ForwardResult:
         """:meth:`forward`, also returning the server's timing."""
+        timeout = _call_timeout(timeout)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)  # the wire's first model info too
         hidden_states, scales = self._hidden(hidden_states, timeout)
         request = build_request(
@@ -348,12 +396,15 @@ class ExpertClient(_Connections):
             topk_ids: int32/int64 ``[T, k]`` global expert ids.
             topk_weights: float32 ``[T, k]``.
             output_mode: ``"combined"`` -> ``[T, H]``; ``"route_major"`` -> ``[T, k, H]``.
+            timeout: this call's deadline in seconds (None: the client's), by the constructor's rule.
 
         Returns:
             The output in the model dtype, on the CPU.
 
         Raises:
-            ExpertServiceError: the call failed (``.code``, ``.message``).
+            ExpertServiceError: the call failed (``.code``, ``.message``); bad arguments (``layer`` outside int32,
+                a ``timeout`` not a positive finite number, a refused tensor) fail with INVALID_ARGUMENT, naming
+                the argument, before the request is sent.
         """
         return self.forward_detailed(
             layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
@@ -361,8 +412,12 @@ class ExpertClient(_Connections):
         ).output
 
     def stream(self, *, timeout: float | None = None, max_in_flight: int = 64) -> ForwardStream:
-        """Open a :class:`ForwardStream` session (``timeout`` bounds the whole stream; None: no deadline)."""
-        return ForwardStream(self._stub, timeout=timeout, max_in_flight=max_in_flight, ids=self._ids, hidden=self._hidden)
+        """Open a :class:`ForwardStream` session (``timeout`` bounds the whole stream; None: no deadline).
+
+        Raises:
+            ExpertServiceError: INVALID_ARGUMENT: a ``timeout`` neither None nor a positive finite number of seconds.
+        """
+        return ForwardStream(self._stub, timeout=_call_timeout(timeout), max_in_flight=max_in_flight, ids=self._ids, hidden=self._hidden)
 
 
 _CLOSE = object()
@@ -572,6 +627,7 @@ class AsyncExpertClient(_Connections):
 
     async def spread_connections(self, *, timeout: float | None = None) -> list[int]:
         """:meth:`ExpertClient.spread_connections`."""
+        timeout = _call_timeout(timeout)
         if self._closed:
             raise _closed_error()
         try:
@@ -583,6 +639,7 @@ class AsyncExpertClient(_Connections):
 
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         """The server's ``ModelInfo``."""
+        timeout = _call_timeout(timeout)
         info = await self._call(lambda t: self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, wait_for_ready=True), timeout)
         self._wire.learn(info)
         return info
@@ -605,6 +662,7 @@ class AsyncExpertClient(_Connections):
         timeout: float | None = None,
     ) -> ForwardResult:
         """:meth:`forward`, also returning the server's timing."""
+        timeout = _call_timeout(timeout)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)  # the wire's first model info too
         hidden_states, scales = await self._hidden(hidden_states, timeout)
         request = build_request(
@@ -633,8 +691,9 @@ class AsyncExpertClient(_Connections):
         return result.output
 
     def stream(self, *, timeout: float | None = None, max_in_flight: int = 64) -> AsyncForwardStream:
-        """Open an :class:`AsyncForwardStream` (``async with client.stream() as s: await s.forward(...)``)."""
-        return AsyncForwardStream(self._stub, timeout=timeout, max_in_flight=max_in_flight, ids=self._ids, hidden=self._hidden)
+        """Open an :class:`AsyncForwardStream` (``async with client.stream() as s: await s.forward(...)``); ``timeout``
+        as for :meth:`ExpertClient.stream`."""
+        return AsyncForwardStream(self._stub, timeout=_call_timeout(timeout), max_in_flight=max_in_flight, ids=self._ids, hidden=self._hidden)
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

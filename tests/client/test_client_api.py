@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
 from lutb_client import AsyncExpertClient, ExpertClient, ExpertServiceError
 import lutb_client.client as client_module
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
-from lutb_client.client import AsyncForwardStream, ForwardStream, parse_response
+from lutb_client.client import AsyncForwardStream, ForwardStream, build_request, parse_response
 from lutb_client.codec import encode_tensor
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_kernels.reference import reference_moe_forward
@@ -460,3 +461,78 @@ def test_a_stream_future_its_owner_cancelled_leaves_the_others_answered() -> Non
     assert first.cancel()
     second = stream.submit(0, *_one_token())
     assert second.result(timeout=10).shape == (1, HIDDEN) and first.cancelled()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "word"),
+    [
+        ({"layer": 2**31}, "layer"),  # int32: protobuf's ValueError("Value out of range") once escaped
+        ({"layer": -(2**31) - 1}, "layer"),
+        ({"layer": 1.0}, "layer"),  # protobuf's TypeError
+        ({"layer": True}, "layer"),
+        ({"layer": None}, "layer"),  # protobuf took it for layer 0
+        ({"request_id": -1}, "request_id"),  # uint64
+        ({"request_id": 2**64}, "request_id"),
+        ({"apply_router_weight_on_input": "yes"}, "apply_router_weight_on_input"),
+    ],
+)
+def test_build_request_refuses_bad_scalars_with_the_clients_error(arguments: dict, word: str) -> None:
+    layer = arguments.pop("layer", 0)
+    with pytest.raises(ExpertServiceError) as info:
+        build_request(layer, *_one_token(), **arguments)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.message.startswith(f"{word}: ")
+
+
+def test_build_request_takes_every_integer_in_range() -> None:
+    for layer in (2**31 - 1, -(2**31), np.int64(3), torch.tensor(3)):
+        assert build_request(layer, *_one_token(), request_id=2**64 - 1).layer == int(layer)
+
+
+def test_a_layer_out_of_range_raises_the_clients_error_before_any_call() -> None:
+    """Refused before the call: no server needed (a channel connects lazily)."""
+    async def refused() -> ExpertServiceError:
+        async with AsyncExpertClient("127.0.0.1:1", timeout=1, retries=0) as aclient:
+            with pytest.raises(ExpertServiceError) as ainfo:
+                await aclient.forward(2**31, *_one_token())
+        return ainfo.value
+
+    with ExpertClient("127.0.0.1:1", timeout=1, retries=0) as client, pytest.raises(ExpertServiceError) as info:
+        client.forward(-(2**31) - 1, *_one_token())
+    for error in (info.value, asyncio.run(refused())):
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "layer" in error.message
+
+
+BAD_TIMEOUTS = [0, -1.0, float("inf"), float("nan"), "5", True]
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS)
+def test_a_bad_per_call_timeout_raises_the_clients_error(timeout: object) -> None:
+    """Per-call timeouts follow the constructor's rule (a positive finite number of seconds; None: the client's,
+    or a stream's none) and fail with INVALID_ARGUMENT naming ``timeout``, where they once raised TypeError or
+    reached grpc as they were. No server is needed: the argument is refused before any call."""
+    def refused(call: Any) -> None:
+        with pytest.raises(ExpertServiceError) as info:
+            call()
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "timeout" in info.value.message
+
+    with ExpertClient("127.0.0.1:1", timeout=1, retries=0) as client:
+        refused(lambda: client.forward(0, *_one_token(), timeout=timeout))
+        refused(lambda: client.forward_detailed(0, *_one_token(), timeout=timeout))
+        refused(lambda: client.model_info(timeout=timeout))
+        refused(lambda: client.spread_connections(timeout=timeout))
+        refused(lambda: client.stream(timeout=timeout))
+
+    async def body() -> None:
+        async with AsyncExpertClient("127.0.0.1:1", timeout=1, retries=0) as aclient:
+            for call in (
+                lambda: aclient.forward(0, *_one_token(), timeout=timeout),
+                lambda: aclient.forward_detailed(0, *_one_token(), timeout=timeout),
+                lambda: aclient.model_info(timeout=timeout),
+                lambda: aclient.spread_connections(timeout=timeout),
+            ):
+                with pytest.raises(ExpertServiceError) as info:
+                    await call()
+                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "timeout" in info.value.message
+            refused(lambda: aclient.stream(timeout=timeout))
+
+    asyncio.run(body())
