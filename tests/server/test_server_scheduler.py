@@ -121,6 +121,42 @@ def test_expired_deadline_is_dropped_unrun() -> None:
     assert metrics.registry.get_sample_value("lutb_deadline_dropped_total", {"layer": "0"}) == 1
 
 
+def test_a_deadline_inside_the_pooling_wait_ends_it_on_an_idle_worker() -> None:
+    """A lone request on an idle worker whose deadline falls inside its wait for company (``max_wait_us``) is computed:
+    the wait ends POOLING_DEADLINE_MARGIN_S before the deadline, instead of holding the request until it expired and
+    then dropping it (DEADLINE_EXCEEDED, reported only after the whole wait)."""
+    engine = FakeEngine()
+
+    async def body(s):
+        start = time.monotonic()
+        result = await s.submit(_req(2, fill=1.0), deadline=start + 0.2)
+        return result, time.monotonic() - start
+
+    result, took = _run(_with_scheduler(engine, body, max_wait_us=2_000_000))  # a 2 s wait, a 200 ms deadline
+    assert [tokens for _, tokens, _, _ in engine.calls] == [2]
+    assert torch.equal(result.output, torch.full((2, H), 2.0))
+    assert 0.15 < took < 1.0  # it did wait for company, until shortly before its deadline
+
+
+def test_the_earliest_deadline_in_a_batch_ends_its_wait() -> None:
+    """The wait of the oldest request (no deadline of its own) ends before the deadline of a later request that joins
+    its batch, and both go in one call."""
+    engine = FakeEngine()
+
+    async def body(s):
+        start = time.monotonic()
+        head = asyncio.ensure_future(s.submit(_req(2)))
+        await asyncio.sleep(0.02)
+        joins = asyncio.ensure_future(s.submit(_req(3), deadline=start + 0.3))
+        results = await asyncio.gather(head, joins)
+        return results, time.monotonic() - start
+
+    (head, joins), took = _run(_with_scheduler(engine, body, max_wait_us=2_000_000))
+    assert head.batch_requests == joins.batch_requests == 2 and head.batch_tokens == 5
+    assert [tokens for _, tokens, _, _ in engine.calls] == [5]
+    assert 0.25 < took < 1.5  # the joiner's deadline ended the wait, not the 2 s
+
+
 def test_cancelled_caller_is_not_computed() -> None:
     gate = threading.Event()
     engine = FakeEngine(gate)

@@ -24,7 +24,7 @@ from lutb_kernels.experts.reference import ReferenceExperts
 from lutb_server.app import ExpertServer, load_engine, plan_engine
 from lutb_server.servicer import ExpertServicer, MalformedRequest, add_to_server
 from lutb_server.settings import ServerSettings
-from lutb_server.testing import ServerThread
+from lutb_server.testing import SLEEP_EXPERTS_ENV, ServerThread
 
 HIDDEN = 128
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -131,51 +131,75 @@ def test_queue_full_is_resource_exhausted(pooling_server: ServerThread) -> None:
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queue_requests" in info.value.message
 
 
-def test_expired_deadline_is_not_computed(pooling_server: ServerThread) -> None:
-    registry = pooling_server.server.metrics.registry
-
-    def tokens() -> float:
-        return registry.get_sample_value("lutb_tokens_processed_total", {"backend": "reference", "layer": "1"}) or 0.0
-
-    def count(name: str, **labels: str) -> float:
-        return registry.get_sample_value(name, labels) or 0.0
-
-    before = tokens()
-    before_counts = (count("lutb_forward_requests_total", rpc="Forward", code="DEADLINE_EXCEEDED"),
-                     count("lutb_deadline_dropped_total", layer="1"))
-    with ExpertClient(pooling_server.address, retries=0) as client:
-        with pytest.raises(ExpertServiceError) as info:
-            client.forward(1, *_batch(3, 2, seed=2), timeout=0.15)  # the batch window is 0.5 s
-        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        freed_by = time.monotonic() + 0.2  # the server's cancellation lands just after the client's deadline,
-        while pooling_server.server.scheduler.queue_depth and time.monotonic() < freed_by:
-            time.sleep(0.005)
-        assert pooling_server.server.scheduler.queue_depth == 0  # and frees its place long before the window ends
-        time.sleep(0.6)  # past the window: the dropped request would have run by now
-    assert tokens() == before
-    assert pooling_server.server.scheduler.queue_depth == 0
-    # the server counts it as a deadline, not as a cancellation by the caller
-    assert count("lutb_forward_requests_total", rpc="Forward", code="DEADLINE_EXCEEDED") == before_counts[0] + 1
-    assert count("lutb_deadline_dropped_total", layer="1") == before_counts[1] + 1
-    assert count("lutb_forward_requests_total", rpc="Forward", code="CANCELLED") == 0
+BUSY_CALL_S = 0.4
+"""Every experts call of :func:`_busy_server` takes this long (``SleepExperts``)."""
 
 
-def test_expert_load_counts_answered_requests_only(tiny_checkpoint: Path) -> None:
+def _busy_server(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, **settings: object) -> ServerThread:
+    """A server (not started) whose every experts call takes ``BUSY_CALL_S``: a request sent while one runs waits in
+    the queue (``max_wait_us`` = 0), where a short deadline passes. (A wait for company does not do it: the pooling
+    wait ends before the deadline of a request in the batch.)"""
+    monkeypatch.setenv(SLEEP_EXPERTS_ENV, f"{BUSY_CALL_S * 1e6:.0f},0")
+    return ServerThread(checkpoint=tiny_checkpoint, backend="lutb_server.testing:SleepExperts", max_wait_us=0,
+                        validate_checkpoint=False, **settings)
+
+
+def test_expired_deadline_is_not_computed(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with _busy_server(tiny_checkpoint, monkeypatch) as running:
+        registry = running.server.metrics.registry
+        backend = running.server.engine.backend.name
+
+        def tokens() -> float:
+            return registry.get_sample_value("lutb_tokens_processed_total", {"backend": backend, "layer": "1"}) or 0.0
+
+        def count(name: str, **labels: str) -> float:
+            return registry.get_sample_value(name, labels) or 0.0
+
+        with ExpertClient(running.address, retries=0) as busy_client, ExpertClient(running.address, retries=0) as client, \
+                ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(busy_client.forward, 0, *_batch(2, 2, seed=1))
+            started_by = time.monotonic() + 5
+            while not running.server.scheduler._running and time.monotonic() < started_by:
+                time.sleep(0.005)
+            with pytest.raises(ExpertServiceError) as info:
+                client.forward(1, *_batch(3, 2, seed=2), timeout=0.15)  # queued behind the 0.4 s call
+            assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            freed_by = time.monotonic() + 0.2  # the server's cancellation lands just after the client's deadline,
+            while running.server.scheduler.queue_depth and time.monotonic() < freed_by:
+                time.sleep(0.005)
+            assert running.server.scheduler.queue_depth == 0  # and frees its place before the worker is free
+            busy.result(10)
+            time.sleep(0.1)  # the worker is free: the dropped request would have gone to it by now
+        assert tokens() == 0
+        assert running.server.scheduler.queue_depth == 0
+        # the server counts it as a deadline, not as a cancellation by the caller
+        assert count("lutb_forward_requests_total", rpc="Forward", code="DEADLINE_EXCEEDED") == 1
+        assert count("lutb_deadline_dropped_total", layer="1") == 1
+        assert count("lutb_forward_requests_total", rpc="Forward", code="CANCELLED") == 0
+
+
+def test_expert_load_counts_answered_requests_only(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """lutb_expert_tokens_total feeds balanced sharding: a request that was refused (here: its deadline
     passed in the queue) must not count, or a client's retries would count twice."""
     x, ids, w = _batch(6, 2, seed=4)
-    with ServerThread(checkpoint=tiny_checkpoint, expert_metrics=True, max_wait_us=300_000) as running:
+    with _busy_server(tiny_checkpoint, monkeypatch, expert_metrics=True) as running:
         registry = running.server.metrics.registry
 
         def routed() -> float:
             return sum(registry.get_sample_value("lutb_expert_tokens_total", {"layer": "0", "expert": str(e)}) or 0.0
                        for e in range(8))
 
-        with ExpertClient(running.address, retries=0) as client:
+        with ExpertClient(running.address, retries=0) as busy_client, ExpertClient(running.address, retries=0) as client, \
+                ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(busy_client.forward, 1, *_batch(2, 2, seed=5))  # layer 1: not counted below
+            started_by = time.monotonic() + 5
+            while not running.server.scheduler._running and time.monotonic() < started_by:
+                time.sleep(0.005)
             with pytest.raises(ExpertServiceError) as info:
-                client.forward(0, x, ids, w, timeout=0.1)  # waits for company past its deadline
+                client.forward(0, x, ids, w, timeout=0.1)  # waits behind the 0.4 s call past its deadline
             assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             assert routed() == 0
+            busy.result(10)
             client.forward(0, x, ids, w)
         assert routed() == ids.numel()
 
