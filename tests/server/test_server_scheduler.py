@@ -301,7 +301,7 @@ def test_a_lone_request_goes_to_the_worker_without_a_dispatcher_task() -> None:
 
 
 def test_close_gives_the_worker_a_finite_time() -> None:
-    """The worker's close gets a timeout (a compute process that does not exit is terminated after it), so a stuck
+    """The worker's close gets a timeout (a compute process that does not exit is killed after it), so a stuck
     worker cannot hold the server's shutdown forever."""
     from lutb_server.scheduler import WORKER_CLOSE_TIMEOUT_S
 
