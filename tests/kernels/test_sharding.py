@@ -252,18 +252,8 @@ def test_shard_output_refuses_a_directory_holding_other_files(ckpt: Checkpoint, 
 
 
 def test_cli_shard_shows_progress_while_hashing_the_source(ckpt: Checkpoint, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                                            stderr_while_hashing: list[str]) -> None:
     """shards.json records the source's content hash, which reads every byte: that pass once showed nothing."""
-    during: list[str] = []
-    real = Checkpoint.content_hash
-
-    def spy(self: Checkpoint, *args: object, **kwargs: object) -> str:
-        capsys.readouterr()
-        result = real(self, *args, **kwargs)
-        during.append(capsys.readouterr().err)
-        return result
-
-    monkeypatch.setattr(Checkpoint, "content_hash", spy)
     assert main(["shard", str(ckpt.path), "--out", str(tmp_path / "ep"), "--shards", "2"]) == 0
+    during = stderr_while_hashing
     assert len(during) == 1 and "hash" in during[0] and "100%" in during[0]

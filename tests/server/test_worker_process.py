@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -497,7 +498,6 @@ def test_front_ends_are_handed_the_checkpoint_and_hash_of_front_end_0(tiny_check
     """Front ends k > 0 serve the path front end 0 resolved (here the demo checkpoint's stand-in: the settings name
     none) and take front end 0's hash of it: none of them reads the checkpoint's bytes again to hash them."""
     import socket
-    import threading
     from types import SimpleNamespace
 
     from lutb_server import front_ends
@@ -702,12 +702,25 @@ def test_the_next_batches_are_read_while_a_call_runs(monkeypatch: pytest.MonkeyP
     assert events == ["call 2", "read", "call 1", "read", "answer 3", "call 1", "read", "answer 4"]
 
 
+def _starting_thread(worker: ProcessComputeWorker, *, daemon: bool) -> tuple[threading.Thread, list[BaseException | None]]:
+    """A thread (not started) that runs ``worker.start()``, and the list that gets its outcome: None, or what it raised."""
+    outcome: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            worker.start()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - examined by the caller
+            outcome.append(exc)
+
+    return threading.Thread(target=start, daemon=daemon), outcome
+
+
 def test_close_while_start_waits_for_the_child_ends_the_wait() -> None:
     """A server stopped while its compute process loads (SIGTERM during start-up): ``close()`` from another thread
     ends ``start()``'s wait for "ready" at once (ComputeWorkerGone), the child sees its serving process go, and the
     worker does not start afterwards."""
     import socket
-    import threading
 
     from lutb_server import worker_process as wp
 
@@ -722,16 +735,7 @@ def test_close_while_start_waits_for_the_child_ends_the_wait() -> None:
     child = threading.Thread(target=slow_child, daemon=True)
     child.start()
     worker = wp.ProcessComputeWorker(wp.WorkerSpec("unused", "reference", "cpu"), connection=ours, arena_bytes=1 << 20)
-    outcome: list[BaseException | None] = []
-
-    def start() -> None:
-        try:
-            worker.start()
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - examined below
-            outcome.append(exc)
-
-    starting = threading.Thread(target=start)
+    starting, outcome = _starting_thread(worker, daemon=False)
     began = time.monotonic()
     starting.start()
     time.sleep(0.3)
@@ -807,22 +811,12 @@ def _ignores_sigterm(pid: int) -> bool:
 def test_close_while_the_child_loads_kills_it(tmp_path: Path) -> None:
     """A server stopped while its compute process loads: the child, which ignores SIGTERM, is killed, and ``start()``
     raises ComputeWorkerGone at once instead of waiting for a load that may take minutes."""
-    import threading
 
     stuck = tmp_path / "stuck"
     stuck.mkdir()
     os.mkfifo(stuck / "a.safetensors")  # opening it blocks until a writer comes: a load that never ends
     worker = ProcessComputeWorker(WorkerSpec(str(stuck), "reference", "cpu"))
-    outcome: list[BaseException | None] = []
-
-    def start() -> None:
-        try:
-            worker.start()
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - examined below
-            outcome.append(exc)
-
-    starting = threading.Thread(target=start, daemon=True)
+    starting, outcome = _starting_thread(worker, daemon=True)
     starting.start()
     try:
         deadline = time.monotonic() + 30
