@@ -73,6 +73,8 @@ from lutb_client.client import (
     WIRES,
     AsyncForwardStream,
     ForwardStream,
+    _call_timeout,
+    _check_timeout,
     build_request,
     channel_opener,
     parse_response,
@@ -650,7 +652,7 @@ class _ShardedCore:
         self._lanes_lock = threading.Lock()
         self._channels: list[list[Any]] = []  # per shard, per connection (made by the subclass)
         self._stubs: list[list[pb_grpc.ExpertServiceStub]] = []
-        self.timeout = timeout
+        self.timeout = _check_timeout(timeout)  # the plain clients' rule: a positive finite number of seconds
         self.attempt_timeout = attempt_timeout
         self.down_s = down_s
         self._lock = threading.Lock()
@@ -899,6 +901,8 @@ class ShardedExpertClient(_ShardedCore):
     Raises:
         ExpertServiceError: a shard did not answer ``GetModelInfo`` (its target named), or the
             shards do not serve one model (``FAILED_PRECONDITION``, naming the field).
+        ValueError: ``timeout`` not a positive finite number of seconds (as for
+            :class:`~lutb_client.ExpertClient`), or another bad argument, before any channel opens.
     """
 
     _stream_class: ClassVar[type] = ForwardStream
@@ -976,7 +980,13 @@ class ShardedExpertClient(_ShardedCore):
             self._answered(sub.shard, started, response)
 
     def refresh(self, *, timeout: float = 30.0) -> None:
-        """Ask every shard for its ``ModelInfo`` again (all in parallel) and rebuild the placement."""
+        """Ask every shard for its ``ModelInfo`` again (all in parallel) and rebuild the placement.
+
+        Raises:
+            ExpertServiceError: a shard did not answer (its target named); INVALID_ARGUMENT naming ``timeout``
+                when it is not a positive finite number of seconds (None: no deadline), before any call.
+        """
+        timeout = _call_timeout(timeout)
         futures = [stubs[0].GetModelInfo.future(pb.GetModelInfoRequest(), timeout=timeout, wait_for_ready=True)
                    for stubs in self._stubs]
         infos = []
@@ -1015,6 +1025,7 @@ class ShardedExpertClient(_ShardedCore):
         timeout: float | None = None,
     ) -> ShardedForwardResult:
         """:meth:`forward`, also returning the shards that computed it and the failover rounds."""
+        timeout = _call_timeout(timeout)  # before anything is sent: INVALID_ARGUMENT naming timeout
         self._check_open()
         call = _Call(self, layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input, output_mode)
         self._count_call()
@@ -1079,7 +1090,8 @@ class ShardedExpertClient(_ShardedCore):
         answers alone is bit-identical).
 
         Raises:
-            ExpertServiceError: bad input (``INVALID_ARGUMENT``), a layer or expert no shard
+            ExpertServiceError: bad input (``INVALID_ARGUMENT``; a ``timeout`` not None nor a positive
+                finite number of seconds, before any shard is called), a layer or expert no shard
                 holds (``NOT_FOUND``), every holder of a needed expert failed (``UNAVAILABLE``),
                 the deadline passed, or a shard's own error.
         """
@@ -1140,7 +1152,9 @@ class AsyncShardedExpertClient(_ShardedCore):
                     self._open_stubs()
 
     async def refresh(self, *, timeout: float = 30.0) -> None:
-        """Ask every shard for its ``ModelInfo`` again and rebuild the placement."""
+        """Ask every shard for its ``ModelInfo`` again and rebuild the placement (``timeout`` as for
+        :meth:`ShardedExpertClient.refresh`)."""
+        timeout = _call_timeout(timeout)
 
         async def one(target: str, stub: pb_grpc.ExpertServiceStub) -> pb.ModelInfo:
             try:
@@ -1214,6 +1228,7 @@ class AsyncShardedExpertClient(_ShardedCore):
         timeout: float | None = None,
     ) -> ShardedForwardResult:
         """As :meth:`ShardedExpertClient.forward_detailed`."""
+        timeout = _call_timeout(timeout)  # before connecting or sending: INVALID_ARGUMENT naming timeout
         self._check_open()
         await self.connect()
         call = _Call(self, layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input, output_mode)

@@ -477,3 +477,52 @@ def test_killing_a_replica_during_a_run_loses_no_call(cluster: Cluster) -> None:
     assert stats.by_target()[victim.address].down
     assert unary_client.stats().by_target()[victim.address].down
     print("failover stats:", stats)
+
+
+BAD_TIMEOUTS = [0, -1.0, float("inf"), float("nan"), "5", True]
+NOWHERE = ["127.0.0.1:1"]  # no server: every argument below is refused before a call (a channel connects lazily)
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS)
+def test_a_bad_constructor_timeout_is_refused_as_by_the_plain_clients(timeout: object) -> None:
+    """The sharded clients' ``timeout`` follows ExpertClient's rule (ValueError naming ``timeout``); a wrong type
+    once failed later in the deadline arithmetic, and inf, nan or 0 were kept as the default deadline."""
+    for client_class in (ShardedExpertClient, AsyncShardedExpertClient):
+        with pytest.raises(ValueError, match="timeout"):
+            client_class(NOWHERE, timeout=timeout, connect_timeout=0.5)
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS)
+def test_a_bad_per_call_timeout_raises_the_clients_error(timeout: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-call timeouts of the sharded clients (forward, forward_detailed, refresh) follow the plain clients' rule
+    and fail with INVALID_ARGUMENT naming ``timeout`` before any shard is called, where they once raised TypeError
+    or reached grpc as they were."""
+    def refused(call: object) -> None:
+        with pytest.raises(ExpertServiceError) as info:
+            call()  # type: ignore[operator]
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "timeout" in info.value.message
+
+    x, ids, w = _batch(2)
+    with monkeypatch.context() as patch:  # the blocking client asks the shards for their ModelInfo when made
+        patch.setattr(ShardedExpertClient, "refresh", lambda self, *, timeout=30.0: None)
+        client = ShardedExpertClient(NOWHERE, timeout=1)
+    with client:
+        refused(lambda: client.forward(0, x, ids, w, timeout=timeout))
+        refused(lambda: client.forward_detailed(0, x, ids, w, timeout=timeout))
+        refused(lambda: client.refresh(timeout=timeout))
+
+    async def body() -> None:
+        aclient = AsyncShardedExpertClient(NOWHERE, timeout=1, connect_timeout=0.5)
+        try:
+            for call in (
+                lambda: aclient.forward(0, x, ids, w, timeout=timeout),
+                lambda: aclient.forward_detailed(0, x, ids, w, timeout=timeout),
+                lambda: aclient.refresh(timeout=timeout),
+            ):
+                with pytest.raises(ExpertServiceError) as info:
+                    await call()
+                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "timeout" in info.value.message
+        finally:
+            await aclient.close()
+
+    asyncio.run(body())
