@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,34 @@ def test_synth_then_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 def test_synth_refuses_bad_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["synth", "--out", str(tmp_path / "x"), "--hidden", "100"]) == 1
     assert "multiples of 128" in capsys.readouterr().err
+
+
+def test_synth_reports_a_full_disk_naming_the_output(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An output write error (here a full disk) once escaped `lutb synth` as a traceback."""
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module, "save_file", disk_full)
+    out = tmp_path / "out"
+    assert main(["synth", "--out", str(out), "--layers", "1", "--experts", "2", "--hidden", "128", "--intermediate", "128"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"lutb synth: cannot write {out}: ") and "No space left" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores the directory's permissions")
+def test_synth_reports_a_read_only_output_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A PermissionError creating the output under a read-only directory once escaped `lutb synth` as a traceback."""
+    parent = tmp_path / "read-only"
+    parent.mkdir()
+    parent.chmod(0o555)
+    out = parent / "out"
+    try:
+        assert main(["synth", "--out", str(out), "--layers", "1", "--experts", "2", "--hidden", "128", "--intermediate", "128"]) == 1
+    finally:
+        parent.chmod(0o755)
+    err = capsys.readouterr().err
+    assert err.startswith(f"lutb synth: cannot write {out}: ") and "Permission denied" in err
 
 
 def test_inspect_corrupted_scale_byte(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

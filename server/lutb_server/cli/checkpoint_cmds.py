@@ -45,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_synth(args: argparse.Namespace) -> int:
+    """``lutb synth``: write a synthetic checkpoint to ``args.out``; 0, or 1 with one line on stderr.
+
+    Bad sizes or arguments and an ``OUT`` already holding a checkpoint print ``lutb synth: <error>``; any other
+    OSError (synth reads no file, so it is the output's: a read-only directory, a full disk) prints
+    ``lutb synth: cannot write OUT: <reason>``, as ``lutb quantize`` does, instead of a traceback.
+    """
     from lutb_kernels.errors import LutBError
     from lutb_kernels.synth import make_synthetic_checkpoint
 
@@ -63,6 +69,9 @@ def run_synth(args: argparse.Namespace) -> int:
         )
     except (LutBError, ValueError, FileExistsError) as exc:
         print(f"lutb synth: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # nothing is read: this is the output's (read-only directory, full disk)
+        print(f"lutb synth: cannot write {args.out}: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {args.layers} layer(s) x {args.experts} experts (H={args.hidden}, I={args.intermediate}, {args.activation}) to {path}")
     return 0
