@@ -22,9 +22,10 @@ compute process that merges several front ends' batches then finds it waiting at
 of its next call, instead of receiving it only after this front end has had its answer.
 
 ``max_wait_us`` (default 0): when the worker has room for a batch, how long the oldest request may
-wait for company (from its arrival; cut short once a full batch is queued, and never outlasting the deadline of a
-request that would join that batch: it goes :data:`POOLING_DEADLINE_MARGIN_S` before the earliest of them, so a
-request is not held for company until it expires). Under load
+wait for company (from its arrival; cut short once a full batch is queued, and never outlasting the deadline of any
+queued request, whether it would join that batch or not (another pool key: its batch goes after this one): it goes
+:data:`POOLING_DEADLINE_MARGIN_S` before the earliest of them, so a request is not held behind a wait for company
+until it expires). Under load
 the worker is busy and requests pool while they wait for it anyway, so a wait only adds
 latency to lone requests; it can help bursty open-loop traffic whose requests arrive
 microseconds apart.
@@ -40,7 +41,6 @@ most ``max_queue_requests`` waiting requests; beyond that
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import deque
@@ -126,10 +126,11 @@ that has to exit (killed after this, so that a stuck child cannot hold the serve
 
 
 POOLING_DEADLINE_MARGIN_S = 0.005
-"""How long before the earliest deadline among its requests a batch's wait for company (``max_wait_us``) ends at the
-latest. The wait's timer fires late by up to the event loop's lag (epoll rounds its timeout up to the millisecond; on
-the 2-CPU sandbox 0.6 ms median, 4.3 ms worst of 200), and a batch it carried past a deadline would drop that request
-instead of computing it; :data:`~lutb_server.errors.DEADLINE_SLACK_S` (1 ms) is too little for that."""
+"""How long before the earliest deadline among the queued requests the oldest one's wait for company (``max_wait_us``)
+ends at the latest. The wait's timer fires late by up to the event loop's lag (epoll rounds its timeout up to the
+millisecond; on the 2-CPU sandbox 0.6 ms median, 4.3 ms worst of 200), and a batch it carried past a deadline would
+drop that request instead of computing it; :data:`~lutb_server.errors.DEADLINE_SLACK_S` (1 ms) is too little for
+that."""
 
 
 class BatchScheduler:
@@ -139,8 +140,8 @@ class BatchScheduler:
         engine: runs one (pooled) experts call, blocking.
         max_batch_tokens: most tokens per pooled call.
         max_wait_us: how long the oldest request waits for company when the worker has room (0: never); the batch
-            goes earlier, :data:`POOLING_DEADLINE_MARGIN_S` before the earliest deadline among its requests, where
-            that is sooner.
+            goes earlier, :data:`POOLING_DEADLINE_MARGIN_S` before the earliest deadline among the queued requests
+            (its own or not), where that is sooner.
         max_queue_requests: most requests waiting (not yet in a batch).
         metrics: where to record queue wait, compute, batch sizes; none if None.
         backend_name: the ``backend`` label of those metrics.
@@ -343,22 +344,18 @@ class BatchScheduler:
         """When the pooling wait of ``head`` (the oldest request) ends, and whether a full batch is queued already.
 
         The wait ends at ``due`` (its arrival + ``max_wait_us``) or earlier, :data:`POOLING_DEADLINE_MARGIN_S`
-        before the earliest deadline among the requests that would join its batch (those :meth:`_take_batch` would
-        take now, ``head`` first), so that waiting for company never makes one of them miss its deadline. Full: the
-        queued requests of its pool key hold ``max_batch_tokens`` tokens or more.
+        before the earliest deadline among all queued requests: those that would join its batch, and those of
+        another pool key, whose batches can only go after it (one of its key with no room left in the batch makes
+        it full). Waiting for company thus never holds a request until its deadline while the worker has room.
+        Full: the queued requests of its pool key hold ``max_batch_tokens`` tokens or more.
         """
         key = head.request.pool_key
-        pooled = taken = head.request.tokens
-        if head.deadline is not None:
-            due = min(due, head.deadline - POOLING_DEADLINE_MARGIN_S)
-        for item in itertools.islice(self._pending, 1, None):
-            if item.request.pool_key != key:
-                continue
-            pooled += item.request.tokens
-            if taken + item.request.tokens <= self.max_batch_tokens:
-                taken += item.request.tokens
-                if item.deadline is not None:
-                    due = min(due, item.deadline - POOLING_DEADLINE_MARGIN_S)
+        pooled = 0
+        for item in self._pending:  # head first
+            if item.deadline is not None and item.deadline - POOLING_DEADLINE_MARGIN_S < due:
+                due = item.deadline - POOLING_DEADLINE_MARGIN_S
+            if item.request.pool_key == key:
+                pooled += item.request.tokens
         return due, pooled >= self.max_batch_tokens
 
     def _withdraw(self, item: _Item) -> None:

@@ -157,6 +157,29 @@ def test_the_earliest_deadline_in_a_batch_ends_its_wait() -> None:
     assert 0.25 < took < 1.5  # the joiner's deadline ended the wait, not the 2 s
 
 
+@pytest.mark.parametrize("other", ["layer", "top_k"])
+def test_a_deadline_behind_the_pooling_wait_ends_it_on_an_idle_worker(other: str) -> None:
+    """A request of another pool key (layer, top-k) than the oldest one's, queued behind it during its long wait for
+    company with a short deadline, is computed on the idle worker: the head's wait ends POOLING_DEADLINE_MARGIN_S
+    before that deadline too, not only before those of its own batch, and the other batch goes after it. (A request
+    of the head's key with no room left in its batch needs no such care: the batch is full and goes at once.)"""
+    engine = FakeEngine()
+    behind = _req(3, layer=1) if other == "layer" else _req(3, k=4)
+
+    async def body(s):
+        start = time.monotonic()
+        head = asyncio.ensure_future(s.submit(_req(2)))
+        await asyncio.sleep(0.02)
+        late = asyncio.ensure_future(s.submit(behind, deadline=start + 0.3))
+        results = await asyncio.gather(head, late)
+        return results, time.monotonic() - start
+
+    (head, late), took = _run(_with_scheduler(engine, body, max_wait_us=2_000_000))
+    assert head.batch_requests == late.batch_requests == 1
+    assert [tokens for _, tokens, _, _ in engine.calls] == [2, 3]  # the head's batch first, then the other
+    assert 0.25 < took < 1.5  # the other's deadline ended the head's wait, not the 2 s
+
+
 def test_cancelled_caller_is_not_computed() -> None:
     gate = threading.Event()
     engine = FakeEngine(gate)
