@@ -200,10 +200,11 @@ class _Backoff:
         return random.uniform(0.5, 1.0) * min(self.max_s, self.base_s * (2**attempt))
 
 
-def _check_timeout(timeout: float) -> float:
-    """A client's default deadline: every call has one (a stream may go without: ``stream(timeout=None)``)."""
+def _check_timeout(timeout: float, name: str = "timeout") -> float:
+    """A client's default deadline (or another bound in seconds, ``name`` in the error): a positive finite number of
+    seconds; every call has one (a stream may go without: ``stream(timeout=None)``)."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        raise ValueError(f"{name} must be a positive number of seconds, got {timeout!r}")
     return float(timeout)
 
 

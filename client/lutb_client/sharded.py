@@ -630,7 +630,7 @@ class _ShardedCore:
     """The stream type of a lane (``ForwardStream`` or ``AsyncForwardStream``)."""
 
     def __init__(self, targets: Sequence[str], timeout: float, attempt_timeout: float | None, down_s: float,
-                 wire: str, transport: str, connections: int = 1) -> None:
+                 wire: str, transport: str, connections: int = 1, connect_timeout: float = 30.0) -> None:
         if wire not in WIRES:
             raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")
         if transport not in TRANSPORTS:
@@ -653,7 +653,8 @@ class _ShardedCore:
         self._channels: list[list[Any]] = []  # per shard, per connection (made by the subclass)
         self._stubs: list[list[pb_grpc.ExpertServiceStub]] = []
         self.timeout = _check_timeout(timeout)  # the plain clients' rule: a positive finite number of seconds
-        self.attempt_timeout = attempt_timeout
+        self.attempt_timeout = None if attempt_timeout is None else _check_timeout(attempt_timeout, "attempt_timeout")
+        self.connect_timeout = _check_timeout(connect_timeout, "connect_timeout")
         self.down_s = down_s
         self._lock = threading.Lock()
         self._counters = [_ShardCounters() for _ in targets]
@@ -901,8 +902,9 @@ class ShardedExpertClient(_ShardedCore):
     Raises:
         ExpertServiceError: a shard did not answer ``GetModelInfo`` (its target named), or the
             shards do not serve one model (``FAILED_PRECONDITION``, naming the field).
-        ValueError: ``timeout`` not a positive finite number of seconds (as for
-            :class:`~lutb_client.ExpertClient`), or another bad argument, before any channel opens.
+        ValueError: ``timeout``, ``attempt_timeout`` (when given) or ``connect_timeout`` not a positive finite
+            number of seconds (as for :class:`~lutb_client.ExpertClient`; the error names which), or another bad
+            argument, before any channel opens.
     """
 
     _stream_class: ClassVar[type] = ForwardStream
@@ -922,15 +924,15 @@ class ShardedExpertClient(_ShardedCore):
         transport: str = "stream",
         connections: int = 1,
     ) -> None:
-        super().__init__(targets, timeout, attempt_timeout, down_s, wire, transport, connections)
+        super().__init__(targets, timeout, attempt_timeout, down_s, wire, transport, connections, connect_timeout)
         self._openers = [channel_opener(t, connections, aio=False, credentials=credentials, max_message_bytes=max_message_bytes,
                                         channel_options=channel_options) for t in self.targets]
         self._channels = [[opener() for _ in range(connections)] for opener in self._openers]
         self._open_stubs()
         try:
-            self.refresh(timeout=connect_timeout)
+            self.refresh(timeout=self.connect_timeout)
             if connections > 1:
-                deadline = time.monotonic() + connect_timeout
+                deadline = time.monotonic() + self.connect_timeout
                 for target, channels, opener in zip(self.targets, self._channels, self._openers):
                     try:
                         spread(channels, opener, timeout=max(deadline - time.monotonic(), 0.0))
@@ -1128,8 +1130,7 @@ class AsyncShardedExpertClient(_ShardedCore):
         transport: str = "stream",
         connections: int = 1,
     ) -> None:
-        super().__init__(targets, timeout, attempt_timeout, down_s, wire, transport, connections)
-        self.connect_timeout = connect_timeout
+        super().__init__(targets, timeout, attempt_timeout, down_s, wire, transport, connections, connect_timeout)
         self._openers = [channel_opener(t, connections, aio=True, credentials=credentials, max_message_bytes=max_message_bytes,
                                         channel_options=channel_options) for t in self.targets]
         self._channels = [[opener() for _ in range(connections)] for opener in self._openers]

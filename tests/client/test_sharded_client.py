@@ -492,6 +492,16 @@ def test_a_bad_constructor_timeout_is_refused_as_by_the_plain_clients(timeout: o
             client_class(NOWHERE, timeout=timeout, connect_timeout=0.5)
 
 
+@pytest.mark.parametrize("name", ["attempt_timeout", "connect_timeout"])
+@pytest.mark.parametrize("value", BAD_TIMEOUTS)
+def test_the_other_constructor_bounds_are_refused_by_name(name: str, value: object) -> None:
+    """``attempt_timeout`` and ``connect_timeout`` follow the same rule, and the error names the argument (a bad
+    ``connect_timeout`` once failed inside the first refresh as a bad ``timeout``, or was taken as given)."""
+    for client_class in (ShardedExpertClient, AsyncShardedExpertClient):
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            client_class(NOWHERE, **{name: value})
+
+
 @pytest.mark.parametrize("timeout", BAD_TIMEOUTS)
 def test_a_bad_per_call_timeout_raises_the_clients_error(timeout: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """Per-call timeouts of the sharded clients (forward, forward_detailed, refresh) follow the plain clients' rule
