@@ -115,12 +115,7 @@ def test_sync_stream_keeps_order_and_survives_errors(server: ServerThread) -> No
                 futures.append(stream.submit(0, *b, detailed=True))
                 if i == 4:
                     futures.append(stream.submit(9, *b))  # unknown layer: fails alone
-        results = []
-        for f in futures:
-            try:
-                results.append(f.result(timeout=30))
-            except ExpertServiceError as exc:
-                results.append(exc)
+        results = _outcomes(futures, timeout=30)
     errors = [r for r in results if isinstance(r, ExpertServiceError)]
     assert len(errors) == 1 and errors[0].code == grpc.StatusCode.NOT_FOUND and errors[0].request_id is not None
     good = [r for r in results if not isinstance(r, ExpertServiceError)]
@@ -377,12 +372,12 @@ def _one_token() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.zeros(1, HIDDEN, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
 
 
-def _outcomes(futures: list[Future[Any]]) -> list[Any]:
-    """Each future's result or ExpertServiceError; a future not done in time fails the test (a dead reader)."""
+def _outcomes(futures: list[Future[Any]], timeout: float = 10) -> list[Any]:
+    """Each future's result or ExpertServiceError; a future not done within ``timeout`` s fails the test (a dead reader)."""
     outcomes = []
     for future in futures:
         try:
-            outcomes.append(future.result(timeout=10))
+            outcomes.append(future.result(timeout=timeout))
         except ExpertServiceError as err:
             outcomes.append(err)
         except FutureTimeoutError:
