@@ -53,11 +53,13 @@ class FrontEnds:
         """Start front ends 1..len(connections), front end k on ``connections[k-1]`` (closed here: it holds its own copy).
 
         Each serves ``checkpoint``, the path front end 0 serves (resolved: the demo checkpoint when ``settings``
-        name none), and takes ``content_hash``, front end 0's hash of that path, instead of hashing it again.
+        name none), and takes ``content_hash``, front end 0's hash of that path, instead of hashing it again. Each
+        gets every setting as front end 0 resolved it, without ``config``: the file is not read again, so one edited
+        or removed while front end 0 loaded the checkpoint changes nothing.
         """
         ctx = mp.get_context("spawn")
         for k, connection in enumerate(connections, 1):
-            own = settings.model_copy(update={"port": port, "front_ends": 1, "checkpoint": checkpoint,
+            own = settings.model_copy(update={"port": port, "front_ends": 1, "checkpoint": checkpoint, "config": None,
                                               "metrics_port": settings.metrics_port + k if settings.metrics_port else 0})
             ready = ctx.Event()
             process = ctx.Process(target=front_end_main, args=(own.model_dump(), (k, settings.front_ends), connection, ready,

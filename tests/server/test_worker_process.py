@@ -493,15 +493,12 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
         serving.kill()
 
 
-def test_front_ends_are_handed_the_checkpoint_and_hash_of_front_end_0(tiny_checkpoint: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Front ends k > 0 serve the path front end 0 resolved (here the demo checkpoint's stand-in: the settings name
-    none) and take front end 0's hash of it: none of them reads the checkpoint's bytes again to hash them."""
+def _spawn_front_ends(settings: object, checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """``FrontEnds.spawn`` of front ends 1..N-1 with ``multiprocessing`` faked: the args each process was started with."""
     import socket
     from types import SimpleNamespace
 
     from lutb_server import front_ends
-    from lutb_server.settings import ServerSettings
 
     started: list[SimpleNamespace] = []
 
@@ -512,20 +509,49 @@ def test_front_ends_are_handed_the_checkpoint_and_hash_of_front_end_0(tiny_check
 
     context = SimpleNamespace(Process=process, Event=threading.Event)
     monkeypatch.setattr(front_ends, "mp", SimpleNamespace(get_context=lambda method: context))
-    settings = ServerSettings(compute_worker="process", front_ends=3, metrics_port=9400)
-    assert settings.checkpoint is None
-    pairs = [socket.socketpair() for _ in range(2)]
+    pairs = [socket.socketpair() for _ in range(settings.front_ends - 1)]  # type: ignore[attr-defined]
     try:
-        front_ends.FrontEnds().spawn(settings, 50051, [ours for ours, _ in pairs], tiny_checkpoint, "sha256:f0")
+        front_ends.FrontEnds().spawn(settings, 50051, [ours for ours, _ in pairs], checkpoint, "sha256:f0")
     finally:
         for ours, theirs in pairs:
             ours.close()
             theirs.close()
+    assert all(made.target is front_ends.front_end_main for made in started)
+    return [made.args for made in started]
+
+
+def test_front_ends_are_handed_the_checkpoint_and_hash_of_front_end_0(tiny_checkpoint: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Front ends k > 0 serve the path front end 0 resolved (here the demo checkpoint's stand-in: the settings name
+    none) and take front end 0's hash of it: none of them reads the checkpoint's bytes again to hash them."""
+    from lutb_server.settings import ServerSettings
+
+    settings = ServerSettings(compute_worker="process", front_ends=3, metrics_port=9400)
+    assert settings.checkpoint is None
+    started = _spawn_front_ends(settings, tiny_checkpoint, monkeypatch)
     assert len(started) == 2
-    for k, made in enumerate(started, 1):
-        own, front_end, _, _, _, content_hash = made.args
-        assert made.target is front_ends.front_end_main and front_end == (k, 3) and content_hash == "sha256:f0"
+    for k, (own, front_end, _, _, _, content_hash) in enumerate(started, 1):
+        assert front_end == (k, 3) and content_hash == "sha256:f0"
         assert ServerSettings(**own).checkpoint == tiny_checkpoint
+
+
+@pytest.mark.parametrize("change", ["edited", "removed"])
+def test_front_ends_do_not_read_the_config_file_again(change: str, tiny_checkpoint: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Front ends k > 0 start from front end 0's resolved settings: a config file edited (a key this release does not
+    know) or removed while front end 0 loaded the checkpoint neither fails them nor changes what they serve."""
+    from lutb_server.settings import ServerSettings
+
+    config = tmp_path / "lutb.yaml"
+    config.write_text("compute_worker: process\nfront_ends: 2\nmax_wait_us: 100\n")
+    settings = ServerSettings(config=config)
+    [(own, *_)] = _spawn_front_ends(settings, tiny_checkpoint, monkeypatch)
+    if change == "edited":
+        config.write_text("compute_worker: process\nfront_ends: 2\nmax_wait_us: 7\nnext_release_option: 1\n")
+    else:
+        config.unlink()
+    resolved = ServerSettings(**own)  # what front_end_main does
+    assert resolved.max_wait_us == 100 and resolved.front_ends == 1 and resolved.compute_worker == "process"
 
 
 def test_only_a_front_end_of_front_end_0_takes_a_hash(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
