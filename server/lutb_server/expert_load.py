@@ -1,7 +1,7 @@
 """Expert load: tokens routed to each (layer, expert) this server holds.
 
-Counted when a request is accepted (validated and handed to the scheduler), one per
-``(token, route)`` whose expert the server holds; routes to experts held elsewhere add
+Counted when a request is answered (refused ones, e.g. queue-full or past their deadline, are not,
+so a client's retries count once), one per ``(token, route)`` whose expert the server holds; routes to experts held elsewhere add
 zero work here and are not counted, so the counts of the shards of a deployment add up to
 the whole model's load. Exported, only with ``--expert-metrics`` (``LUTB_EXPERT_METRICS``),
 as the Prometheus counter ``lutb_expert_tokens_total{layer, expert}``: one series per
@@ -27,7 +27,7 @@ from lutb_client.codec import WireTensor, host_array
 
 METRIC = "lutb_expert_tokens"
 """Family name; the exported sample is ``lutb_expert_tokens_total``."""
-HELP = "Tokens routed to each expert this server holds (one per token and route), counted when the request is accepted"
+HELP = "Tokens routed to each expert this server holds (one per token and route), counted for each answered request"
 
 
 class _Config(Protocol):
