@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -359,3 +360,60 @@ def test_codec_cpu_bench_runs() -> None:
     """bench/codec_cpu.py imports what the request path uses today (it once named a function the engine had renamed)."""
     proc = _run_bench("codec_cpu.py", ["--tokens", "2", "--hidden", "64"], timeout=120)
     assert "_nonfinite" in proc.stdout and "WireTensor.from_message" in proc.stdout
+
+
+class _RegisteringWorker:
+    """What ``_like_arenas`` asks of a ComputeWorker: page-locking host memory (here only recorded, or refused)."""
+
+    def __init__(self, registers: bool) -> None:
+        self.registers = registers
+        self.registered: list[torch.Tensor] = []
+        self.unregistered: list[torch.Tensor] = []
+
+    def register_host_memory(self, memory: torch.Tensor) -> bool:
+        if self.registers:
+            self.registered.append(memory)
+        return self.registers
+
+    def unregister_host_memory(self, memory: torch.Tensor) -> None:
+        self.unregistered.append(memory)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_in_process_baseline_puts_inputs_and_outputs_in_registered_memory(dtype: torch.dtype,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/serving._like_arenas: each request's x copied (values intact) into one block of memory the worker
+    registered, an output destination per request of its output's shape and dtype in the same block, no two
+    overlapping; the block unregistered afterwards. A worker that registers nothing gets the requests as they were."""
+    from lutb_server.engine import PreparedRequest
+
+    serving = _serving_module(monkeypatch)
+    gen = torch.Generator().manual_seed(11)
+    prepared = []
+    for tokens, mode in ((3, "combined"), (1, "route_major"), (5, "combined")):
+        x = torch.randn(tokens, 64, generator=gen).to(dtype)
+        ids = torch.randint(0, 8, (tokens, 2), dtype=torch.int32, generator=gen)
+        w = torch.rand(tokens, 2, generator=gen)
+        scales = torch.full((tokens, 2), 127, dtype=torch.uint8) if dtype == torch.float8_e4m3fn else None
+        prepared.append(PreparedRequest(0, x, ids, w, False, mode, scales, torch.bfloat16 if scales is not None else None))
+    worker = _RegisteringWorker(registers=True)
+    with serving._like_arenas(worker, prepared) as (placed, into):
+        [memory] = worker.registered
+        start, end = memory.data_ptr(), memory.data_ptr() + memory.numel()
+        spans = []
+        for r, p, dest in zip(prepared, placed, into):
+            assert p.x.dtype == r.x.dtype and p.x.shape == r.x.shape and p.x is not r.x
+            assert torch.equal(p.x.view(torch.uint8), r.x.view(torch.uint8))
+            assert p.topk_ids is r.topk_ids and p.x_scales is r.x_scales and p.output_mode == r.output_mode
+            assert list(dest.shape) == r.output_shape and dest.dtype == torch.bfloat16 and dest.is_contiguous()
+            for t in (p.x, dest):
+                at = t.data_ptr()
+                spans.append((at, at + t.numel() * t.element_size()))
+        assert all(start <= a and b <= end for a, b in spans)
+        spans.sort()
+        assert all(b <= a2 for (_, b), (a2, _) in zip(spans, spans[1:]))  # no two overlap
+        assert worker.unregistered == []
+    assert worker.unregistered == [memory]
+    refusing = _RegisteringWorker(registers=False)
+    with serving._like_arenas(refusing, prepared) as (same, into):
+        assert same is prepared and into is None
