@@ -10,7 +10,8 @@ happen. On an H100 host with 8 front ends and 64 callers that gave a median 1.09
 
 ``auto`` takes the highest CPU that no other server on the machine has taken: each server holds an
 exclusive ``flock`` on ``<tmp>/lutb-compute-cpu-<N>.lock`` for the CPU it set aside, so servers started
-side by side (one per GPU) set different CPUs aside. Servers in separate containers do not see each
+side by side (one per GPU) set different CPUs aside, whichever users they run as (the lock files are
+world-readable, and a lock needs only read access). Servers in separate containers do not see each
 other's locks (each has its own ``/tmp``).
 
 Off by default (``none``): the kernel places every process. Where the server's CPUs are not its own,
@@ -92,17 +93,28 @@ def pin_process(cpus: set[int]) -> None:
 
 class CpuPlacement:
     """A CPU set aside for the compute process (:func:`set_compute_cpu_aside`), and the lock that claims it for
-    ``auto`` (held until :meth:`release`, or until this process ends)."""
+    ``auto`` (held until :meth:`release`, or until this process ends).
 
-    def __init__(self, cpu: int | None, lock_fd: int | None = None) -> None:
+    ``unpinned``: the CPUs this process ran on before it moved off ``cpu``, given back by :meth:`release`
+    (None: it was not moved)."""
+
+    def __init__(self, cpu: int | None, lock_fd: int | None = None, unpinned: set[int] | None = None) -> None:
         self.cpu = cpu
         self._lock_fd = lock_fd
+        self._unpinned = unpinned
 
     def release(self) -> None:
-        """Give up the claim (another server's ``auto`` may then take the CPU); idempotent."""
+        """Give up the claim (another server's ``auto`` may then take the CPU) and move this process back onto the
+        CPUs it had (an embedding process, e.g. a test's or a benchmark's, goes on after its server); idempotent."""
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing the only descriptor drops the flock
             self._lock_fd = None
+        if self._unpinned is not None:
+            unpinned, self._unpinned = self._unpinned, None
+            try:
+                pin_process(unpinned)
+            except OSError as exc:  # e.g. the process's cgroup shrank meanwhile: it stays where it is
+                log.warning("compute_cpu: cannot move this process back onto CPUs %s (%s)", _cpu_list(unpinned), exc)
 
 
 def set_compute_cpu_aside(setting: str, lock_dir: Path | None = None) -> CpuPlacement:
@@ -111,10 +123,11 @@ def set_compute_cpu_aside(setting: str, lock_dir: Path | None = None) -> CpuPlac
     (``WorkerSpec.compute_cpu``; None: no placement).
 
     ``auto`` claims the first of :func:`auto_candidates` whose lock file in ``lock_dir`` (default: the temporary
-    directory) no other process holds; a number is taken as given.
+    directory) no other process holds (see :func:`_claim_first`); a number is taken as given.
 
     Raises:
         ValueError: as :func:`choose_compute_cpu`.
+        OSError: as :func:`pin_process` (the CPU's lock is given back first).
     """
     allowed = allowed_cpus()
     lock_fd = None
@@ -128,28 +141,70 @@ def set_compute_cpu_aside(setting: str, lock_dir: Path | None = None) -> CpuPlac
                      "another server)", len(allowed) if allowed is not None else "unknown", AUTO_MIN_CPUS)
         return CpuPlacement(None)
     assert allowed is not None  # a CPU is chosen only where affinity works
-    pin_process(allowed - {cpu})
+    try:
+        pin_process(allowed - {cpu})
+    except BaseException:
+        if lock_fd is not None:  # no placement to release it: give the CPU back now
+            os.close(lock_fd)
+        raise
     log.info("CPU %d set aside for the compute process; the serving processes run on %s", cpu, _cpu_list(allowed - {cpu}))
-    return CpuPlacement(cpu, lock_fd)
+    return CpuPlacement(cpu, lock_fd, unpinned=allowed)
 
 
 def _claim_first(candidates: list[int], lock_dir: Path) -> tuple[int | None, int | None]:
-    """The first of ``candidates`` whose lock this process could take, and the lock's descriptor (kept open)."""
+    """The first of ``candidates`` whose lock this process could take, and the lock's descriptor (kept open).
+
+    A lock file is opened read-only (``flock`` needs no write access), so one that another user's server created,
+    or left behind, still coordinates with it; a missing one is created with mode 0o644 whatever the umask (empty,
+    world-readable: any user's server can lock it). A candidate whose lock file cannot be opened (or created) is
+    skipped, not taken unlocked: another server may hold it. Only when no candidate's lock file can be opened at all
+    (e.g. an unwritable directory without them) is the first candidate taken without a lock, with a warning.
+    """
     import fcntl  # POSIX only, like CPU affinity: candidates are empty elsewhere
 
+    claimed: tuple[int | None, int | None] = (None, None)
+    unopened: list[str] = []
     for cpu in candidates:
         try:
-            fd = os.open(lock_dir / LOCK_NAME.format(cpu=cpu), os.O_CREAT | os.O_RDWR, 0o666)
-        except OSError as exc:  # an unwritable directory: no coordination, take the first choice
-            log.warning("compute_cpu auto: cannot open a lock in %s (%s); not coordinating with other servers", lock_dir, exc)
-            return cpu, None
+            fd = _open_lock(lock_dir / LOCK_NAME.format(cpu=cpu))
+        except OSError as exc:  # e.g. another user's file it may not read: skipped, another server may hold it
+            unopened.append(f"CPU {cpu}: {exc.strerror or exc}")
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # another server holds it
             os.close(fd)
             continue
-        return cpu, fd
-    return None, None
+        claimed = cpu, fd
+        break
+    if candidates and len(unopened) == len(candidates):  # e.g. an unwritable directory: take the first choice
+        log.warning("compute_cpu auto: cannot open a lock in %s (%s); not coordinating with other servers", lock_dir,
+                    "; ".join(unopened))
+        return candidates[0], None
+    if unopened:
+        log.warning("compute_cpu auto: skipped CPU(s) whose lock in %s cannot be opened (%s)", lock_dir, "; ".join(unopened))
+    return claimed
+
+
+def _open_lock(path: Path) -> int:
+    """A read-only descriptor of the lock file ``path``, created (mode 0o644) if missing.
+
+    Raises:
+        OSError: it cannot be opened or created.
+    """
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        pass
+    try:  # O_EXCL: never O_CREAT on a file that exists (fs.protected_regular refuses it in sticky directories)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:  # another server created it meanwhile
+        return os.open(path, os.O_RDONLY)
+    try:
+        os.fchmod(fd, 0o644)  # whatever the umask: other users' servers must be able to open it
+    except OSError:
+        pass  # the owner's servers still coordinate
+    return fd
 
 
 def _cpu_list(cpus: set[int]) -> str:

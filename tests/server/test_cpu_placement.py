@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import re
+import shutil
+import stat
+import tempfile
 import threading
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from lutb_server import cpu_placement
-from lutb_server.cpu_placement import _cpu_list, allowed_cpus, auto_candidates, choose_compute_cpu, pin_process
+from lutb_server.cpu_placement import LOCK_NAME, _claim_first, _cpu_list, allowed_cpus, auto_candidates, choose_compute_cpu, pin_process
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
 
@@ -66,6 +73,156 @@ def test_auto_claims_a_cpu_no_other_server_holds(tmp_path: Path, monkeypatch: py
     for placement in (first, third, again):
         placement.release()
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"lutb-compute-cpu-{c}.lock" for c in (2, 3, 4)]
+
+
+def _lockable(path: Path) -> bool:
+    """Whether a new lock on ``path`` could be taken now (no descriptor anywhere holds one)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_lock_files_are_world_readable_whatever_the_umask(tmp_path: Path) -> None:
+    """Another user's server must be able to open (and so lock) the file: 0o644 even under umask 077."""
+    old = os.umask(0o077)
+    try:
+        cpu, fd = _claim_first([3, 2], tmp_path)
+    finally:
+        os.umask(old)
+    assert cpu == 3 and fd is not None
+    try:
+        assert stat.S_IMODE((tmp_path / LOCK_NAME.format(cpu=3)).stat().st_mode) == 0o644
+    finally:
+        os.close(fd)
+
+
+LOOP_CASES = {
+    # candidates whose lock file cannot be opened (a symlink to itself), candidates another server holds, the claim
+    "skipped, not taken unlocked": ([3], [], (2, True)),
+    "skipped, the other one held elsewhere: none": ([3], [2], (None, False)),
+    "none can be opened: the first, unlocked": ([3, 2], [], (3, False)),
+}
+
+
+@pytest.mark.parametrize(("unopenable", "held", "want"), LOOP_CASES.values(), ids=LOOP_CASES.keys())
+def test_a_lock_file_that_cannot_be_opened_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                      unopenable: list[int], held: list[int],
+                                                      want: tuple[int | None, bool]) -> None:
+    """A candidate whose lock cannot be opened may be another server's: skipped. Only where no candidate's lock can
+    be opened at all (no coordination possible) is the first choice taken without a lock, with a warning."""
+    for cpu in unopenable:
+        os.symlink(LOCK_NAME.format(cpu=cpu), tmp_path / LOCK_NAME.format(cpu=cpu))  # ELOOP
+    holders = [_claim_first([cpu], tmp_path) for cpu in held]
+    try:
+        cpu, fd = _claim_first([3, 2], tmp_path)
+        try:
+            assert (cpu, fd is not None) == want
+        finally:
+            if fd is not None:
+                os.close(fd)
+    finally:
+        for _, holder in holders:
+            assert holder is not None
+            os.close(holder)
+    assert any("cannot be opened" in r.getMessage() or "not coordinating" in r.getMessage() for r in caplog.records)
+
+
+def test_a_claim_that_cannot_pin_gives_the_cpu_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinning refused: set_compute_cpu_aside raises, and the lock it took is not left held (its descriptor closed)."""
+    def refuse(cpus: set[int]) -> None:
+        raise OSError("refused")
+
+    monkeypatch.setattr(cpu_placement, "allowed_cpus", lambda: {0, 1, 2, 3, 4})
+    monkeypatch.setattr(cpu_placement, "pin_process", refuse)
+    with pytest.raises(OSError, match="refused"):
+        cpu_placement.set_compute_cpu_aside("auto", tmp_path)
+    assert _lockable(tmp_path / LOCK_NAME.format(cpu=4))
+
+
+def test_release_moves_the_process_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An embedding process goes on after its server: release() gives back the CPUs it had before, once."""
+    pinned: list[set[int]] = []
+    monkeypatch.setattr(cpu_placement, "allowed_cpus", lambda: {0, 1, 2, 3})
+    monkeypatch.setattr(cpu_placement, "pin_process", pinned.append)
+    placement = cpu_placement.set_compute_cpu_aside("auto", tmp_path)
+    assert placement.cpu == 3 and pinned == [{0, 1, 2}]
+    placement.release()
+    placement.release()
+    assert pinned == [{0, 1, 2}, {0, 1, 2, 3}]
+    assert _lockable(tmp_path / LOCK_NAME.format(cpu=3))
+    cpu_placement.set_compute_cpu_aside("none", tmp_path).release()  # nothing moved, nothing moved back
+    assert len(pinned) == 2
+
+
+NOBODY = 65534
+
+needs_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                                reason="runs a claim as a second user (nobody): needs root")
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A fresh directory like /tmp (sticky, anyone may write) that the user nobody can reach (pytest's tmp_path is
+    under a directory only its owner may enter)."""
+    base = Path(tempfile.mkdtemp(prefix="lutb-test-cpu-"))
+    try:
+        os.chmod(base, 0o1777)
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _as_nobody(work: Callable[[], object]) -> object:
+    """``work()``'s result (JSON-able), run in a child process as the user nobody; the child's locks go with it."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.write(write, json.dumps(work()).encode())
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and data
+    return json.loads(data)
+
+
+@needs_root
+def test_auto_does_not_take_a_cpu_another_users_server_holds(shared_tmp: Path) -> None:
+    """Server A (root) holds CPU 3's lock, its file 0o644 and root's; server B (nobody), which may not write the
+    file, must still see the lock and take CPU 2, locked."""
+    cpu, fd = _claim_first([3, 2], shared_tmp)
+    assert cpu == 3 and fd is not None
+    try:
+        assert _as_nobody(lambda: [(c, f is not None) for c, f in [_claim_first([3, 2], shared_tmp)]]) == [[2, True]]
+    finally:
+        os.close(fd)
+
+
+@needs_root
+def test_another_users_stale_lock_file_still_coordinates(shared_tmp: Path) -> None:
+    """A lock file left behind by another user's server (root's, never removed) still coordinates this user's servers
+    side by side: they set different CPUs aside, each with its lock."""
+    cpu, fd = _claim_first([3, 2], shared_tmp)
+    assert cpu == 3 and fd is not None
+    os.close(fd)  # root's server ended
+    claims = _as_nobody(lambda: [(c, f is not None) for c, f in [_claim_first([3, 2], shared_tmp) for _ in range(2)]])
+    assert claims == [[3, True], [2, True]]
 
 
 @pytest.mark.parametrize(("cpus", "text"), [({0}, "0"), ({0, 1, 2}, "0-2"), ({0, 1, 2, 5, 7, 8}, "0-2,5,7-8"), ({3, 1}, "1,3")])
