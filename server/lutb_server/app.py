@@ -295,52 +295,51 @@ class ExpertServer:
             loader = functools.partial(load_engine, plan, s, self._content_hash)
         elif s.compute_worker == "process":
             raise ValueError("compute_worker = 'process' loads the checkpoint in the compute process; it takes no engine_loader")
-        if s.compute_worker == "process" and self._compute_connection is None:  # front end 0 starts the processes
-            self._cpu_placement = set_compute_cpu_aside(s.compute_cpu)  # before this process starts threads: they inherit it
-        if self._compute_connection is None and s.cpu_wakeup_latency_us is not None:  # the whole machine's: one hold
-            self._cpu_wakeup = hold_cpu_wakeup_latency(s.cpu_wakeup_latency_us)
-            (log.info if self._cpu_wakeup.held else log.warning)("%s", self._cpu_wakeup.note)
-        shared_port = s.front_ends > 1 or self._compute_connection is not None
-        if s.front_ends > 1 and s.port:
-            _check_port_free(s.host, s.port)  # SO_REUSEPORT would let us share a port someone else holds
-        if s.metrics_port and self._compute_connection is not None:  # front end k > 0: read by front end 0 only
-            self.metrics_port = self.metrics.serve("127.0.0.1", s.metrics_port)
-        elif s.metrics_port:
-            others = [s.metrics_port + k for k in range(1, s.front_ends)]
-            self.metrics_port = self.metrics.serve(s.host, s.metrics_port, other_front_ends=others)
-        options = [
-            ("grpc.max_receive_message_length", s.max_message_bytes),
-            ("grpc.max_send_message_length", s.max_message_bytes),
-            # gRPC sets SO_REUSEPORT by default: a second server on a taken port would bind and
-            # silently receive part of the first one's connections. Fail the bind instead, unless
-            # this is one of several front ends, which share the port on purpose.
-            ("grpc.so_reuseport", 1 if shared_port else 0),
-        ]
-        server = grpc.aio.server(
-            interceptors=[MetricsInterceptor(self.metrics), GateInterceptor(self.gate, (SERVICE_NAME,))],
-            options=options,
-        )
-        add_to_server(self.servicer, server)  # the generated registration, but a request that is not protobuf is INVALID_ARGUMENT
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        try:
-            port = server.add_insecure_port(_address(s.host, s.port))
-        except RuntimeError:  # newer grpcio raises where older ones return 0
-            port = 0
-        if port == 0:
-            self.metrics.close()
-            raise OSError(f"cannot bind gRPC to {_address(s.host, s.port)}")
-        self.port = port
-        self._server = server
-        await server.start()
-        loop_type = type(asyncio.get_running_loop())
-        log.info("gRPC on %s (NOT_SERVING while loading)%s; event loop %s.%s", _address(s.host, port),
-                 f", metrics on http://{_address(s.host, self.metrics_port)}/metrics" if self.metrics_port else ", metrics off",
-                 loop_type.__module__, loop_type.__qualname__)
         worker: BatchWorker | None = None
-        try:
+        try:  # from here on a failure goes through stop(): metrics closed, CPU placement and wake-up bound given back
+            if s.compute_worker == "process" and self._compute_connection is None:  # front end 0 starts the processes
+                self._cpu_placement = set_compute_cpu_aside(s.compute_cpu)  # before this process starts threads: they inherit it
+            if self._compute_connection is None and s.cpu_wakeup_latency_us is not None:  # the whole machine's: one hold
+                self._cpu_wakeup = hold_cpu_wakeup_latency(s.cpu_wakeup_latency_us)
+                (log.info if self._cpu_wakeup.held else log.warning)("%s", self._cpu_wakeup.note)
+            shared_port = s.front_ends > 1 or self._compute_connection is not None
+            if s.front_ends > 1 and s.port:
+                _check_port_free(s.host, s.port)  # SO_REUSEPORT would let us share a port someone else holds
+            if s.metrics_port and self._compute_connection is not None:  # front end k > 0: read by front end 0 only
+                self.metrics_port = self.metrics.serve("127.0.0.1", s.metrics_port)
+            elif s.metrics_port:
+                others = [s.metrics_port + k for k in range(1, s.front_ends)]
+                self.metrics_port = self.metrics.serve(s.host, s.metrics_port, other_front_ends=others)
+            options = [
+                ("grpc.max_receive_message_length", s.max_message_bytes),
+                ("grpc.max_send_message_length", s.max_message_bytes),
+                # gRPC sets SO_REUSEPORT by default: a second server on a taken port would bind and
+                # silently receive part of the first one's connections. Fail the bind instead, unless
+                # this is one of several front ends, which share the port on purpose.
+                ("grpc.so_reuseport", 1 if shared_port else 0),
+            ]
+            server = grpc.aio.server(
+                interceptors=[MetricsInterceptor(self.metrics), GateInterceptor(self.gate, (SERVICE_NAME,))],
+                options=options,
+            )
+            add_to_server(self.servicer, server)  # the generated registration, but a request that is not protobuf is INVALID_ARGUMENT
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            try:
+                port = server.add_insecure_port(_address(s.host, s.port))
+            except RuntimeError:  # newer grpcio raises where older ones return 0
+                port = 0
+            if port == 0:
+                raise OSError(f"cannot bind gRPC to {_address(s.host, s.port)}")
+            self.port = port
+            self._server = server
+            await server.start()
+            loop_type = type(asyncio.get_running_loop())
+            log.info("gRPC on %s (NOT_SERVING while loading)%s; event loop %s.%s", _address(s.host, port),
+                     f", metrics on http://{_address(s.host, self.metrics_port)}/metrics" if self.metrics_port else ", metrics off",
+                     loop_type.__module__, loop_type.__qualname__)
             engine = await asyncio.to_thread(loader)
             threads = apply_intra_op_threads(s.intra_op_threads, engine.device)
             switch = apply_gil_switch_interval(s.gil_switch_interval_us, engine.device)
