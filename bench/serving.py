@@ -724,7 +724,9 @@ def _like_arenas(worker: Any, prepared: list[Any]) -> Any:
     for n in sizes:
         offsets.append(total)
         total += -(-n // align) * align
-    memory = torch.empty(max(total, align), dtype=torch.uint8)
+    page = 4096  # page-aligned, as a compute process's arenas are (mmap)
+    block = torch.empty(max(total, align) + page, dtype=torch.uint8)
+    memory = block[-block.data_ptr() % page:][:max(total, align)]
     if not worker.register_host_memory(memory):
         yield prepared, None
         return
@@ -779,6 +781,7 @@ def inprocess_times(ckpt: Path, args: argparse.Namespace, cells: list[tuple[Cell
                 x, scales = reqs.mx[i % len(reqs.mx)]  # type: ignore[misc]
             prepared.append(engine.prepare(0, x, ids, w, hidden_scales=scales))
         with _like_arenas(worker, prepared) as (prepared, into):
+            registered = into is not None
             for _ in range(3):
                 worker.run(prepared, into)
             times = []
@@ -789,7 +792,7 @@ def inprocess_times(ckpt: Path, args: argparse.Namespace, cells: list[tuple[Cell
                     break
         per_call = statistics.median(times)
         results[key] = {"batch_tokens": count * reqs.tokens, "us": per_call * 1e6,
-                        "tokens_per_s": count * reqs.tokens / per_call, "calls": len(times)}
+                        "tokens_per_s": count * reqs.tokens / per_call, "calls": len(times), "registered": registered}
     del worker, engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

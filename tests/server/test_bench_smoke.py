@@ -400,6 +400,7 @@ def test_in_process_baseline_puts_inputs_and_outputs_in_registered_memory(dtype:
     with serving._like_arenas(worker, prepared) as (placed, into):
         [memory] = worker.registered
         start, end = memory.data_ptr(), memory.data_ptr() + memory.numel()
+        assert start % 4096 == 0 and memory.is_contiguous()
         spans = []
         for r, p, dest in zip(prepared, placed, into):
             assert p.x.dtype == r.x.dtype and p.x.shape == r.x.shape and p.x is not r.x
