@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,22 @@ def server(tiny_checkpoint: Path) -> Iterator[ServerThread]:
     """A shared server on the tiny checkpoint: small limits so that tests can hit them."""
     with ServerThread(checkpoint=tiny_checkpoint, max_tokens_per_request=64, max_wait_us=2000) as running:
         yield running
+
+
+@pytest.fixture
+def open_here() -> Callable[[Path], int]:
+    """How many descriptors of this process are open on a path (from /proc/self/fd; the test skips without it)."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc")
+
+    def count(path: Path) -> int:
+        target = str(path.resolve())
+        found = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                found += os.readlink(f"/proc/self/fd/{fd}") == target
+            except OSError:  # closed meanwhile (the listing's own descriptor)
+                pass
+        return found
+
+    return count

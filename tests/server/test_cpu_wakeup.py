@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,34 +13,22 @@ from lutb_server import cpu_wakeup
 from lutb_server.cpu_wakeup import MAX_LATENCY_US, cpuidle_driver, hold_cpu_wakeup_latency
 
 
-def _open_here(path: Path) -> int:
-    """Descriptors of this process open on ``path``."""
-    target = str(path.resolve())
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}") == target
-        except OSError:  # closed meanwhile (the listing's own descriptor)
-            pass
-    return count
 
 
-needs_proc = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
 
 
-@needs_proc
 @pytest.mark.parametrize("limit", [0, 1, 250, MAX_LATENCY_US])
-def test_the_bound_is_written_and_held_until_released(tmp_path: Path, limit: int) -> None:
+def test_the_bound_is_written_and_held_until_released(tmp_path: Path, limit: int, open_here: Callable[[Path], int]) -> None:
     device = tmp_path / "cpu_dma_latency"
     device.write_bytes(b"")
     hold = hold_cpu_wakeup_latency(limit, device)
     assert hold.held and hold.limit_us == limit
     assert device.read_bytes() == struct.pack("=i", limit)  # the kernel's binary form: one native 32-bit int
-    assert _open_here(device) == 1  # the request lasts while the device is open
+    assert open_here(device) == 1  # the request lasts while the device is open
     assert f"bounded at {limit} us" in hold.note
     hold.release()
     hold.release()  # idempotent
-    assert not hold.held and _open_here(device) == 0
+    assert not hold.held and open_here(device) == 0
 
 
 @pytest.mark.parametrize(("driver", "changes_nothing"), [("none\n", True), ("haltpoll\n", False), (None, False)])
@@ -106,10 +94,10 @@ def test_the_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert serve_cmd.settings_from_args(parser.parse_args(["serve", "--cpu-wakeup-latency-us", "0"])).cpu_wakeup_latency_us == 0
 
 
-@needs_proc
 @pytest.mark.parametrize("usable", [True, False])
 def test_the_server_holds_the_bound_while_it_runs(tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   caplog: pytest.LogCaptureFixture, usable: bool) -> None:
+                                                   caplog: pytest.LogCaptureFixture, usable: bool,
+                                                   open_here: Callable[[Path], int]) -> None:
     """Held from start to stop; a device the server cannot open is a warning, and the server serves anyway."""
     from lutb_client import ExpertClient
     from lutb_server.testing import ServerThread
@@ -123,8 +111,8 @@ def test_the_server_holds_the_bound_while_it_runs(tiny_checkpoint: Path, tmp_pat
         with ExpertClient(server.address) as client:
             assert client.model_info().layers  # serving
         if usable:
-            assert device.read_bytes() == struct.pack("=i", 0) and _open_here(device) == 1
-    assert _open_here(device) == 0
+            assert device.read_bytes() == struct.pack("=i", 0) and open_here(device) == 1
+    assert open_here(device) == 0
     notes = [r for r in caplog.records if "CPU wake-up latency" in r.getMessage()]
     assert len(notes) == 1, [r.getMessage() for r in caplog.records]
     assert notes[0].levelno == (logging.INFO if usable else logging.WARNING)

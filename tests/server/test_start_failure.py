@@ -9,7 +9,7 @@ import fcntl
 import os
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,19 +18,8 @@ from lutb_server import cpu_placement, cpu_wakeup
 from lutb_server.cpu_placement import LOCK_NAME
 from lutb_server.settings import ServerSettings
 
-needs_proc = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
 
 
-def _open_here(path: Path) -> int:
-    """Descriptors of this process open on ``path``."""
-    target = str(path.resolve())
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}") == target
-        except OSError:  # closed meanwhile (the listing's own descriptor)
-            pass
-    return count
 
 
 @pytest.fixture
@@ -52,10 +41,10 @@ FAILURES = {
 }
 
 
-@needs_proc
 @pytest.mark.parametrize(("extra", "error"), FAILURES.values(), ids=FAILURES.keys())
 def test_a_failed_start_gives_back_the_machine_holds(tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     taken_port: int, extra: dict[str, object], error: str) -> None:
+                                                     taken_port: int, extra: dict[str, object], error: str,
+                                                     open_here: Callable[[Path], int]) -> None:
     from lutb_server.app import serve
 
     device = tmp_path / "cpu_dma_latency"
@@ -73,10 +62,10 @@ def test_a_failed_start_gives_back_the_machine_holds(tiny_checkpoint: Path, tmp_
     loader = None if process else (lambda: pytest.fail("the engine is loaded only once bound"))
     with pytest.raises(OSError, match=error):
         asyncio.run(serve(settings, engine_loader=loader))
-    assert _open_here(device) == 0, "the failed server still bounds the machine's CPU wake-up latency"
+    assert open_here(device) == 0, "the failed server still bounds the machine's CPU wake-up latency"
     if process:
         lock = tmp_path / LOCK_NAME.format(cpu=3)
-        assert _open_here(lock) == 0, "the failed server still claims the compute CPU"
+        assert open_here(lock) == 0, "the failed server still claims the compute CPU"
         fd = os.open(lock, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another server's auto may take it
