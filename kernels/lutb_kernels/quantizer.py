@@ -58,6 +58,11 @@ E_MIN = -127
 """Exponent of E8M0 byte 0."""
 E_MAX = 127
 """Exponent of E8M0 byte 254 (255 is NaN)."""
+LARGEST_WEIGHT = float(torch.finfo(torch.bfloat16).max)
+"""The largest weight magnitude LUT-B encodes: bfloat16's largest finite value, ``(2 - 2**-7) * 2**127``
+(about 3.3895e38). A tile decodes to bfloat16 numbers and a reader refuses one whose decoded magnitude
+overflows bfloat16 (spec section 1), so no tile holds a larger weight; :func:`check_weights` refuses
+any weight above it (docs/format.md (g): "weights of magnitude above about 3.39e38 cannot be encoded")."""
 _TILE_ELEMS = TILE * TILE
 _GROUPS = TILE * GROUPS_PER_ROW
 
@@ -197,6 +202,55 @@ def _initial_lut(xs: torch.Tensor) -> torch.Tensor:
     return xs.sort(dim=1).values[:, ranks]
 
 
+def _first_row(mask: torch.Tensor) -> int | None:
+    """Index of the first row (last dimension = columns, all others flattened into rows) holding a True; None if none."""
+    hit = mask.reshape(-1, mask.shape[-1]).any(dim=1).nonzero()
+    return int(hit[0, 0]) if hit.numel() else None
+
+
+def _row_label(row: int, shape: tuple[int, ...]) -> str:
+    """``row`` of the rows of a ``[..., N, K]`` tensor, flattened: ``"row r"`` or ``"row r of matrix [i, j]"``."""
+    *lead, n, _ = shape
+    if not lead:
+        return f"row {row}"
+    index, rest = [], row // n
+    for size in reversed(lead):
+        index.append(rest % size)
+        rest //= size
+    return f"row {row % n} of matrix {list(reversed(index))}"
+
+
+def check_weights(w: torch.Tensor, name: str = "w", *, row_offset: int = 0, shape: tuple[int, ...] | None = None) -> None:
+    """Refuse dense weights LUT-B cannot encode, naming the tensor and the first offending row.
+
+    Checked in ``w``'s own dtype (on its device), before any cast: NaN or infinity first, then any
+    magnitude above :data:`LARGEST_WEIGHT` (bfloat16's largest finite value, about 3.3895e38, the largest a
+    tile can decode to). So a float64 weight of 1e39 is "too large", not "NaN or infinity", and a float32
+    weight of 3.4e38 is refused whatever LUT the fit would have found.
+
+    Args:
+        w: float ``[..., N, K]`` (at least 2-D); its rows are the vectors of the last dimension.
+        name: the tensor's name, for the message.
+        row_offset, shape: for a piece of a larger tensor (flattened to rows ``[R, K]``): the index of
+            ``w``'s first row among them, and the whole tensor's shape ``[..., N, K]`` (default: ``w``'s).
+
+    Raises:
+        NonFiniteInputError: ``w`` holds NaN or infinity.
+        ValueError: ``w`` holds a finite value of magnitude above :data:`LARGEST_WEIGHT`.
+    """
+    shape = tuple(w.shape) if shape is None else tuple(shape)
+    if not bool(torch.isfinite(w).all()):
+        row = _first_row(~torch.isfinite(w))
+        raise NonFiniteInputError(f"{name}: weights hold NaN or infinity ({_row_label(row_offset + row, shape)})")
+    if torch.finfo(w.dtype).max > LARGEST_WEIGHT:  # float32, float64: bfloat16 and float16 cannot exceed it
+        big = w.abs() > LARGEST_WEIGHT
+        if bool(big.any()):
+            row = _first_row(big)
+            value = float(w.reshape(-1, w.shape[-1])[row][big.reshape(-1, w.shape[-1])[row]][0])
+            raise ValueError(f"{name}: weights too large for LUT-B (decoded weights are bfloat16, largest finite "
+                             f"{LARGEST_WEIGHT:.4g}; {_row_label(row_offset + row, shape)} holds {value:.4g})")
+
+
 def quantize_tile_fields(
     x: torch.Tensor,
     *,
@@ -282,8 +336,11 @@ def quantize_matrix(
         :class:`QuantizedMatrix`; ``tiles`` on ``w``'s device.
 
     Raises:
-        ValueError: bad shape or dtype.
-        NonFiniteInputError: ``w`` holds NaN or infinity.
+        ValueError: bad shape or dtype; a weight of magnitude above :data:`LARGEST_WEIGHT` (bfloat16's
+            largest finite value, about 3.3895e38), naming the first such row.
+        NonFiniteInputError: ``w`` holds NaN or infinity (in its own dtype), naming the first such row.
+
+    Every chunk is checked with :func:`check_weights` in ``w``'s dtype before it is cast to float32.
     """
     if not w.is_floating_point():
         raise ValueError(f"{name}: weights must be floating point, got {w.dtype}")
@@ -304,16 +361,15 @@ def quantize_matrix(
     per_chunk = max(1, chunk_tiles // kt)
     for a in range(0, matrices * nt, per_chunk):
         b = min(a + per_chunk, matrices * nt)
-        x = strips[a:b].to(device=dev, dtype=torch.float32)
-        if not bool(torch.isfinite(x).all()):
-            raise NonFiniteInputError(f"{name}: weights hold NaN or infinity (rows {a * TILE % n}..{b * TILE % n or n} of a matrix)")
-        x = x.reshape(b - a, TILE, kt, TILE).transpose(1, 2).reshape((b - a) * kt, TILE, TILE)
+        x = strips[a:b].to(device=dev)
+        check_weights(x, name, row_offset=a * TILE, shape=tuple(w.shape))  # in w's dtype: 1e39 in float64 is not inf
+        x = x.float().reshape(b - a, TILE, kt, TILE).transpose(1, 2).reshape((b - a) * kt, TILE, TILE)
         codes, scales, lut = quantize_tile_fields(
             x, iterations=iterations, refinements=refinements, positions=positions, final_iterations=final_iterations
         )
         tiles = pack_tiles(codes, scales, lut)
         decoded = decode_tiles(tiles)
-        if not bool(torch.isfinite(decoded).all()):  # finite input beyond bfloat16's range (~3.39e38)
+        if not bool(torch.isfinite(decoded).all()):  # a safeguard: check_weights refused anything beyond LARGEST_WEIGHT
             raise ValueError(f"{name}: weights too large for LUT-B (decoded weights are bfloat16, largest finite "
                              f"{torch.finfo(torch.bfloat16).max:.4g}; rows {a * TILE % n}..{b * TILE % n or n} of a matrix)")
         diff = decoded.sub_(x)
@@ -408,8 +464,10 @@ __all__ = [
     "DEFAULT_FIT_SAMPLES",
     "DEFAULT_ITERATIONS",
     "DEFAULT_REFINEMENTS",
+    "LARGEST_WEIGHT",
     "QuantizedLayer",
     "QuantizedMatrix",
+    "check_weights",
     "fit_positions",
     "layer_tiles",
     "nearest_codes",

@@ -11,6 +11,7 @@ from lutb_kernels.checkpoint import CheckpointConfig, check_layer
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.quantizer import (
     QuantizedMatrix,
+    fit_positions,
     nearest_codes,
     quantize_layer,
     quantize_matrix,
@@ -209,3 +210,54 @@ def test_quantize_layer_stacks_gate_over_up(activation: str) -> None:
 def test_quantize_layer_shape_mismatch() -> None:
     with pytest.raises(ValueError):
         quantize_layer(torch.randn(2, 128, 256), torch.randn(2, 128, 256), torch.randn(2, 128, 256))
+
+
+def test_one_weight_beyond_bfloat16_is_refused_even_where_the_fit_misses_it() -> None:
+    """Whether a finite float32 weight past bfloat16's range was refused depended on the LUT fit: one outlier at a
+    position the fit's subsample skips (refinements=0) was clipped silently to ~8e37 and valid tiles came out."""
+    seed = _fresh_seed()
+    fitted = set(fit_positions(4096, seed).tolist())
+    pos = next(p for p in torch.randperm(128 * 128).tolist() if p not in fitted)
+    w = torch.randn(256, 128) * 0.02
+    tile = int(torch.randint(0, 2, ()))
+    row, col = tile * 128 + pos // 128, pos % 128
+    w[row, col] = 3.4e38 * (1 if torch.rand(()) < 0.5 else -1)
+    with pytest.raises(ValueError, match=rf"layers\.0\.w13: weights too large for LUT-B .*row {row} holds") as info:
+        quantize_matrix(w, iterations=1, refinements=0, seed=seed, name="layers.0.w13")
+    assert not isinstance(info.value, NonFiniteInputError)
+
+
+def test_the_too_large_bound_is_bfloat16_max() -> None:
+    """The bound docs/format.md (g) promises: bfloat16's largest finite value is accepted, the next float32 is not."""
+    top = torch.finfo(torch.bfloat16).max
+    w = torch.randn(128, 128) * 0.02
+    w[5, 7] = -top
+    q = quantize_matrix(w, iterations=1, refinements=0, seed=_fresh_seed())
+    validate_tiles(q.tiles, "w")
+    assert bool(torch.isfinite(tiles_to_dense(q.tiles)).all())
+    w[5, 7] = torch.nextafter(torch.tensor(top), torch.tensor(math.inf))
+    with pytest.raises(ValueError, match="too large.*row 5 holds"):
+        quantize_matrix(w, iterations=1, refinements=0)
+
+
+@pytest.mark.parametrize("big", [1e39, -1e300])
+def test_float64_weights_beyond_float32_are_too_large_not_non_finite(big: float) -> None:
+    """The check ran after the cast to float32, so a finite float64 1e39 (inf in float32) was called NaN or infinity."""
+    w = torch.randn(2, 128, 128, dtype=torch.float64)
+    row = int(torch.randint(0, 128, ()))
+    w[1, row, int(torch.randint(0, 128, ()))] = big
+    with pytest.raises(ValueError, match=rf"w2: weights too large for LUT-B .*row {row} of matrix \[1\] holds") as info:
+        quantize_matrix(w, iterations=1, refinements=0, name="w2")
+    assert not isinstance(info.value, NonFiniteInputError)
+    w[1, row] = float("nan")  # NaN in float64 is still NaN
+    with pytest.raises(NonFiniteInputError, match=rf"w2: weights hold NaN or infinity \(row {row} of matrix \[1\]\)"):
+        quantize_matrix(w, iterations=1, refinements=0, name="w2")
+
+
+def test_non_finite_refusal_names_the_first_bad_row() -> None:
+    w = torch.randn(384, 128, dtype=torch.bfloat16)
+    rows = sorted(torch.randperm(384)[:2].tolist())
+    w[rows[1], 3] = float("inf")
+    w[rows[0], 100] = float("nan")
+    with pytest.raises(NonFiniteInputError, match=rf"\(row {rows[0]}\)"):
+        quantize_matrix(w, iterations=1, refinements=0, chunk_tiles=1)
