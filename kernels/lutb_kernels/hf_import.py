@@ -10,10 +10,16 @@ are recognised by name:
 
 Any prefix before ``layers.`` is accepted. Layers without routed experts are
 skipped; shared experts (``mlp.shared_expert.*``, ``mlp.shared_experts.*``) are
-left out and mentioned in the report's notes. The LUT-B layer index is the HF
-layer index. Conversion streams one expert at a time through memory-mapped
-``safe_open`` handles, so host memory stays near one layer's packed tiles plus
-one dense expert.
+left out, and so are the routed experts of layers numbered at or beyond
+config.json's ``num_hidden_layers`` (the multi-token-prediction layer that
+DeepSeek-V3 and GLM-4.5 store as ``model.layers.{num_hidden_layers}``) and those
+under a second prefix (``mtp.layers.L...``); the report's notes mention each.
+The LUT-B layer index is the HF layer index. Conversion streams one expert at a
+time through memory-mapped ``safe_open`` handles, so host memory stays near one
+layer's packed tiles plus one dense expert. Each expert's gate and up projections
+are checked (:func:`~lutb_kernels.quantizer.check_weights`) before they are
+stacked into ``W13``, so a weight LUT-B cannot encode is reported against the
+tensor that holds it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from lutb_kernels.errors import LutBFormatError
 from lutb_kernels.quantizer import (
     DEFAULT_ITERATIONS,
     DEFAULT_REFINEMENTS,
+    check_weights,
     layer_tiles,
     quantize_matrix,
     sqnr_db,
@@ -198,6 +205,35 @@ def _check_layer_experts(layer: int, experts: dict[int, dict[str, str]], num_exp
                               f"an incomplete model cannot be converted")
 
 
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """The device to quantize on: ``device`` (``cpu``, ``cuda`` or ``cuda:N``), or by default CUDA when
+    available, else CPU.
+
+    Checked before anything is read or written, so a device this host lacks is a clear error rather
+    than an AssertionError or RuntimeError from the first tensor moved there.
+
+    Raises:
+        ValueError: naming ``device``: not a device name torch parses, a device type other than cpu or
+            cuda, CUDA asked for on a host without it, or a CUDA index beyond the host's devices.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device {str(device)!r} is not a device name (expected cpu, cuda or cuda:N)") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device {str(device)!r}: the quantizer runs on cpu or cuda (cuda:N)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: CUDA is not available on this host")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"device {str(device)!r}: this host has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    return dev
+
+
 def import_hf_checkpoint(
     src: str | Path,
     out_dir: str | Path,
@@ -216,7 +252,8 @@ def import_hf_checkpoint(
         src: directory with ``config.json`` and ``*.safetensors``.
         out_dir: the LUT-B checkpoint to write (one file per layer).
         scale_mode: the MXFP8 scale mode the checkpoint records.
-        device: where to quantize (default: CUDA when available, else CPU).
+        device: where to quantize, ``cpu``, ``cuda`` or ``cuda:N`` (default: CUDA when available, else
+            CPU); see :func:`resolve_device`.
         seed, iterations, refinements: passed to :func:`~lutb_kernels.quantizer.quantize_matrix`.
         progress: show a tqdm bar (tiles) on stderr.
         overwrite: replace safetensors files already in ``out_dir``.
@@ -225,9 +262,12 @@ def import_hf_checkpoint(
         :class:`ImportReport` with one row per converted layer.
 
     Raises:
-        LutBFormatError: unreadable config or source file, no routed experts, a layer lacking some of
-            config.json's experts, missing or misshapen expert tensors.
-        NonFiniteInputError, ValueError: weights the quantizer cannot encode (NaN, too large).
+        LutBFormatError: unreadable config or source file, no routed experts (below ``num_hidden_layers``),
+            a layer lacking some of config.json's experts, missing or misshapen expert tensors.
+        NonFiniteInputError, ValueError: weights the quantizer cannot encode (NaN or infinity, magnitude
+            above bfloat16's largest finite value), naming the source tensor (gate, up or down
+            projection) and the first offending row of it; a device this host lacks
+            (:func:`resolve_device`), before anything is written.
         FileExistsError: ``out_dir`` cannot be replaced (see :class:`~lutb_kernels.checkpoint.StagedDirectory`).
         OSError: writing ``out_dir`` failed (a full disk, no permission); the message names the output.
     """
@@ -235,7 +275,7 @@ def import_hf_checkpoint(
 
     src = Path(src)
     hf = read_hf_config(src)
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = resolve_device(device)
     config = CheckpointConfig(
         hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size,
@@ -263,7 +303,7 @@ def import_hf_checkpoint(
     if len(ranked) > 1 and len(found[ranked[0]]) == len(found[ranked[1]]):
         raise LutBFormatError(f"{src}: routed experts under several prefixes with as many layers each "
                               f"({', '.join(repr(p) for p in ranked)}); cannot tell which is the model")
-    layers = found[ranked[0]]
+    layers = dict(found[ranked[0]])
     report = ImportReport(Path(out_dir), config)
     for other in ranked[1:]:
         report.notes.append(f"routed experts under prefix {other!r} left out (layers {compact_ids(sorted(found[other]))}); "
@@ -274,9 +314,20 @@ def import_hf_checkpoint(
             f"layers {compact_ids(sorted(shared))}; run them with the dense part of the model"
         )
     total_layers = _get(_read_json(src / "config.json"), "num_hidden_layers")
-    if isinstance(total_layers, int) and total_layers > len(layers):
+    if isinstance(total_layers, int) and not isinstance(total_layers, bool) and total_layers > 0:
+        # DeepSeek-V3 and GLM-4.5 store their multi-token-prediction layer(s) under the main prefix, as
+        # model.layers.{num_hidden_layers}...: not a layer of the model's stack, left out like "mtp." ones.
+        beyond = sorted(layer for layer in layers if layer >= total_layers)
+        if beyond:
+            layers = {layer: ex for layer, ex in layers.items() if layer < total_layers}
+            if not layers:
+                raise LutBFormatError(f"{src}: routed experts only in layers {compact_ids(beyond)}, none below "
+                                      f"config.json's num_hidden_layers = {total_layers}")
+            report.notes.append(f"routed experts of layer(s) {compact_ids(beyond)} left out: at or beyond num_hidden_layers = "
+                                f"{total_layers} (multi-token-prediction layers, not part of the model's stack)")
         dense = sorted(set(range(total_layers)) - set(layers))
-        report.notes.append(f"{len(dense)} layer(s) without routed experts skipped: {compact_ids(dense)}")
+        if dense:
+            report.notes.append(f"{len(dense)} layer(s) without routed experts skipped: {compact_ids(dense)}")
 
     h, i = hf.hidden_size, hf.intermediate_size
     for layer, experts in sorted(layers.items()):
@@ -299,15 +350,19 @@ def import_hf_checkpoint(
                 for p, want in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
                     if tuple(parts[p].shape) != want:
                         raise LutBFormatError(f"{experts[e][p]}: shape {tuple(parts[p].shape)}, expected {want} from config.json")
-                q13 = quantize_matrix(stack_w13(parts["gate"], parts["up"]), seed=seed, device=dev, iterations=iterations,
-                                      refinements=refinements, progress=bar.update, name=experts[e]["gate"])
+                # Checked one by one before stacking, so an error names the tensor (gate or up) and its row.
+                gate, up = parts["gate"].to(dev), parts["up"].to(dev)
+                check_weights(gate, experts[e]["gate"])
+                check_weights(up, experts[e]["up"])
+                q13 = quantize_matrix(stack_w13(gate, up), seed=seed, device=dev, iterations=iterations, refinements=refinements,
+                                      progress=bar.update, name=f"{experts[e]['gate']} stacked over {experts[e]['up']}")
                 q2 = quantize_matrix(parts["down"], seed=seed, device=dev, iterations=iterations,
                                      refinements=refinements, progress=bar.update, name=experts[e]["down"])
                 w13[slot] = q13.tiles.cpu()
                 w2[slot] = q2.tiles.cpu()
                 energy += torch.stack([q13.signal_energy, q13.noise_energy, q2.signal_energy, q2.noise_energy])
                 worst = min(worst, float(sqnr_db(q13.signal_energy + q2.signal_energy, q13.noise_energy + q2.noise_energy)))
-                del parts, q13, q2
+                del parts, gate, up, q13, q2
             writer.write_layer(layer, LayerWeights(w13, w2, torch.tensor(ids, dtype=torch.int32)))
             report.layers.append(
                 LayerReport(
@@ -339,4 +394,5 @@ def compact_ids(ids: list[int]) -> str:
     return ",".join(out)
 
 
-__all__ = ["HF_ACTIVATIONS", "HFMoEConfig", "ImportReport", "LayerReport", "compact_ids", "import_hf_checkpoint", "read_hf_config"]
+__all__ = ["HF_ACTIVATIONS", "HFMoEConfig", "ImportReport", "LayerReport", "compact_ids", "import_hf_checkpoint", "read_hf_config",
+           "resolve_device"]

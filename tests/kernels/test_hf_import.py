@@ -287,3 +287,72 @@ def safe_keys(file: Path) -> list[str]:
 
     with safe_open(str(file), framework="pt") as f:
         return list(f.keys())
+
+
+@pytest.mark.parametrize("part", ["w1", "w3"], ids=["gate", "up"])
+@pytest.mark.parametrize("bad", [float("nan"), 3.4e38], ids=["nan", "too-large"])
+def test_bad_gate_or_up_weights_are_reported_against_their_own_tensor(tmp_path: Path, part: str, bad: float) -> None:
+    """Gate and up are quantized stacked as W13 [2I, H], and any bad value in either was reported against the gate
+    tensor (w1), with rows of the stacked matrix: a NaN in w3 row 5 read as "w1 ... rows 256..384"."""
+    src = make_mixtral(tmp_path / "src", experts=2, layers=1, dtype=torch.float32)
+    name = f"model.layers.0.block_sparse_moe.experts.1.{part}.weight"
+    other = name.replace(part, "w3" if part == "w1" else "w1")
+    row = int(torch.randint(0, I, ()))
+    src[name][row, int(torch.randint(0, H, ()))] = bad
+    save_file(src, str(tmp_path / "src" / "model.safetensors"))
+    with pytest.raises(ValueError) as info:
+        import_hf_checkpoint(tmp_path / "src", tmp_path / "out", device="cpu", progress=False, iterations=1, refinements=0)
+    msg = str(info.value)
+    what = "weights hold NaN or infinity" if bad != bad else "weights too large for LUT-B"
+    assert msg.startswith(f"{name}: {what}") and other not in msg, msg
+    assert f"(row {row})" in msg or f"; row {row} holds" in msg, msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_mtp_layer_numbered_num_hidden_layers_is_left_out_and_dense_layers_still_noted(tmp_path: Path) -> None:
+    """DeepSeek-V3 / GLM-4.5 store their multi-token-prediction layer as model.layers.{num_hidden_layers}: it was
+    converted as a model layer, and because it made up the count, the note on the skipped dense layers vanished."""
+    src = tmp_path / "src"
+    tensors = make_qwen(src)  # layer 0 dense, layers 1-2 MoE, num_hidden_layers 3
+    for e in range(4):
+        for p, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            tensors[f"model.layers.3.mlp.experts.{e}.{p}.weight"] = torch.randn(shape) * 0.02
+    tensors["model.layers.3.eh_proj.weight"] = torch.randn(H, 2 * H)
+    save_file(tensors, str(src / "model.safetensors"))
+    report = import_hf_checkpoint(src, tmp_path / "out", device="cpu", progress=False, iterations=1, refinements=0)
+    assert Checkpoint(tmp_path / "out").layers == [1, 2]
+    assert [r.layer for r in report.layers] == [1, 2]
+    notes = " ".join(report.notes)
+    assert "without routed experts skipped: 0" in notes, report.notes
+    assert "layer(s) 3 left out" in notes and "num_hidden_layers = 3" in notes, report.notes
+
+
+def test_routed_experts_only_beyond_num_hidden_layers_are_refused(tmp_path: Path) -> None:
+    tensors = make_mixtral(tmp_path / "src", experts=2, layers=1)  # config.json: num_hidden_layers 1
+    save_file({k.replace("layers.0.", "layers.1."): v for k, v in tensors.items()}, str(tmp_path / "src" / "model.safetensors"))
+    with pytest.raises(LutBFormatError, match="none below config.json's num_hidden_layers = 1"):
+        import_hf_checkpoint(tmp_path / "src", tmp_path / "out", device="cpu", progress=False)
+
+
+@pytest.mark.parametrize(
+    ("device", "cuda", "count", "message"),
+    [
+        ("gpu", False, 0, "'gpu' is not a device name"),
+        ("cuda", False, 0, "'cuda': CUDA is not available"),
+        ("cuda:1", False, 0, "'cuda:1': CUDA is not available"),
+        ("cuda:2", True, 2, r"'cuda:2': this host has 2 CUDA device\(s\)"),
+        ("meta", False, 0, "'meta': the quantizer runs on cpu or cuda"),
+    ],
+    ids=["typo", "no-cuda", "no-cuda-index", "index-too-high", "meta"],
+)
+def test_a_device_this_host_lacks_is_a_value_error_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, cuda: bool, count: int, message: str
+) -> None:
+    """`lutb quantize --device cuda` on a host without CUDA ended in an AssertionError, `--device gpu` in a
+    RuntimeError: tracebacks, where the command reports ValueErrors as one line and exit status 1."""
+    make_mixtral(tmp_path / "src", experts=2, layers=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    with pytest.raises(ValueError, match=message):
+        import_hf_checkpoint(tmp_path / "src", tmp_path / "out", device=device, progress=False, iterations=1, refinements=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -191,6 +191,22 @@ def test_quantize_refuses_weights_too_large_without_a_traceback(tmp_path: Path, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("device", "cuda"), [("cuda", False), ("cuda:3", True), ("gpu", False)],
+                         ids=["no-cuda", "index-too-high", "typo"])
+def test_quantize_refuses_a_device_this_host_lacks_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                        monkeypatch: pytest.MonkeyPatch, device: str,
+                                                                        cuda: bool) -> None:
+    """`--device cuda` on a host without CUDA raised AssertionError ("Torch not compiled with CUDA enabled") and
+    `--device gpu` RuntimeError out of `lutb quantize`, instead of one line and exit status 1."""
+    _hf.make_mixtral(tmp_path / "src", experts=2, layers=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1 if cuda else 0)
+    assert main(["quantize", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--device", device, "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"lutb quantize: device {device!r}") and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("ids", [[[0, 1], [2, 3]], 0], ids=["2-D", "0-D"])
 @pytest.mark.parametrize("as_json", [False, True])
 def test_inspect_reports_malformed_expert_ids(tmp_path: Path, capsys: pytest.CaptureFixture[str], ids: object,

@@ -30,7 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     quantize = subparsers.add_parser("quantize", help="convert a Hugging Face MoE checkpoint (safetensors) to LUT-B")
     quantize.add_argument("src", metavar="SRC", help="directory with config.json and *.safetensors")
     quantize.add_argument("--out", required=True, metavar="DIR", help="LUT-B checkpoint directory to write")
-    quantize.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    quantize.add_argument("--device", default=None,
+                          help="cpu, cuda or cuda:N (default: cuda when available, else cpu); one this host lacks is refused")
     quantize.add_argument("--seed", type=int, default=0, help="quantizer seed (default: 0)")
     quantize.add_argument("--scale-mode", default="rceil", choices=SCALE_MODES, help="MXFP8 scale mode recorded (default: rceil)")
     quantize.add_argument("--overwrite", action="store_true", help="replace safetensors files already in --out")
@@ -91,7 +92,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             overwrite=args.overwrite,
         )
-    except (LutBError, ValueError, FileExistsError) as exc:  # (ValueError: weights the quantizer cannot encode)
+    except (LutBError, ValueError, FileExistsError) as exc:  # (ValueError: weights the quantizer cannot encode, a bad --device)
         print(f"lutb quantize: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # the source's read errors are LutBFormatErrors naming the file: this is the output's
