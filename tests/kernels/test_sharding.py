@@ -119,6 +119,18 @@ def test_shard_outputs_add_up_to_the_whole_layer(ckpt: Checkpoint, tmp_path: Pat
         assert rel <= 1e-5
 
 
+def test_shard_help_says_outputs_add_up_only_without_replicas() -> None:
+    """`lutb shard --help` promised that the shards' outputs add up to the whole layer, false with --replicas:
+    a replicated expert's routes sent to both holders count twice."""
+    from lutb_server.cli import build_parser
+
+    sub = next(a for a in build_parser()._subparsers._group_actions if isinstance(a.choices, dict))
+    text = " ".join(sub.choices["shard"].description.split())
+    assert "the shards' outputs add up to the whole layer" not in text
+    assert "Without --replicas every expert is on exactly one shard, so the shards' outputs for a call add up" in text
+    assert "each route must go to exactly one of its holders" in text
+
+
 def test_cli_shard_contiguous_and_balanced(ckpt: Checkpoint, tmp_path: Path) -> None:
     assert main(["shard", str(ckpt.path), "--out", str(tmp_path / "c"), "--shards", "2"]) == 0
     assert Checkpoint(tmp_path / "c" / "shard-1").expert_ids(0).tolist() == [3, 4, 5]

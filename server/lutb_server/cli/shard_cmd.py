@@ -14,7 +14,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Write N shard checkpoints OUT/shard-0 .. OUT/shard-{N-1}, each holding a subset of every "
             "layer's experts (spec section 5), and OUT/shards.json describing the placement. "
-            "Serve each with `lutb serve --checkpoint OUT/shard-i`; the shards' outputs add up to the whole layer."
+            "Serve each with `lutb serve --checkpoint OUT/shard-i`. Without --replicas every expert is on exactly "
+            "one shard, so the shards' outputs for a call add up to the whole layer; with --replicas R a replicated "
+            "expert is on two shards, so each route must go to exactly one of its holders (as ShardedExpertClient does, "
+            "from the experts each shard's ModelInfo lists; shards.json records them too): sending every route to "
+            "every shard counts a replicated expert twice."
         ),
     )
     p.add_argument("checkpoint", type=Path, help="the LUT-B checkpoint directory to split")
