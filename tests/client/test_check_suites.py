@@ -49,8 +49,11 @@ def test_batch_kinds() -> None:
     batches = {}
     for b in every:
         batches.setdefault(b.part, b)  # each part's first request
-    # a standard batch holds 64 tokens whatever the cap (judged strictly), sent as 4 requests of 16
-    assert tokens["single_token"] == 1 and tokens["max_tokens"] == 16 and tokens["normal"] == 64
+    # a standard batch holds 64 tokens whatever the cap (judged strictly), sent as 4 requests of 16; single_token
+    # is 64 requests of one token, small_batches requests of 2..16 tokens, at least 64 together
+    assert tokens["single_token"] == 64 and tokens["max_tokens"] == 16 and tokens["normal"] == 64
+    assert {b.tokens for b in every if b.part == "single_token"} == {1}
+    assert tokens["small_batches"] >= 64 and {b.tokens for b in every if b.part == "small_batches"} == {2, 3, 4, 8, 9, 16}
     woi = batches["weights_on_input"]
     assert woi.apply_router_weight_on_input and woi.topk_ids.shape[1] == 1 and woi.output_mode == "combined"
     assert batches["route_major"].output_mode == "route_major" and batches["normal"].output_mode == "combined"

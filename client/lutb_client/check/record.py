@@ -11,7 +11,7 @@ Format ``lutb-record`` version 1: a single safetensors file.
   ``ModelInfo``, see :func:`lutb_client.check.runner.model_info_dict`), ``suites``,
   ``seed``, ``tokens``, ``topk``, ``layers``, ``headroom`` (layer -> amax of the huge
   inputs) and ``batches``: one object per batch with ``index``, ``suite``, ``part``,
-  ``layer``, ``apply_router_weight_on_input``, ``output_mode``, ``standard`` and
+  ``layer``, ``apply_router_weight_on_input``, ``output_mode``, ``standard``, ``meta`` and
   ``error`` (null, or ``{"code", "message"}`` when the node refused the request).
 """
 

@@ -9,7 +9,10 @@ Judging (spec section 6; see docs/checking.md):
   only against ``GROSS_FACTOR`` x the tolerance ("gross"), because a handful of
   tokens can legitimately exceed the tolerance through a few MXFP8 rounding flips;
   its tokens still count in the layer's ``pooled`` row (every standard-normal batch
-  of the layer pooled), which is judged strictly once it reaches 64 tokens;
+  of the layer pooled), which is judged strictly once it reaches 64 tokens; the
+  small-request suites (``single_token``: 64 requests of one token; ``small_batches``:
+  requests of 2 to 63 tokens) hold at least 64 tokens each, so their own rows are
+  judged strictly, undiluted by the large batches of the pooled row;
 - every row fails on any NaN/Inf the judge does not have (or the reverse), on a
   shape mismatch, and on a request that failed on either side.
 """
@@ -69,11 +72,12 @@ class Row:
         self.ok = not reasons
 
     @property
-    def badness(self) -> float:
-        """Sort key, larger is worse: failures first, then rel L2 over its limit."""
+    def badness(self) -> tuple[bool, float]:
+        """Sort key, larger is worse: ``(failing, rel L2 over its limit)`` (NaN counts as infinite), so that
+        failures come first and, among them as among the rest, the furthest beyond its limit first."""
         rel = self.stats.rel_l2
         ratio = rel / self.limit if self.limit > 0 else rel
-        return (0.0 if self.ok else 1e300) + (ratio if not math.isnan(ratio) else 1e299)
+        return (not self.ok, math.inf if math.isnan(ratio) else ratio)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"suite": self.suite, "layer": self.layer}
@@ -114,8 +118,8 @@ class CheckReport:
         self.tolerance = TOLERANCE.get(self.dtype, 1e-2)
         for row in (*self.layer_rows, *self.expert_rows):
             row.judge(self.tolerance)
-        self.layer_rows.sort(key=lambda r: (-r.badness, r.layer, r.suite))
-        self.expert_rows.sort(key=lambda r: (-r.badness, r.layer, r.expert or 0, r.suite))
+        self.layer_rows.sort(key=lambda r: (-r.badness[0], -r.badness[1], r.layer, r.suite))
+        self.expert_rows.sort(key=lambda r: (-r.badness[0], -r.badness[1], r.layer, r.expert or 0, r.suite))
 
     @property
     def failing_layers(self) -> list[int]:

@@ -9,8 +9,13 @@ side it is checked against (the judge) and returns a :class:`~lutb_client.check.
 
 from __future__ import annotations
 
+import functools
+import ipaddress
+import re
+import socket
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +24,16 @@ import torch
 from lutb_client.check.compare import ErrorStats, route_rows_by_expert
 from lutb_client.check.record import Recording, check_writable, read_recording, write_recording
 from lutb_client.check.report import POOLED, CheckReport, Row
-from lutb_client.check.suites import Batch, NodeShape, headroom_probe, make_batches, resolve_suites
+from lutb_client.check.suites import (
+    MESSAGE_MARGIN,
+    STANDARD_TOKENS,
+    Batch,
+    NodeShape,
+    headroom_probe,
+    make_batches,
+    message_tokens,
+    resolve_suites,
+)
 from lutb_client.codec import dtype_name, to_torch_dtype
 
 IDENTITY_FIELDS = ("content_hash", "mxfp8_scale_mode")
@@ -77,11 +91,18 @@ def _layers_of(info: dict[str, Any]) -> dict[int, list[int]]:
 
 
 class Side:
-    """Something that answers batches. ``address`` names it in reports; ``info`` is its ModelInfo as a dict."""
+    """Something that answers batches. ``address`` names it in reports; ``info`` is its ModelInfo as a dict.
+
+    ``message_bytes`` is the largest request or response message the side takes (0: no bound): a node starts
+    at its client's limit and lowers it when the node refuses a message as too large. ``splits`` says whether
+    a batch may be sent to it in parts (a record answers whole batches only).
+    """
 
     address: str
     kind: str
     info: dict[str, Any]
+    message_bytes: int = 0
+    splits: bool = True
 
     def forward(self, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
@@ -98,12 +119,13 @@ class NodeSide(Side):
 
     kind = "node"
 
-    def __init__(self, address: str, *, timeout: float = 120.0) -> None:
-        from lutb_client.client import ExpertClient
+    def __init__(self, address: str, *, timeout: float = 120.0, max_message_bytes: int | None = None) -> None:
+        from lutb_client.client import DEFAULT_MAX_MESSAGE_BYTES, ExpertClient
         from lutb_client.errors import ExpertServiceError
 
         self.address = address
-        self.client = ExpertClient(address, timeout=timeout, retries=1)
+        self.message_bytes = int(max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
+        self.client = ExpertClient(address, timeout=timeout, retries=1, max_message_bytes=self.message_bytes)
         try:
             self.info = model_info_dict(self.client.model_info(timeout=min(timeout, 15.0)))
         except ExpertServiceError as exc:
@@ -141,6 +163,11 @@ class ReferenceSide(Side):
             raise CheckError(f"device {device!r}: {exc}") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise CheckError(f"device {device!r}: no CUDA device here (use cpu or auto)")
+        if self.device.type == "cuda" and self.device.index is not None:
+            count = torch.cuda.device_count()
+            if self.device.index >= count:
+                have = {0: "none", 1: "cuda:0"}.get(count, f"cuda:0 to cuda:{count - 1}")
+                raise CheckError(f"device {device!r}: this host has {count} CUDA device(s) ({have})")
         self.address = "reference"
         config = self.checkpoint.config
         self.info = {
@@ -171,7 +198,7 @@ class ReferenceSide(Side):
         from lutb_kernels.experts.reference import ReferenceExperts
 
         if self._layer != layer:
-            self._experts = None  # release the previous layer before loading the next
+            self._experts, self._layer = None, None  # release the previous layer before loading the next
             try:  # the judge checks its tiles (spec section 1) as a server does: a bad one is named, not met as NaN
                 weights = self.checkpoint.layer(layer, tiles=True)
             except LutBError as exc:
@@ -194,6 +221,7 @@ class RecordedSide(Side):
     """The answers kept in a record file (see :mod:`lutb_client.check.record`)."""
 
     kind = "record"
+    splits = False
 
     def __init__(self, recording: Recording, file: str | Path) -> None:
         self.recording = recording
@@ -248,24 +276,203 @@ def _cap(tokens: int, *infos: dict[str, Any]) -> int:
     return cap
 
 
-def _shape(info: dict[str, Any], topk: int, cap: int) -> NodeShape:
+def _shape(info: dict[str, Any], topk: int, cap: int, *sides: Side) -> NodeShape:
+    """The batches' shape; their messages bounded by the smallest ``message_bytes`` of ``sides`` (0: none)."""
+    bounds = [side.message_bytes for side in sides if side.message_bytes > 0]
     return NodeShape(
         hidden_size=int(info["hidden_size"]), num_experts=int(info["num_experts"]), dtype=model_dtype(info),
-        experts=_layers_of(info), max_tokens=cap, topk=topk,
+        experts=_layers_of(info), max_tokens=cap, topk=topk, max_message_bytes=min(bounds, default=0),
     )
 
 
-def _call(side: Side, batch: Batch, cap: int | None = None) -> tuple[torch.Tensor | None, dict[str, str] | None]:
-    """``side``'s output for ``batch`` (sent in parts of at most ``cap`` tokens), or the error it gave."""
+SIZE_REFUSAL = re.compile(r"larger than max|max_message_bytes|send fewer tokens", re.IGNORECASE)
+"""What a RESOURCE_EXHAUSTED about a message's size says (the server's refusal of a response too large for its
+``max_message_bytes``, or gRPC's of a message beyond a channel's limit), unlike a full queue."""
+
+
+def _too_large(exc: BaseException) -> bool:
+    """``exc`` refuses a request because of its (or its response's) size: a smaller request may pass."""
+    from lutb_client.errors import ExpertServiceError
+
+    return (isinstance(exc, ExpertServiceError) and exc.code.name == "RESOURCE_EXHAUSTED"
+            and bool(SIZE_REFUSAL.search(exc.message or "")))
+
+
+def _refused_input(exc: BaseException) -> bool:
+    """``exc`` is a judge's refusal of the batch's input (the reference's ValueError, e.g. NaN met in step 5, or a
+    node's INVALID_ARGUMENT): a finding about the batch, not a failure of the judge itself."""
+    from lutb_client.errors import ExpertServiceError
+
+    if isinstance(exc, ExpertServiceError):
+        return exc.code.name == "INVALID_ARGUMENT"
+    return isinstance(exc, ValueError)
+
+
+def _fit(side: Side, batch: Batch) -> torch.Tensor:
+    """``side``'s output for ``batch``, sent in requests whose messages fit ``side.message_bytes``; a request the
+    side refuses as too large is split in halves and sent again (and the side's bound lowered for the rest)."""
+    per_token = batch.token_bytes
+    fit = message_tokens(side.message_bytes, per_token)
+    if batch.tokens > fit:
+        return torch.cat([_fit(side, part) for part in batch.split(fit)])
+    try:
+        return side.forward(batch)
+    except Exception as exc:
+        if batch.tokens <= 1 or not _too_large(exc):
+            raise
+    half = (batch.tokens + 1) // 2
+    bound = half * per_token + MESSAGE_MARGIN  # what a request of half the tokens needs
+    side.message_bytes = bound if side.message_bytes <= 0 else min(side.message_bytes, bound)
+    return torch.cat([_fit(side, part) for part in batch.split(half)])
+
+
+def _send(side: Side, batch: Batch, *, cap: int | None = None) -> torch.Tensor:
+    """``side``'s output for ``batch``: in requests of at most ``cap`` tokens, each fitting the side's message
+    bound (:func:`_fit`); a record's whole."""
+    if not side.splits:
+        return side.forward(batch)
+    parts = [batch] if cap is None else batch.split(max(1, cap))
+    outs = [_fit(side, part) for part in parts]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _call(side: Side, batch: Batch) -> tuple[torch.Tensor | None, dict[str, str] | None]:
+    """The target's output for ``batch``, or the error it gave: any failure of the target is a finding about it."""
     from lutb_client.errors import ExpertServiceError
 
     try:
-        parts = [batch] if cap is None else batch.split(cap)
-        return (side.forward(parts[0]) if len(parts) == 1 else torch.cat([side.forward(p) for p in parts])), None
+        return _send(side, batch), None
     except ExpertServiceError as exc:
         return None, {"code": exc.code.name, "message": exc.message}
-    except Exception as exc:  # noqa: BLE001 - the reference's refusal of a batch is a finding, not a crash
+    except Exception as exc:  # noqa: BLE001 - whatever the target does wrong is reported against it
         return None, {"code": type(exc).__name__, "message": str(exc)}
+
+
+def _judge_groups(batches: Sequence[Batch], limit: int) -> list[list[Batch]]:
+    """``batches`` in runs the judge answers in one call: consecutive standard-normal requests of one part and
+    layer, asked alike, of at most ``limit`` tokens together (the target still gets each request on its own).
+    The 64 one-token requests of ``single_token`` cost the judge one call, not 64; inputs that may overflow
+    (huge, heavy-tailed, tiny) go alone, so that a refusal of one is not laid on others."""
+    groups: list[list[Batch]] = []
+    for batch in batches:
+        last = groups[-1] if groups else None
+        if (last is not None and batch.standard and last[0].standard and batch.part == last[0].part
+                and batch.layer == last[0].layer and batch.output_mode == last[0].output_mode
+                and batch.apply_router_weight_on_input == last[0].apply_router_weight_on_input
+                and batch.topk_ids.shape[1] == last[0].topk_ids.shape[1]
+                and sum(b.tokens for b in last) + batch.tokens <= limit):
+            last.append(batch)
+        else:
+            groups.append([batch])
+    return groups
+
+
+def _joined(group: Sequence[Batch]) -> Batch:
+    """One batch of a group's requests, in order (the group's first batch when it is alone)."""
+    if len(group) == 1:
+        return group[0]
+    return replace(group[0], hidden_states=torch.cat([b.hidden_states for b in group]),
+                   topk_ids=torch.cat([b.topk_ids for b in group]), topk_weights=torch.cat([b.topk_weights for b in group]))
+
+
+def _judge_failed(judge: Side, batch: Batch, exc: BaseException) -> CheckError:
+    from lutb_client.errors import ExpertServiceError
+
+    what = f"{exc.code.name}: {exc.message}" if isinstance(exc, ExpertServiceError) else f"{type(exc).__name__}: {exc}"
+    where = "a headroom probe" if batch.index < 0 else f"batch {batch.index}"
+    return CheckError(f"the judge ({judge.address}) failed on {where} ({batch.part}, layer {batch.layer}): {what}")
+
+
+def _judge_send(judge: Side, batch: Batch, cap: int) -> torch.Tensor:
+    """The judge's output for ``batch`` (in requests of at most ``cap`` tokens). A refusal of the input propagates
+    as it is; any other failure of the judge (a device it cannot use, a bad tile of its checkpoint, a node that is
+    down) is a :class:`CheckError`: the check cannot run, and the target is not to blame."""
+    try:
+        return _send(judge, batch, cap=cap)
+    except CheckError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - sorted into refusals and the judge's own failures
+        if _refused_input(exc):
+            raise
+        raise _judge_failed(judge, batch, exc) from exc
+
+
+def _judge_call(judge: Side, batch: Batch, cap: int) -> tuple[torch.Tensor | None, dict[str, str] | None]:
+    """:func:`_judge_send`, a refusal of the input returned as the judge's error (it fails the batch's rows)."""
+    from lutb_client.errors import ExpertServiceError
+
+    try:
+        return _judge_send(judge, batch, cap), None
+    except ExpertServiceError as exc:
+        return None, {"code": exc.code.name, "message": exc.message}
+    except ValueError as exc:
+        return None, {"code": type(exc).__name__, "message": str(exc)}
+
+
+def _output_error(out: torch.Tensor, batch: Batch, dtype: torch.dtype, hidden: int) -> dict[str, str] | None:
+    """What is wrong with an output's shape or dtype (the proto: ``[T, H]`` or ``[T, k, H]``, in the model dtype)."""
+    want = [batch.tokens, hidden] if batch.output_mode != "route_major" else [batch.tokens, int(batch.topk_ids.shape[1]), hidden]
+    if list(out.shape) != want:
+        return {"code": "SHAPE", "message": f"output shape {list(out.shape)} != {want} ({batch.output_mode}, T = {batch.tokens})"}
+    if out.dtype != dtype:
+        return {"code": "DTYPE", "message": f"output dtype {str(out.dtype).removeprefix('torch.')} != the model dtype "
+                                            f"{str(dtype).removeprefix('torch.')}"}
+    return None
+
+
+def _host_endpoints(address: str) -> set[tuple[str, Any]] | None:
+    """Where ``address`` (``host:port``, ``[v6]:port``, ``dns:``/``ipv4:``/``ipv6:`` prefixed, ``unix:path``) leads:
+    ``(ip, port)`` pairs, every address of this host (loopback, unspecified, its own interfaces' as far as its name
+    resolves) as ``"this host"``; None when it cannot be parsed or resolved."""
+    text = address.strip()
+    if text.startswith(("unix:", "unix-abstract:")):
+        kind, _, path = text.partition(":")
+        return {(kind, path.removeprefix("//"))}
+    for prefix in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+            break
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    else:
+        host, _, port_text = text.rpartition(":")
+    try:
+        port = int(port_text)
+        found = socket.getaddrinfo(host or "localhost", port, type=socket.SOCK_STREAM)
+    except (ValueError, OSError, UnicodeError):
+        return None
+    own = _own_addresses()
+    out: set[tuple[str, Any]] = set()
+    for *_, sockaddr in found:
+        try:
+            ip = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
+        except ValueError:
+            continue
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        local = ip.is_loopback or ip.is_unspecified or str(ip) in own
+        out.add(("this host" if local else str(ip), port))
+    return out or None
+
+
+@functools.lru_cache(maxsize=1)
+def _own_addresses() -> frozenset[str]:
+    """This host's addresses, as far as its name resolves (empty when it does not)."""
+    try:
+        return frozenset(str(info[4][0]).split("%")[0] for info in socket.getaddrinfo(socket.gethostname(), None))
+    except (OSError, UnicodeError):
+        return frozenset()
+
+
+def same_node(a: str, b: str) -> bool:
+    """Whether addresses ``a`` and ``b`` lead to the same server: equal strings, or the same port on the same
+    resolved IP (any address of this host counting as one). Two names for one node that resolve apart (a proxy,
+    a port forward) are not seen: ModelInfo carries no per-process identity."""
+    if a.strip() == b.strip():
+        return True
+    ea, eb = _host_endpoints(a), _host_endpoints(b)
+    return bool(ea and eb and ea & eb)
 
 
 def run_check(
@@ -285,11 +492,17 @@ def run_check(
     With a :class:`RecordedSide` as ``target`` the recorded batches are replayed (``suites``,
     ``tokens``, ``seed`` and ``topk`` then come from the record; ``layers`` filters).
 
+    Requests are bounded by tokens (``tokens``, both sides' ``max_tokens_per_request``) and by message bytes
+    (each node side's ``message_bytes``); a request a node refuses as too large is split and sent again.
+
     Raises:
         IdentityMismatch: content hash or scale mode differ and ``force`` is False.
-        CheckError: sizes or dtypes differ, or a layer is not held by both sides.
+        CheckError: sizes or dtypes differ, a layer is not held by both sides, both sides are one node, or the
+            judge failed on its own (not a refusal of a batch's input: see :func:`_judge_send`).
         ValueError: an unknown suite name.
     """
+    if isinstance(target, NodeSide) and isinstance(against, NodeSide) and same_node(target.address, against.address):
+        raise CheckError(f"{target.address} and {against.address} are one node: judged against itself it proves nothing")
     differences, incompatible = compare_identity(target.info, against.info)
     if incompatible:
         text = "; ".join(f"{d['field']}: {target.address} has {d['target']}, {against.address} has {d['against']}"
@@ -300,6 +513,7 @@ def run_check(
 
     replay: dict[str, Any] | None = None
     headroom: dict[int, float] = {}
+    judge_cap = _cap(2**62, against.info)
     if isinstance(target, RecordedSide):
         rec = target.recording
         chosen = list(dict.fromkeys(layers)) if layers else rec.layers or sorted({b.layer for b in rec.batches})
@@ -318,7 +532,7 @@ def run_check(
         chosen = _select_layers(target.info, layers, target.address)
         _select_layers(against.info, chosen, against.address)
         cap = _cap(tokens, target.info, against.info)
-        shape = _shape(target.info, topk, cap)
+        shape = _shape(target.info, topk, cap, target, against)
 
         probing = None  # a bar over the layers whose headroom is probed (each ~7 judge calls, before the first batch)
 
@@ -327,7 +541,8 @@ def run_check(
             if layer not in headroom:
                 if probing is None:
                     probing = _progress(len(chosen), f"probe headroom on {against.address}", progress)
-                headroom[layer] = headroom_probe(against.forward, layer, shape, seed=seed)
+                headroom[layer] = headroom_probe(lambda b: _judge_send(against, b, judge_cap), layer, shape,
+                                                 seed=seed, too_big=_refused_input)
                 if probing is not None:
                     probing.update(1)
             return headroom[layer]
@@ -339,7 +554,7 @@ def run_check(
                 probing.close()
 
     hidden = int(target.info["hidden_size"])
-    judge_cap = _cap(2**62, against.info)
+    dtype = model_dtype(target.info)
     target_held = _layers_of(target.info)
     layer_stats: dict[tuple[str, int], ErrorStats] = {}
     layer_tokens: dict[tuple[str, int], int] = {}
@@ -347,37 +562,49 @@ def run_check(
     expert_stats: dict[tuple[str, int, int], ErrorStats] = {}
     expert_routes: dict[tuple[str, int, int], int] = {}
     errors: list[dict[str, Any]] = []
+
+    def _compare(batch: Batch, ref: torch.Tensor | None, err_a: dict[str, str] | None) -> None:
+        """Send ``batch`` to the target and pool its output against ``ref`` (the judge's) into the rows."""
+        key = (batch.part, batch.layer)
+        keys = [key, (POOLED, batch.layer)] if batch.standard else [key]
+        for k in keys:
+            layer_stats.setdefault(k, ErrorStats())
+            layer_tokens[k] = layer_tokens.get(k, 0) + batch.tokens
+        got, err_t = _call(target, batch)
+        if got is not None:
+            err_t = _output_error(got, batch, dtype, hidden)
+        for side, err in (("target", err_t), ("against", err_a)):
+            if err is not None:
+                errors.append({"suite": batch.part, "layer": batch.layer, "batch": batch.index, "side": side, **err})
+                for k in keys:
+                    layer_errors.setdefault(k, []).append(f"{side} {err['code']}: {err['message']}")
+        if err_t is not None or err_a is not None:
+            return
+        assert got is not None and ref is not None
+        for k in keys:
+            layer_stats[k].add(got.reshape(-1, hidden), ref.reshape(-1, hidden))
+        if batch.output_mode == "route_major":
+            for expert, (g, r) in route_rows_by_expert(got, ref, batch.topk_ids).items():
+                ek = (batch.part, batch.layer, expert)
+                expert_stats.setdefault(ek, ErrorStats()).add(g, r)
+                expert_routes[ek] = expert_routes.get(ek, 0) + int(g.shape[0])
+
     bar = _progress(len(batches), f"check {target.address}", progress)
     try:
-        for batch in batches:
-            key = (batch.part, batch.layer)
-            keys = [key, (POOLED, batch.layer)] if batch.standard else [key]
-            for k in keys:
-                layer_stats.setdefault(k, ErrorStats())
-                layer_tokens[k] = layer_tokens.get(k, 0) + batch.tokens
-            got, err_t = _call(target, batch)
-            ref, err_a = _call(against, batch, judge_cap)  # a recorded batch may exceed the judge's limit
-            if got is not None and ref is not None and got.shape != ref.shape:
-                err_t = {"code": "SHAPE", "message": f"output shape {list(got.shape)} != judge's {list(ref.shape)}"}
-            for side, err in (("target", err_t), ("against", err_a)):
-                if err is not None:
-                    errors.append({"suite": batch.part, "layer": batch.layer, "batch": batch.index, "side": side, **err})
-                    for k in keys:
-                        layer_errors.setdefault(k, []).append(f"{side} {err['code']}: {err['message']}")
-            if err_t is not None or err_a is not None:
+        for group in _judge_groups(batches, max(STANDARD_TOKENS, _cap(tokens or DEFAULT_TOKENS))):
+            joined = _joined(group)
+            # the judge answers a group at once (a recorded batch may exceed its limit: sent in parts)
+            ref_all, err_a = _judge_call(against, joined, judge_cap)
+            if ref_all is not None:
+                wrong = _output_error(ref_all, joined, dtype, hidden)
+                if wrong is not None:  # a judge that answers malformed outputs cannot judge
+                    raise CheckError(f"the judge ({against.address}) answered batch {joined.index} ({joined.part}, "
+                                     f"layer {joined.layer}) wrongly: {wrong['code']}: {wrong['message']}")
+            refs = list(ref_all.split([b.tokens for b in group])) if ref_all is not None else [None] * len(group)
+            for batch, ref in zip(group, refs):
+                _compare(batch, ref, err_a)
                 if bar is not None:
                     bar.update(1)
-                continue
-            assert got is not None and ref is not None
-            for k in keys:
-                layer_stats[k].add(got.reshape(-1, hidden), ref.reshape(-1, hidden))
-            if batch.output_mode == "route_major":
-                for expert, (g, r) in route_rows_by_expert(got, ref, batch.topk_ids).items():
-                    ek = (batch.part, batch.layer, expert)
-                    expert_stats.setdefault(ek, ErrorStats()).add(g, r)
-                    expert_routes[ek] = expert_routes.get(ek, 0) + int(g.shape[0])
-            if bar is not None:
-                bar.update(1)
     finally:
         if bar is not None:
             bar.close()
@@ -389,7 +616,7 @@ def run_check(
                        held=expert in target_held.get(layer, []))
                    for (part, layer, expert), stats in expert_stats.items()]
     return CheckReport(
-        target=target.describe(), against=against.describe(), dtype=str(model_dtype(target.info)).removeprefix("torch."),
+        target=target.describe(), against=against.describe(), dtype=str(dtype).removeprefix("torch."),
         suites=list(suite_names), seed=seed, tokens=tokens, topk=topk, layers_checked=list(chosen),
         layer_rows=layer_rows, expert_rows=expert_rows, differences=differences if force else [], forced=bool(force and differences),
         replay=replay, headroom=headroom, errors=errors, batches=len(batches),
@@ -416,12 +643,12 @@ def record_node(
     chosen = _select_layers(target.info, layers, target.address)
     check_writable(out)  # before the node is asked anything
     cap = _cap(tokens, target.info)
-    shape = _shape(target.info, topk, cap)
+    shape = _shape(target.info, topk, cap, target)
     headroom: dict[int, float] = {}
 
     def room(layer: int) -> float:
         if layer not in headroom:
-            headroom[layer] = headroom_probe(target.forward, layer, shape, seed=seed)
+            headroom[layer] = headroom_probe(lambda b: _send(target, b), layer, shape, seed=seed)
         return headroom[layer]
 
     batches = make_batches(suite_names, shape, chosen, cap=cap, seed=seed, headroom=room)
@@ -468,4 +695,5 @@ __all__ = [
     "open_recording",
     "record_node",
     "run_check",
+    "same_node",
 ]

@@ -21,8 +21,12 @@ Suites (``--suite`` names; the default is all of them):
   Route-major output.
 - ``coverage``: standard-normal ``x`` routed round-robin so that every expert the
   node holds gets 64 routes in every layer; route-major output.
-- ``single_token``: ``T = 1``, combined.
-- ``max_tokens``: ``T = min(--tokens, max_tokens_per_request of both sides)``, combined.
+- ``single_token``: 64 requests of ``T = 1`` (the decode path), standard-normal, combined. Its row
+  holds 64 tokens, so it is judged at the strict tolerance on its own.
+- ``small_batches``: one request of each ``T`` in :data:`SMALL_SIZES` (2 to 63, around the powers of
+  two that token buckets and CUDA graphs pad to) that fits the cap, repeated until they hold at least
+  64 tokens together; combined. Its row, too, is judged strictly on its own.
+- ``max_tokens``: ``T = min(--tokens, max_tokens_per_request of both sides, what fits a message)``, combined.
 - ``weights_on_input``: ``k = 1`` with ``apply_router_weight_on_input``, combined.
 - ``route_major``: standard-normal ``x``, softmax top-k over all experts (routes to
   experts the node does not hold must come back zero), route-major output.
@@ -41,6 +45,10 @@ from lutb_client.routing import softmax_topk
 
 STANDARD_TOKENS = 64
 """Tokens of a standard batch: the spec's minimum for its tolerance (section 6)."""
+SMALL_SIZES = (2, 3, 4, 8, 9, 16, 17, 32, 33, 63)
+"""Request sizes of the ``small_batches`` suite: small ``T`` on, and one past, the powers of two."""
+MESSAGE_MARGIN = 16 * 1024
+"""Bytes of a gRPC message left for what is not tensor data (the server reserves 1 KiB for its response envelope)."""
 E4M3_MAX = 448.0
 BLOCK = 32
 HEADROOM_INPUTS = ("huge", "heavy_tailed")
@@ -56,7 +64,8 @@ class Part:
         inputs: ``normal``, ``heavy_tailed``, ``tiny`` or ``huge``.
         routing: ``random`` (softmax top-k over all experts) or ``cover`` (round-robin over the experts held).
         output_mode: ``combined`` or ``route_major``.
-        tokens: ``standard`` (64, sent as requests of at most the cap), ``single`` (1) or ``max`` (the cap).
+        tokens: ``standard`` (64, sent as requests of at most the cap), ``single`` (64 requests of 1 token),
+            ``small`` (:func:`small_sizes`, one request each) or ``max`` (the cap).
         weights_on_input: ``apply_router_weight_on_input`` with ``k = 1``.
     """
 
@@ -82,6 +91,7 @@ SUITES: dict[str, tuple[Part, ...]] = {
     ),
     "coverage": (Part("coverage", "normal", "cover", "route_major", "standard"),),
     "single_token": (Part("single_token", "normal", "random", "combined", "single"),),
+    "small_batches": (Part("small_batches", "normal", "random", "combined", "small"),),
     "max_tokens": (Part("max_tokens", "normal", "random", "combined", "max"),),
     "weights_on_input": (Part("weights_on_input", "normal", "random", "combined", "standard", weights_on_input=True),),
     "route_major": (Part("route_major", "normal", "random", "route_major", "standard"),),
@@ -91,7 +101,11 @@ SUITES: dict[str, tuple[Part, ...]] = {
 
 @dataclass
 class NodeShape:
-    """What the batches must fit: sizes, dtype, experts held per layer, largest request."""
+    """What the batches must fit: sizes, dtype, experts held per layer, largest request.
+
+    ``max_tokens`` bounds a request's tokens; ``max_message_bytes`` (0: no bound) its request and response
+    messages (:func:`message_tokens`).
+    """
 
     hidden_size: int
     num_experts: int
@@ -99,6 +113,23 @@ class NodeShape:
     experts: dict[int, list[int]]
     max_tokens: int
     topk: int = 8
+    max_message_bytes: int = 0
+
+
+def token_bytes(hidden: int, itemsize: int, k: int, output_mode: str) -> int:
+    """Bytes one token adds to the larger of a request (``[T, H]`` input, ``[T, k]`` ids and weights) and its response
+    (``[T, H]`` combined, ``[T, k, H]`` route-major), in a dtype of ``itemsize`` bytes."""
+    response = hidden * itemsize * (k if output_mode == "route_major" else 1)
+    request = hidden * itemsize + k * 8
+    return max(response, request)
+
+
+def message_tokens(max_bytes: int, per_token: int) -> int:
+    """Most tokens of a request whose messages grow by ``per_token`` bytes a token and must fit ``max_bytes`` less
+    :data:`MESSAGE_MARGIN`: at least 1; unbounded (a huge number) when ``max_bytes`` is 0."""
+    if max_bytes <= 0:
+        return 2**62
+    return max(1, (max_bytes - MESSAGE_MARGIN) // max(1, per_token))
 
 
 @dataclass
@@ -120,6 +151,12 @@ class Batch:
     @property
     def tokens(self) -> int:
         return int(self.hidden_states.shape[0])
+
+    @property
+    def token_bytes(self) -> int:
+        """:func:`token_bytes` of this batch (its output is in the dtype of its hidden states, the model dtype)."""
+        return token_bytes(int(self.hidden_states.shape[1]), self.hidden_states.element_size(),
+                           int(self.topk_ids.shape[1]), self.output_mode)
 
     def split(self, max_tokens: int) -> list[Batch]:
         """This batch as requests of at most ``max_tokens`` tokens each, in token order (itself when it fits)."""
@@ -247,7 +284,7 @@ def make_part_batches(
     """The batches of one part in one layer (``index`` is left 0; :func:`make_batches` numbers them).
 
     Args:
-        cap: largest request, in tokens (``>= 1``).
+        cap: largest request, in tokens (``>= 1``); lowered further to what fits ``shape.max_message_bytes``.
         headroom: largest block amax of ``huge`` inputs.
     """
     gen = part_generator(seed, part.name, layer)
@@ -259,23 +296,44 @@ def make_part_batches(
         k = max(1, min(shape.topk, len(held)))
     else:
         k = max(1, min(shape.topk, shape.num_experts))
-    if part.routing == "cover":
-        ids, weights = _cover_routes(held, standard, k, gen)
-        tokens = ids.shape[0]
+    itemsize = torch.empty((), dtype=shape.dtype).element_size()
+    cap = max(1, min(cap, message_tokens(shape.max_message_bytes,
+                                         token_bytes(shape.hidden_size, itemsize, k, part.output_mode))))
+    if part.tokens == "small":
+        sizes = small_sizes(cap)
+    elif part.routing == "cover":
+        sizes = [math.ceil(standard * len(held) / k)]
     else:
-        tokens = {"standard": standard, "single": 1, "max": cap}[part.tokens]
-        ids, weights = _random_routes(tokens, k, shape.num_experts, gen)
-        if part.weights_on_input:
-            weights = 0.25 + 0.75 * torch.rand(tokens, 1, generator=gen)
-    x = _inputs(part.inputs, tokens, shape, gen, headroom)
-    if not tokens:
-        return []
-    return Batch(
-        index=0, suite=suite, part=part.name, layer=layer, hidden_states=x.contiguous(),
-        topk_ids=ids.contiguous(), topk_weights=weights.contiguous(),
-        apply_router_weight_on_input=part.weights_on_input, output_mode=part.output_mode, standard=part.standard,
-        meta={"headroom": headroom} if part.inputs in HEADROOM_INPUTS else {},
-    ).split(cap)
+        sizes = [{"standard": standard, "single": standard, "max": cap}[part.tokens]]
+    out: list[Batch] = []
+    for tokens in sizes:
+        if part.routing == "cover":
+            ids, weights = _cover_routes(held, standard, k, gen)
+            tokens = int(ids.shape[0])
+        else:
+            ids, weights = _random_routes(tokens, k, shape.num_experts, gen)
+            if part.weights_on_input:
+                weights = 0.25 + 0.75 * torch.rand(tokens, 1, generator=gen)
+        x = _inputs(part.inputs, tokens, shape, gen, headroom)
+        if not tokens:
+            continue
+        out.extend(Batch(
+            index=0, suite=suite, part=part.name, layer=layer, hidden_states=x.contiguous(),
+            topk_ids=ids.contiguous(), topk_weights=weights.contiguous(),
+            apply_router_weight_on_input=part.weights_on_input, output_mode=part.output_mode, standard=part.standard,
+            meta={"headroom": headroom} if part.inputs in HEADROOM_INPUTS else {},
+        ).split(1 if part.tokens == "single" else cap))
+    return out
+
+
+def small_sizes(cap: int) -> list[int]:
+    """Request sizes of ``small_batches`` under ``cap``: :data:`SMALL_SIZES` that fit (or ``cap`` itself), repeated
+    until they hold at least :data:`STANDARD_TOKENS` tokens, so that their row is judged strictly."""
+    fitting = [t for t in SMALL_SIZES if t <= cap] or [cap]
+    sizes: list[int] = []
+    while sum(sizes) < STANDARD_TOKENS:
+        sizes.extend(fitting)
+    return sizes
 
 
 def make_batches(
@@ -305,13 +363,15 @@ def make_batches(
 
 def headroom_probe(
     forward: Callable[[Batch], torch.Tensor], layer: int, shape: NodeShape, *, seed: int = 0,
+    too_big: Callable[[Exception], bool] | None = None,
 ) -> float:
     """Largest power of two ``2^e`` such that every 32-block of the input at amax ``2^e`` keeps the output finite, / 4.
 
     ``forward`` runs a probe batch (one token per expert held, ``k = 1``, weight 1,
-    combined) on the judge, in requests of at most ``shape.max_tokens`` tokens; an exception
-    or a non-finite output counts as "too big". Binary search over ``e`` in
-    ``[0, log2(dtype max)]``, about 7 probes for bfloat16.
+    combined) on the judge, in requests of at most ``shape.max_tokens`` tokens; a non-finite
+    output, or an exception ``too_big`` accepts (every exception when it is None), counts as
+    "too big"; any other exception propagates (the judge's own failure is not a headroom).
+    Binary search over ``e`` in ``[0, log2(dtype max)]``, about 7 probes for bfloat16.
     """
     held = shape.experts[layer]
     gen = part_generator(seed, "headroom", layer)
@@ -328,8 +388,10 @@ def headroom_probe(
         for batch in probe.split(max(1, shape.max_tokens)):  # more experts than a request may hold tokens: in parts
             try:
                 out = forward(batch)
-            except Exception:  # noqa: BLE001 - any failure of the judge means "too big"
-                return False
+            except Exception as exc:  # noqa: BLE001 - a refusal of the input means "too big"
+                if too_big is None or too_big(exc):
+                    return False
+                raise
             if not bool(torch.isfinite(out.float()).all()):
                 return False
         return True
@@ -349,6 +411,8 @@ def headroom_probe(
 
 
 __all__ = [
+    "MESSAGE_MARGIN",
+    "SMALL_SIZES",
     "STANDARD_TOKENS",
     "SUITES",
     "Batch",
@@ -357,7 +421,10 @@ __all__ = [
     "headroom_probe",
     "make_batches",
     "make_part_batches",
+    "message_tokens",
     "part_generator",
     "resolve_suites",
+    "small_sizes",
     "tiny_exponents",
+    "token_bytes",
 ]

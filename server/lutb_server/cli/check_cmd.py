@@ -1,9 +1,11 @@
 """``lutb check`` and ``lutb record``: judge a node against another node or the local reference; keep and replay evidence.
 
 Exit codes: 0 every row within spec section 6; 1 something beyond it (rel L2, NaN/Inf
-not in the judge's output, a failed request); 2 the check could not run: a node
-unreachable, a bad checkpoint or record file, a layer not held, or checkpoints /
-scale modes that differ (without ``--force``). ``lutb record`` follows them: 0 every
+not in the judge's output, an output of the wrong shape or dtype, a request the target
+failed or the judge refused as input); 2 the check could not run: a node unreachable, a
+bad checkpoint or record file, a layer not held, a device the reference cannot use, the
+judge failing on its own (a bad tile of its checkpoint, a node judge down), TARGET and
+--against one node, or checkpoints / scale modes that differ (without ``--force``). ``lutb record`` follows them: 0 every
 request answered; 1 the node refused a request (the record is written all the same,
 its refusals kept as errors); 2 nothing recorded (node unreachable, a layer not held,
 an unknown suite, an unwritable ``--out``). The library is
@@ -26,10 +28,11 @@ def _add_batch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=None, metavar="L", help="layers to check (default: all the node holds)")
     parser.add_argument("--suite", action="append", default=None, metavar="NAME",
                         help="input suite(s), repeatable or comma-separated: normal, heavy_tailed, magnitudes, coverage, "
-                             "single_token, max_tokens, weights_on_input, route_major, all (default: all)")
+                             "single_token, small_batches, max_tokens, weights_on_input, route_major, all (default: all)")
     parser.add_argument("--tokens", type=positive_int, default=1024, metavar="N",
                         help="largest request in tokens: standard batches (64 tokens) go as requests of at most N, "
-                             "the max_tokens batch is min(N, max_tokens_per_request) (default: 1024)")
+                             "the max_tokens batch is min(N, max_tokens_per_request); requests are also kept within "
+                             "the client's message limit, and split when a node refuses one as too large (default: 1024)")
     parser.add_argument("--topk", type=positive_int, default=8, metavar="K", help="routes per token, capped at the expert count (default: 8)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the suites (default: 0)")
     parser.add_argument("--timeout", type=positive_float, default=120.0, metavar="S", help="deadline of each call in seconds (default: 120)")
@@ -41,8 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Send the same batches (input suites) to TARGET and to the judge (--against reference: the "
                     "local reference on --checkpoint DIR; --against HOST:PORT: another node), compare per layer "
                     "and per expert, print the worst rows first. Exit 0 within spec section 6, 1 beyond it, "
-                    "2 when the check cannot run or the two sides serve different checkpoints or scale modes "
-                    "(without --force). --replay FILE judges the answers kept by `lutb record` instead of TARGET.",
+                    "2 when the check cannot run (the judge failing on its own included) or the two sides serve "
+                    "different checkpoints or scale modes (without --force). --replay FILE judges the answers kept by `lutb record` instead of TARGET.",
     )
     check.add_argument("target", metavar="TARGET", nargs="?", default=None, help="server address host:port (omit with --replay)")
     check.add_argument("--against", default="reference", metavar="reference|HOST:PORT",
@@ -86,14 +89,16 @@ def run_check(args: argparse.Namespace) -> int:
         Side,
         open_recording,
         run_check as check,
+        same_node,
     )
 
     if (args.target is None) == (args.replay is None):
         return _fail("check", "give either TARGET or --replay FILE")
     if args.against == "reference" and not args.checkpoint:
         return _fail("check", "--against reference needs --checkpoint DIR (the local copy of the node's checkpoint)")
-    if args.target is not None and args.against == args.target:
-        return _fail("check", f"{args.target} judged against itself proves nothing: give --against another node or reference")
+    if args.target is not None and args.against != "reference" and same_node(args.target, args.against):
+        return _fail("check", f"{args.target} judged against itself proves nothing ({args.against} leads to the same "
+                              "address and port): give --against another node or reference")
     if args.against != "reference" and args.checkpoint:
         print(f"lutb check: --checkpoint is only read with --against reference; judging by {args.against}", file=sys.stderr)
     sides: list[Side] = []

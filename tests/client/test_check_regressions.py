@@ -1,0 +1,245 @@
+"""`lutb check` findings of a review, each fixed: small requests judged strictly on their own, requests kept within
+message limits (and split when a node refuses one as too large), the judge's own failures an exit 2 instead of a
+verdict about the target, the output dtype checked, failing rows worst first, a node under two names refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from lutb_client.check import CheckError, NodeSide, ReferenceSide, run_check
+from lutb_client.check.compare import ErrorStats
+from lutb_client.check.report import CheckReport, Row
+from lutb_client.check.suites import SUITES, NodeShape, make_batches
+from lutb_client.errors import ExpertServiceError
+from lutb_kernels.checkpoint import Checkpoint, write_checkpoint
+from lutb_server.testing import ServerThread
+
+SMALL = {"tokens": 16, "topk": 4, "progress": False}
+
+
+def _run(argv: list[str]) -> int:
+    from lutb_server.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+# 1. small requests ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrong", ["T = 1", "2 <= T < 64"])
+def test_a_node_wrong_only_on_small_requests_fails(server: ServerThread, client_checkpoint: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch, wrong: str) -> None:
+    """A node 5% off on every one-token request (the decode path) passed a default check: single_token sent one
+    token, judged at 10x the tolerance, and the pooled row diluted it among hundreds of large-batch rows. Requests
+    of 2 to 63 tokens were never sent by default at all. Now single_token sends 64 one-token requests and
+    small_batches a sweep of 2..63, each a row of >= 64 tokens judged at the strict tolerance."""
+    from lutb_client.client import ExpertClient
+
+    original = ExpertClient.forward
+
+    def skewed(self, layer, hidden_states, *args, **kwargs):
+        out = original(self, layer, hidden_states, *args, **kwargs)
+        tokens = hidden_states.shape[0]
+        if (tokens == 1) if wrong == "T = 1" else (2 <= tokens < 64):
+            out = (out.float() * 1.05).to(out.dtype)
+        return out
+
+    monkeypatch.setattr(ExpertClient, "forward", skewed)
+    report = tmp_path / "r.json"
+    assert _run(["check", server.address, "--checkpoint", str(client_checkpoint), "--json", str(report)]) == 1
+    rows = {(r["suite"], r["layer"]): r for r in json.loads(report.read_text())["layers"]}
+    part = "single_token" if wrong == "T = 1" else "small_batches"
+    for layer in (0, 3):
+        row = rows[(part, layer)]
+        assert row["tokens"] >= 64 and row["judged"] == "strict" and not row["ok"] and row["rel_l2"] > 0.04
+        assert rows[("normal", layer)]["ok"]  # the 64-token request is right
+
+
+def test_small_request_rows_are_strict_whatever_the_cap() -> None:
+    shape = NodeShape(hidden_size=128, num_experts=8, dtype=torch.bfloat16, experts={0: list(range(8))}, max_tokens=1024, topk=4)
+    for cap in (1, 5, 16, 64, 1024):
+        sizes: dict[str, list[int]] = {}
+        for b in make_batches(["single_token", "small_batches"], shape, [0], cap=cap, seed=0):
+            sizes.setdefault(b.part, []).append(b.tokens)
+        assert sizes["single_token"] == [1] * 64
+        assert sum(sizes["small_batches"]) >= 64 and max(sizes["small_batches"]) <= min(cap, 63)
+    assert sorted(set(sizes["small_batches"])) == [2, 3, 4, 8, 9, 16, 17, 32, 33, 63]
+
+
+# 2. message limits ------------------------------------------------------------------------------------------------
+
+
+def test_batches_fit_the_message_bound() -> None:
+    """Requests were split by token count only: a route-major response [T, k, H] could exceed any message limit."""
+    bound = 96 * 1024
+    shape = NodeShape(hidden_size=128, num_experts=8, dtype=torch.bfloat16, experts={0: list(range(8))}, max_tokens=1024,
+                      topk=8, max_message_bytes=bound)
+    batches = make_batches(list(SUITES), shape, [0], cap=1024, seed=0, headroom=lambda layer: 2.0**20)
+    for b in batches:
+        k = b.topk_ids.shape[1]
+        response = b.tokens * 128 * 2 * (k if b.output_mode == "route_major" else 1)
+        request = b.tokens * (128 * 2 + k * 8)
+        assert max(response, request) <= bound, (b.part, b.tokens)
+    # max_tokens (combined) is cut by its request: 256 bytes of hidden states and 64 of ids and weights a token
+    assert max(b.tokens for b in batches if b.part == "max_tokens") == (bound - 16 * 1024) // 320
+
+
+def test_a_node_with_a_small_message_limit_is_not_failed(client_checkpoint: Path) -> None:
+    """A correct node whose max_message_bytes (4 MiB, the least a server takes) is below the check's requests was
+    judged FAIL on RESOURCE_EXHAUSTED: the check now splits a request the node refuses as too large and sends the
+    halves (here the server's gRPC refuses a 20000-token combined request of 5.8 MB)."""
+    with ServerThread(checkpoint=client_checkpoint, max_message_bytes=4 * 1024 * 1024, max_tokens_per_request=32768) as node:
+        side = NodeSide(node.address)
+        report = run_check(side, ReferenceSide(client_checkpoint, device="cpu"), suites=["max_tokens"], layers=[0],
+                           tokens=20000, topk=4, progress=False)
+    assert report.ok and not report.errors, report.format_text()
+    assert [r.tokens for r in report.layer_rows if r.suite == "max_tokens"] == [20000]
+    assert side.message_bytes <= 4 * 1024 * 1024  # learned: later requests go in parts without being refused
+
+
+class _SmallResponses(NodeSide):
+    """A node that refuses, as a server does, any response beyond ``limit`` bytes."""
+
+    def __init__(self, address: str, limit: int) -> None:
+        super().__init__(address)
+        self.limit, self.refused = limit, 0
+
+    def forward(self, batch):
+        k = batch.topk_ids.shape[1] if batch.output_mode == "route_major" else 1
+        size = batch.tokens * k * batch.hidden_states.shape[1] * batch.hidden_states.element_size()
+        if size > self.limit:
+            self.refused += 1
+            raise ExpertServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"the output takes {size} bytes: more than a message of max_message_bytes = "
+                                     f"{self.limit} holds; send fewer tokens per request")
+        return super().forward(batch)
+
+
+def test_route_major_responses_refused_as_too_large_are_split(server: ServerThread, client_checkpoint: Path) -> None:
+    """Coverage's first request (64 tokens, k = 6: a 96 KiB response) is refused and sent again as two of 32; the
+    node's bound is learned, so every later request (route_major: k = 8, 128 KiB) goes in parts without a refusal."""
+    target = _SmallResponses(server.address, 48 * 1024)
+    report = run_check(target, ReferenceSide(client_checkpoint, device="cpu"), suites=["coverage", "route_major"],
+                       tokens=1024, topk=8, progress=False)
+    assert report.ok and not report.errors, report.format_text()
+    assert target.refused == 1
+    assert {r.tokens for r in report.layer_rows if r.suite in ("coverage", "route_major")} == {64}
+    # a request that cannot be split (one token) and is still refused is the node's failure
+    report = run_check(_SmallResponses(server.address, 1024), ReferenceSide(client_checkpoint, device="cpu"),
+                       suites=["route_major"], layers=[0], tokens=1024, topk=8, progress=False)
+    assert not report.ok and {(e["side"], e["code"]) for e in report.errors} == {("target", "RESOURCE_EXHAUSTED")}
+
+
+# 3. the judge's own failures --------------------------------------------------------------------------------------
+
+
+def test_a_cuda_index_the_host_lacks_is_refused(server: ServerThread, client_checkpoint: Path,
+                                                 monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--device cuda:7 on a host with one GPU: the first judge call failed, and that was counted as the target's
+    failed request (exit 1) and the headroom probe fell silently to 1.0."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(CheckError, match=r"device 'cuda:7': this host has 1 CUDA device"):
+        ReferenceSide(client_checkpoint, device="cuda:7")
+    assert _run(["check", server.address, "--checkpoint", str(client_checkpoint), "--tokens", "16", "--topk", "4",
+                 "--suite", "normal", "--device", "cuda:7"]) == 2
+    assert "device 'cuda:7'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suite", ["normal", "heavy_tailed"])
+def test_a_bad_tile_of_the_judge_is_exit_2(server: ServerThread, client_checkpoint: Path, tmp_path: Path, suite: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad tile in the local checkpoint (docs: exit 2) was counted against the target (exit 1); in the headroom
+    probe (heavy_tailed) it silently gave headroom 1.0."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    ckpt = Checkpoint(client_checkpoint)
+    write_checkpoint(tmp_path / "bad", ckpt.config, {layer: ckpt.layer(layer) for layer in ckpt.layers})
+    file = tmp_path / "bad" / "layer-00003.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
+        meta = dict(f.metadata())
+    tensors["layers.3.w2"][0, 0, 0, 16] = 255  # a reserved E8M0 scale byte
+    save_file(tensors, str(file), metadata=meta)
+    assert _run(["check", server.address, "--checkpoint", str(tmp_path / "bad"), "--force", "--tokens", "16",
+                 "--topk", "4", "--suite", suite, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "layers.3.w2: tile (0, 0, 0): scale byte 255" in err
+
+
+def test_a_judge_node_that_goes_down_is_exit_2(server: ServerThread, client_checkpoint: Path) -> None:
+    """A judge node that stops answering is the judge's failure, not the target's."""
+    twin = ServerThread(checkpoint=client_checkpoint).start()
+    try:
+        judge = NodeSide(twin.address, timeout=5.0)
+    finally:
+        twin.stop()
+    with pytest.raises(CheckError, match=r"the judge \(127\.0\.0\.1:\d+\) failed on batch 0 \(normal, layer 0\): UNAVAILABLE"):
+        run_check(NodeSide(server.address), judge, suites=["normal"], **SMALL)
+
+
+# 5. output dtype --------------------------------------------------------------------------------------------------
+
+
+class _Float32Answers(NodeSide):
+    def forward(self, batch):
+        return super().forward(batch).float()
+
+
+def test_an_output_in_another_dtype_fails(server: ServerThread, client_checkpoint: Path) -> None:
+    """A node answering float32 for a bfloat16 model passed: only the shape was checked (the proto: the output is in
+    the model dtype)."""
+    report = run_check(_Float32Answers(server.address), ReferenceSide(client_checkpoint, device="cpu"),
+                       suites=["normal", "route_major"], **SMALL)
+    assert not report.ok and report.errors
+    assert {(e["side"], e["code"]) for e in report.errors} == {("target", "DTYPE")}
+    assert "output dtype float32 != the model dtype bfloat16" in report.errors[0]["message"]
+    with ServerThread(checkpoint=client_checkpoint) as twin, pytest.raises(CheckError, match="DTYPE: output dtype float32"):
+        run_check(NodeSide(server.address), _Float32Answers(twin.address), suites=["normal"], **SMALL)
+
+
+# 6. worst first ---------------------------------------------------------------------------------------------------
+
+
+def _row(rel: float, suite: str = "normal", expert: int | None = None, layer: int = 0) -> Row:
+    stats = ErrorStats()
+    ref = torch.ones(64, 128)
+    stats.add(ref * (1 + rel), ref)
+    return Row(suite=suite, layer=layer, stats=stats, tokens=64, expert=expert, held=None if expert is None else True)
+
+
+def test_failing_rows_come_worst_first() -> None:
+    """Failing rows were keyed 1e300 + ratio, equal for every ratio below ~1e284: they came in layer order."""
+    side = {"address": "x", "kind": "node", "model_info": {}}
+    report = CheckReport(
+        target=side, against=side, dtype="bfloat16", suites=["normal"], seed=0, tokens=64, topk=8, layers_checked=[0, 1],
+        layer_rows=[_row(0.02, "coverage"), _row(0.001, "route_major"), _row(0.9, "normal", layer=1), _row(0.05, "max_tokens")],
+        expert_rows=[_row(0.02, "coverage", expert=1), _row(0.9, "coverage", expert=5), _row(0.0, "coverage", expert=2)],
+    )
+    assert [(r.suite, r.ok) for r in report.layer_rows] == [("normal", False), ("max_tokens", False), ("coverage", False),
+                                                            ("route_major", True)]
+    assert [r.expert for r in report.expert_rows] == [5, 1, 2]
+    assert [r["suite"] for r in report.to_json()["layers"]] == ["normal", "max_tokens", "coverage", "route_major"]
+
+
+# 4. one node under two names --------------------------------------------------------------------------------------
+
+
+def test_one_node_under_two_names_is_refused(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    """`lutb check 127.0.0.1:P --against localhost:P` compared a node with itself and passed whatever it computed."""
+    from lutb_client.check.runner import same_node
+
+    port = server.address.rsplit(":", 1)[1]
+    assert _run(["check", server.address, "--against", f"localhost:{port}", "--tokens", "16", "--suite", "normal"]) == 2
+    assert "against itself" in capsys.readouterr().err
+    assert same_node(server.address, f"localhost:{port}") and same_node(f"0.0.0.0:{port}", f"dns:///127.0.0.1:{port}")
+    assert not same_node(server.address, f"127.0.0.1:{int(port) + 1}")
+    with pytest.raises(CheckError, match="judged against itself"):
+        run_check(NodeSide(server.address), NodeSide(f"localhost:{port}"), suites=["normal"], **SMALL)
