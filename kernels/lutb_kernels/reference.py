@@ -90,8 +90,8 @@ def reference_moe_forward(
     Raises:
         ValueError: bad arguments (:func:`check_forward_args`, weights of the wrong shape).
         NonFiniteInputError: ``x`` holds NaN or infinity anywhere, also in a token none of whose experts is held
-            (spec section 3: such input is an error, whichever rows a backend quantizes), or an activation output
-            does.
+            (spec section 3: such input is an error, whichever rows a backend quantizes), so does ``x`` times its
+            router weight (``apply_router_weight_on_input``: step 1 overflowing), or an activation output does.
     """
     check_activation(activation)
     check_forward_args(
@@ -108,16 +108,18 @@ def reference_moe_forward(
         raise NonFiniteInputError("MXFP8 quantization refuses NaN or infinite input (hidden states)")
 
     weights = topk_weights.float()
+    x_in = x
+    if apply_router_weight_on_input:  # step 1, every token (k = 1): an overflow is refused wherever its expert is held
+        x_in = (x.float() * weights[:, 0:1]).to(d)
+        if not bool(torch.isfinite(x_in).all()):
+            raise NonFiniteInputError("MXFP8 quantization refuses NaN or infinite input (hidden states times router weights)")
     route_out = torch.zeros(tokens, k, hidden, dtype=torch.float32, device=x.device)
     for local, global_id in enumerate(expert_ids.tolist()):
         token_idx, route_idx = torch.nonzero(topk_ids == global_id, as_tuple=True)
         if token_idx.numel() == 0:
             continue
         w = weights[token_idx, route_idx]
-        xin = x[token_idx]
-        if apply_router_weight_on_input:  # step 1
-            xin = (xin.float() * w[:, None]).to(d)
-        a1 = mxfp8_qdq(xin, scale_mode)  # step 2 (returns d)
+        a1 = mxfp8_qdq(x_in[token_idx], scale_mode)  # step 2 (returns d)
         h = (a1.float() @ w13[local].float().T).to(d)  # step 3
         g = apply_activation(activation, h).to(d)  # step 4
         a2 = mxfp8_qdq(g, scale_mode)  # step 5

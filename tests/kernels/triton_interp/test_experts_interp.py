@@ -149,8 +149,9 @@ def test_nonfinite_and_bad_input_refused(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", ["reference", "packed", "packed_dense", "emulated"])
 def test_every_backend_refuses_the_same_input(backend: str) -> None:
-    """A NaN in a token routed only to experts this shard does not hold, and ``x`` in another dtype than the model's:
-    every backend refuses both (the reference once answered the first with zeros and converted the second)."""
+    """A NaN in a token routed only to experts this shard does not hold, ``x`` in another dtype than the model's, and
+    (weights on input) ``x * w`` overflowing in such a token: every backend refuses all three (the reference once
+    answered the first and the third with zeros and converted the second)."""
     cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=4, dtype="float32")
     layer = make_layer(cfg, [0, 1])
     ex = ReferenceExperts(cfg, layer, "cpu") if backend == "reference" else _make(backend, cfg, layer)
@@ -163,6 +164,13 @@ def test_every_backend_refuses_the_same_input(backend: str) -> None:
     x[1, 5] = 0.0
     with pytest.raises(ValueError, match="model dtype"):
         ex.forward(x.half(), ids, w)
+    # weights on input: x * w (spec step 1) overflows in a token routed to no expert held here, x and w finite
+    x1, ids1, w1 = make_batch(3, 1, 4, 128, torch.float32, seed=6)
+    ids1[:, 0] = torch.tensor([0, 2, 1], dtype=ids1.dtype)
+    ex.forward(x1, ids1, w1, apply_router_weight_on_input=True)  # finite: answered
+    x1[1, 3], w1[1, 0] = 3.0e38, 4.0
+    with pytest.raises(NonFiniteInputError):
+        ex.forward(x1, ids1, w1, apply_router_weight_on_input=True)
 
 
 def test_packed_takes_the_dense_path_by_rows_per_expert() -> None:
