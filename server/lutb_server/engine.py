@@ -357,7 +357,7 @@ class ExpertEngine:
     def forward_prepared(self, request: PreparedRequest) -> torch.Tensor:
         """:meth:`forward` on one prepared request."""
         return self.forward(
-            request.layer, request.dense_x(), request.topk_ids, request.topk_weights,
+            request.layer, request.dense_x(), as_tensor(request.topk_ids), as_tensor(request.topk_weights),
             apply_router_weight_on_input=request.apply_router_weight_on_input, output_mode=request.output_mode,
         )
 

@@ -73,6 +73,8 @@ def test_accepted_requests_are_the_same_in_both_forms(engine: ExpertEngine, toke
     assert isinstance(from_wire.x, WireTensor) == (x_dtype == torch.bfloat16)
     assert isinstance(from_wire.topk_ids, WireTensor) == (ids_dtype == torch.int32)
     assert isinstance(from_wire.topk_weights, WireTensor)
+    if tokens:  # and the engine runs either form (forward_prepared once called .to() on the WireTensors)
+        assert torch.equal(engine.forward_prepared(from_wire), engine.forward_prepared(from_torch))
 
 
 NONFINITE = [float("nan"), float("inf"), float("-inf")]
