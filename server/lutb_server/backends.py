@@ -11,6 +11,7 @@ unavailable with a reason instead of crashing the server.
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,9 @@ def load_class(name: str) -> tuple[type[LayerExperts] | None, str]:
     cls = getattr(module, entry.class_name, None)
     if cls is None or not (isinstance(cls, type) and issubclass(cls, LayerExperts)):
         return None, f"{entry.module} has no LayerExperts subclass {entry.class_name}"
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+        return None, f"{entry.module}:{entry.class_name} is abstract (it does not implement {missing})"
     return cls, ""
 
 
@@ -104,6 +108,8 @@ def probe(name: str, config: CheckpointConfig, device: torch.device) -> tuple[ty
         support = cls.supports(config, device)
     except Exception as exc:
         support = Support(False, f"supports() raised {type(exc).__name__}: {exc}")
+    if not isinstance(support, Support):
+        support = Support(False, f"supports() returned {type(support).__name__}, not a Support")
     return cls, support
 
 

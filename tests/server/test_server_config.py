@@ -208,6 +208,47 @@ class _Broken(_NoGpu):
         raise RuntimeError("driver exploded")
 
 
+class _HalfDone(LayerExperts):
+    """A backend of one's own that forgot ``weight_bytes``: still abstract."""
+
+    name = "half_done"
+
+    @classmethod
+    def supports(cls, config, device):
+        return Support(True, "runs anywhere")
+
+    def forward(self, *a, **k):  # pragma: no cover
+        raise NotImplementedError
+
+
+class _SaysTrue(_NoGpu):
+    @classmethod
+    def supports(cls, config, device):
+        return True
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("lutb_kernels.experts.base:LayerExperts", "is abstract"),
+    ("lutb_kernels.experts._triton_common:RoutedTritonExperts", "is abstract"),
+    ("fake_half_done:HalfDone", "is abstract (it does not implement weight_bytes)"),
+    ("fake_half_done:SaysTrue", "supports() returned bool, not a Support"),
+])
+def test_a_backend_that_cannot_serve_is_refused_with_a_reason(name: str, reason: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An abstract class (the base itself, or one of one's own missing a member) and a class whose supports() does
+    not return a Support are refused by choose_backend with the reason, not chosen to fail when the engine builds
+    its layers (TypeError) or crash the choice (AttributeError)."""
+    import re
+    import sys
+    import types
+
+    module = types.ModuleType("fake_half_done")
+    module.HalfDone, module.SaysTrue = _HalfDone, _SaysTrue
+    monkeypatch.setitem(sys.modules, "fake_half_done", module)
+    with pytest.raises(BackendUnavailableError, match=re.escape(reason)):
+        choose_backend(name, CONFIG, torch.device("cpu"))
+
+
 def test_unavailable_backends_give_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
