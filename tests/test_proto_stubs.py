@@ -73,7 +73,7 @@ def test_contract_names() -> None:
         assert pb.DataType.Value(name) > 0
     request_fields = set(pb.ForwardRequest.DESCRIPTOR.fields_by_name)
     assert request_fields == {"request_id", "layer", "hidden_states", "topk_ids", "topk_weights",
-                              "apply_router_weight_on_input", "output_mode", "hidden_scales"}
+                              "apply_router_weight_on_input", "output_mode", "hidden_scales", "expected_content_hash"}
     assert set(pb.Timing.DESCRIPTOR.fields_by_name) == {"queue_us", "compute_us", "total_us", "batch_tokens", "handoff_us",
                                                       "prepare_us", "encode_us", "wait_us"}
     assert set(pb.ForwardResponse.DESCRIPTOR.fields_by_name) == {"request_id", "output", "timing", "status"}

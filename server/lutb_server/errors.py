@@ -62,6 +62,12 @@ class Unavailable(ServiceError):
     code = "UNAVAILABLE"
 
 
+class ContentHashMismatch(ServiceError):
+    """The request's ``expected_content_hash`` is not the content hash of the checkpoint this server serves."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class BackendUnavailableError(RuntimeError):
     """A backend or device that was asked for cannot run here (startup error, not a request error)."""
 
@@ -114,6 +120,7 @@ def status_code_value(code: grpc.StatusCode) -> int:
 __all__ = [
     "DEADLINE_SLACK_S",
     "BackendUnavailableError",
+    "ContentHashMismatch",
     "DeadlineExpired",
     "InvalidArgument",
     "LayerNotFound",

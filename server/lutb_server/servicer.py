@@ -30,7 +30,9 @@ from lutb_client.codec import WireTensor, encode_tensor, to_proto_dtype
 from lutb_kernels.checkpoint import FORMAT, FORMAT_VERSION
 from lutb_server import __version__
 from lutb_server.engine import FLOAT_DTYPES, ID_DTYPES, ExpertEngine
-from lutb_server.errors import InvalidArgument, ResponseTooLarge, Unavailable, cancelled_status, status_code_value, to_status
+from lutb_server.errors import (
+    ContentHashMismatch, InvalidArgument, ResponseTooLarge, Unavailable, cancelled_status, status_code_value, to_status,
+)
 from lutb_server.metrics import ServerMetrics
 from lutb_server.scheduler import BatchScheduler
 
@@ -266,6 +268,11 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             raise request.error()
         if self._engine is None or self._scheduler is None:
             raise Unavailable("server is still loading its checkpoint")
+        expected = request.expected_content_hash
+        if expected and expected != self._engine.content_hash:
+            raise ContentHashMismatch(
+                f"expected_content_hash: the request expects checkpoint {expected} but this server serves "
+                f"{self._engine.content_hash} (restarted with another checkpoint or placement?)")
         if request.output_mode not in _OUTPUT_MODES:
             raise InvalidArgument(f"output_mode: unknown value {request.output_mode}")
         for name in ("hidden_states", "topk_ids", "topk_weights"):

@@ -84,6 +84,8 @@ CASES = {
     "hidden_scales set": (_mutate(lambda r: encode_tensor(torch.zeros(4, 4, dtype=torch.uint8), out=r.hidden_scales)),
                           INVALID, "hidden_scales"),
     "unknown layer": (_request(layer=5), grpc.StatusCode.NOT_FOUND, "layer 5"),
+    "another checkpoint's content hash": (
+        _request(expected_content_hash="sha256:not-this-checkpoint"), grpc.StatusCode.FAILED_PRECONDITION, "expected_content_hash"),
 }
 
 
@@ -165,3 +167,21 @@ def test_a_request_that_is_not_protobuf_does_not_end_the_stream(server: ServerTh
     assert [(r.request_id, r.status.code) for r in responses] == [(1, OK.value[0]), (0, INVALID.value[0]), (3, OK.value[0])]
     assert "request: not a valid lutb.v1.ForwardRequest" in responses[1].status.message
     assert responses[0].HasField("output") and responses[2].HasField("output") and not responses[1].HasField("output")
+
+
+def test_expected_content_hash_is_checked_against_the_served_checkpoint(stub) -> None:
+    """A request naming another checkpoint's content hash is refused (FAILED_PRECONDITION naming both hashes, unary
+    and in a stream); the served checkpoint's hash, or none, is accepted: a sharded client sets it so that a shard
+    restarted with another checkpoint or placement cannot silently contribute zero for experts it no longer holds."""
+    served = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).content_hash
+    assert served
+    wrong = "sha256:" + "0" * 64
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Forward(_request(expected_content_hash=wrong), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert wrong in info.value.details() and served in info.value.details()
+    for expected in (served, ""):
+        assert stub.Forward(_request(expected_content_hash=expected), timeout=10).HasField("output")
+    responses = list(stub.ForwardStream(iter([_request(expected_content_hash=h) for h in (served, wrong, "")]), timeout=60))
+    codes = [r.status.code for r in responses]
+    assert codes == [0, grpc.StatusCode.FAILED_PRECONDITION.value[0], 0], [r.status.message for r in responses]

@@ -1,4 +1,4 @@
-# Post-processed by lutb_client._proto.generate (grpcio-tools 1.85.1): package-relative
+# Post-processed by lutb_client._proto.generate (grpcio-tools 1.85.4): package-relative
 # imports, no protobuf runtime version guard; needs protobuf>=5.27, grpcio>=1.66.0.
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -108,7 +108,7 @@ class ModelInfo(_message.Message):
     def __init__(self, format: _Optional[str] = ..., format_version: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_experts: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., activation: _Optional[str] = ..., dtype: _Optional[_Union[DataType, str]] = ..., mxfp8_scale_mode: _Optional[str] = ..., backend: _Optional[str] = ..., backend_reason: _Optional[str] = ..., device: _Optional[str] = ..., max_tokens_per_request: _Optional[int] = ..., content_hash: _Optional[str] = ..., server_version: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., front_end: _Optional[int] = ..., front_ends: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("request_id", "layer", "hidden_states", "topk_ids", "topk_weights", "apply_router_weight_on_input", "output_mode", "hidden_scales")
+    __slots__ = ("request_id", "layer", "hidden_states", "topk_ids", "topk_weights", "apply_router_weight_on_input", "output_mode", "hidden_scales", "expected_content_hash")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class ForwardRequest(_message.Message):
     APPLY_ROUTER_WEIGHT_ON_INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_MODE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SCALES_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     layer: int
     hidden_states: Tensor
@@ -125,7 +126,8 @@ class ForwardRequest(_message.Message):
     apply_router_weight_on_input: bool
     output_mode: OutputMode
     hidden_scales: Tensor
-    def __init__(self, request_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_weights: _Optional[_Union[Tensor, _Mapping]] = ..., apply_router_weight_on_input: _Optional[bool] = ..., output_mode: _Optional[_Union[OutputMode, str]] = ..., hidden_scales: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    expected_content_hash: str
+    def __init__(self, request_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_weights: _Optional[_Union[Tensor, _Mapping]] = ..., apply_router_weight_on_input: _Optional[bool] = ..., output_mode: _Optional[_Union[OutputMode, str]] = ..., hidden_scales: _Optional[_Union[Tensor, _Mapping]] = ..., expected_content_hash: _Optional[str] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_us", "compute_us", "total_us", "batch_tokens", "handoff_us", "prepare_us", "encode_us", "wait_us")
