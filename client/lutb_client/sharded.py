@@ -38,6 +38,10 @@ How a call is split (the *route assignment*):
    needed expert, :class:`~lutb_client.errors.ExpertServiceError` names the layer and the
    experts (``UNAVAILABLE`` when their holders failed, ``NOT_FOUND`` when no shard holds
    them). Other errors (bad input) are raised as the shard reported them.
+6. Each sub-request carries its shard's ``ModelInfo.content_hash`` as ``expected_content_hash``:
+   a shard restarted with another checkpoint (or placement) refuses it with FAILED_PRECONDITION
+   instead of adding zero for experts it no longer holds; the call then reads every shard's
+   ``ModelInfo`` again (:meth:`refresh`) and is retried once, within its deadline.
 
 Sub-requests travel as messages on one kept-open ``ForwardStream`` per shard
 (``transport="stream"``, the default) or as unary ``Forward`` calls (``transport="unary"``);
@@ -208,6 +212,7 @@ class _Topology:
         self.dtype = to_torch_dtype(first.dtype)
         self.scale_mode = first.mxfp8_scale_mode or "rceil"
         self.shards = len(targets)
+        self.hashes = tuple(info.content_hash for info in infos)  # per shard: sent as expected_content_hash
         held: dict[int, np.ndarray] = {}
         for s, info in enumerate(infos):
             for layer in info.layers:
@@ -432,6 +437,11 @@ def _stuck(assign: np.ndarray, pending: np.ndarray | None) -> np.ndarray | None:
     return stuck if bool(stuck.any()) else None
 
 
+class _StaleShard(ExpertServiceError):
+    """A shard refused a sub-request with FAILED_PRECONDITION (its checkpoint is not the one whose content hash the
+    client read when it connected): the placement may be stale; the call refreshes it once and is retried."""
+
+
 class _Call:
     """The state of one sharded forward: what is left to compute and what has come back.
 
@@ -468,6 +478,7 @@ class _Call:
         self.core = core
         self.layer = layer
         self.map = topo.layers[layer]
+        self.hashes = topo.hashes
         self.dtype = topo.dtype
         self.x = _cpu(x)
         if self.x.dtype in (torch.bfloat16, torch.float16, torch.float32) and self.x.dtype != self.dtype:
@@ -550,6 +561,7 @@ class _Call:
                 x = self.x if every else self.x.index_select(0, torch.from_numpy(sub.rows))
             request = build_request(
                 self.layer, x, ids, weights, request_id=next(self.core._ids), hidden_scales=scales, **self.kw)
+            request.expected_content_hash = self.hashes[sub.shard]  # a restarted shard serving another checkpoint refuses it
             out.append((sub, request))
         return out
 
@@ -566,6 +578,9 @@ class _Call:
     def absorb(self, sub: _Sub, result: Any, deadline: float) -> None:
         """Take a sub-request's outcome: a response, or an ``ExpertServiceError``."""
         if isinstance(result, ExpertServiceError):
+            if result.code == grpc.StatusCode.FAILED_PRECONDITION and self.hashes[sub.shard]:
+                raise _StaleShard(result.code, f"layer {self.layer}: shard {self.core.targets[sub.shard]}: {result.message}",
+                                  result.request_id)
             if result.code not in FAILOVER_CODES:
                 raise result
             if result.code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline:
@@ -861,6 +876,14 @@ def _message_outcome(answer: pb.ForwardResponse) -> Any:
     return answer
 
 
+def _remaining(deadline: float) -> float:
+    """Seconds left until ``deadline``; DEADLINE_EXCEEDED when none are."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise ExpertServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the shards' placement was read again")
+    return remaining
+
+
 def _info_error(target: str, err: grpc.RpcError) -> ExpertServiceError:
     error = ExpertServiceError.from_rpc_error(err)
     return ExpertServiceError(error.code, f"shard {target}: GetModelInfo failed: {error.message}")
@@ -930,9 +953,9 @@ class ShardedExpertClient(_ShardedCore):
         self._channels = [[opener() for _ in range(connections)] for opener in self._openers]
         self._open_stubs()
         try:
+            deadline = time.monotonic() + self.connect_timeout  # one deadline for the ModelInfo round and the spread
             self.refresh(timeout=self.connect_timeout)
             if connections > 1:
-                deadline = time.monotonic() + self.connect_timeout
                 for target, channels, opener in zip(self.targets, self._channels, self._openers):
                     try:
                         spread(channels, opener, timeout=max(deadline - time.monotonic(), 0.0))
@@ -977,6 +1000,7 @@ class ShardedExpertClient(_ShardedCore):
                 self._drop_lane(sub.shard, lane)
             return ExpertServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the attempt's deadline")
         except ExpertServiceError as err:
+            self._check_open()  # closed meanwhile: that, not a broken lane (nor a down shard)
             return self._lane_broke(sub.shard, err)
         finally:
             self._answered(sub.shard, started, response)
@@ -1029,9 +1053,19 @@ class ShardedExpertClient(_ShardedCore):
         """:meth:`forward`, also returning the shards that computed it and the failover rounds."""
         timeout = _call_timeout(timeout)  # before anything is sent: INVALID_ARGUMENT naming timeout
         self._check_open()
-        call = _Call(self, layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input, output_mode)
+        args = (layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input, output_mode)
+        call = _Call(self, *args)
         self._count_call()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        try:
+            return self._run(call, deadline)
+        except _StaleShard:  # a shard restarted with another checkpoint: read the placement again, retry once
+            self.refresh(timeout=_remaining(deadline))
+            self._count_retry()
+            return self._run(_Call(self, *args), deadline)
+
+    def _run(self, call: _Call, deadline: float) -> ShardedForwardResult:
+        """Compute ``call`` by ``deadline``, failing over to replicas."""
         while not call.done:
             round_ = call.plan()
             attempt = self._attempt_timeout(deadline)
@@ -1064,7 +1098,11 @@ class ShardedExpertClient(_ShardedCore):
                     try:
                         response: Any = future.result()
                     except grpc.RpcError as err:
+                        self._check_open()  # cancelled by close(): report the close
                         response = ExpertServiceError.from_rpc_error(err)
+                    except grpc.FutureCancelledError:
+                        self._check_open()
+                        raise
                     call.absorb(sub, response, deadline)
             except BaseException:
                 for _, future in sent:
@@ -1095,7 +1133,8 @@ class ShardedExpertClient(_ShardedCore):
             ExpertServiceError: bad input (``INVALID_ARGUMENT``; a ``timeout`` not None nor a positive
                 finite number of seconds, before any shard is called), a layer or expert no shard
                 holds (``NOT_FOUND``), every holder of a needed expert failed (``UNAVAILABLE``),
-                the deadline passed, or a shard's own error.
+                the deadline passed, a shard still refused the call's content hash after the placement was
+                read again (``FAILED_PRECONDITION``), or a shard's own error.
         """
         return self.forward_detailed(
             layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
@@ -1139,18 +1178,27 @@ class AsyncShardedExpertClient(_ShardedCore):
 
     async def connect(self) -> None:
         """Ask the shards for their ``ModelInfo`` and spread the connections to each over its front ends, unless
-        already done."""
+        already done. A failed attempt leaves the client unconnected (the next one starts over)."""
+        await self._connect(self.connect_timeout)
+
+    async def _connect(self, timeout: float) -> None:
+        """:meth:`connect` within ``timeout`` seconds (at most ``connect_timeout``)."""
         async with self._connect_lock:
             if self._topology is None:
-                deadline = time.monotonic() + self.connect_timeout
-                await self.refresh(timeout=self.connect_timeout)
-                if self.connections > 1:
-                    for target, channels, opener in zip(self.targets, self._channels, self._openers):
-                        try:
-                            await spread_async(channels, opener, timeout=max(deadline - time.monotonic(), 0.0))
-                        except grpc.RpcError as err:
-                            raise _info_error(target, err) from None
-                    self._open_stubs()
+                deadline = time.monotonic() + timeout
+                try:
+                    await self.refresh(timeout=timeout)
+                    if self.connections > 1:
+                        for target, channels, opener in zip(self.targets, self._channels, self._openers):
+                            try:
+                                await spread_async(channels, opener, timeout=max(deadline - time.monotonic(), 0.0))
+                            except grpc.RpcError as err:
+                                raise _info_error(target, err) from None
+                except BaseException:
+                    self._topology = None  # not connected: the next connect() asks and spreads again
+                    raise
+                finally:
+                    self._open_stubs()  # the channels as they are now: a spread closes those it replaced
 
     async def refresh(self, *, timeout: float = 30.0) -> None:
         """Ask every shard for its ``ModelInfo`` again and rebuild the placement (``timeout`` as for
@@ -1231,10 +1279,26 @@ class AsyncShardedExpertClient(_ShardedCore):
         """As :meth:`ShardedExpertClient.forward_detailed`."""
         timeout = _call_timeout(timeout)  # before connecting or sending: INVALID_ARGUMENT naming timeout
         self._check_open()
-        await self.connect()
-        call = _Call(self, layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input, output_mode)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)  # the lazy connect included
+        if self._topology is None:
+            remaining = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(self._connect(max(min(self.connect_timeout, remaining), 1e-3)), max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                raise ExpertServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         "deadline passed while connecting to the shards") from None
+        args = (layer, hidden_states, topk_ids, topk_weights, apply_router_weight_on_input, output_mode)
+        call = _Call(self, *args)
         self._count_call()
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        try:
+            return await self._run(call, deadline)
+        except _StaleShard:  # a shard restarted with another checkpoint: read the placement again, retry once
+            await self.refresh(timeout=_remaining(deadline))
+            self._count_retry()
+            return await self._run(_Call(self, *args), deadline)
+
+    async def _run(self, call: _Call, deadline: float) -> ShardedForwardResult:
+        """Compute ``call`` by ``deadline``, failing over to replicas."""
         while not call.done:
             round_ = call.plan()
             attempt = self._attempt_timeout(deadline)
