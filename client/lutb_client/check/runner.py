@@ -336,16 +336,22 @@ def _send(side: Side, batch: Batch, *, cap: int | None = None) -> torch.Tensor:
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _call(side: Side, batch: Batch) -> tuple[torch.Tensor | None, dict[str, str] | None]:
-    """The target's output for ``batch``, or the error it gave: any failure of the target is a finding about it."""
+def _error_of(exc: BaseException) -> dict[str, str]:
+    """A failed request as the report keeps it: the gRPC status code's name and message, or the exception's type
+    and text."""
     from lutb_client.errors import ExpertServiceError
 
+    if isinstance(exc, ExpertServiceError):
+        return {"code": exc.code.name, "message": exc.message}
+    return {"code": type(exc).__name__, "message": str(exc)}
+
+
+def _call(side: Side, batch: Batch) -> tuple[torch.Tensor | None, dict[str, str] | None]:
+    """The target's output for ``batch``, or the error it gave: any failure of the target is a finding about it."""
     try:
         return _send(side, batch), None
-    except ExpertServiceError as exc:
-        return None, {"code": exc.code.name, "message": exc.message}
     except Exception as exc:  # noqa: BLE001 - whatever the target does wrong is reported against it
-        return None, {"code": type(exc).__name__, "message": str(exc)}
+        return None, _error_of(exc)
 
 
 def _judge_groups(batches: Sequence[Batch], limit: int) -> list[list[Batch]]:
@@ -376,11 +382,10 @@ def _joined(group: Sequence[Batch]) -> Batch:
 
 
 def _judge_failed(judge: Side, batch: Batch, exc: BaseException) -> CheckError:
-    from lutb_client.errors import ExpertServiceError
-
-    what = f"{exc.code.name}: {exc.message}" if isinstance(exc, ExpertServiceError) else f"{type(exc).__name__}: {exc}"
+    error = _error_of(exc)
     where = "a headroom probe" if batch.index < 0 else f"batch {batch.index}"
-    return CheckError(f"the judge ({judge.address}) failed on {where} ({batch.part}, layer {batch.layer}): {what}")
+    return CheckError(f"the judge ({judge.address}) failed on {where} ({batch.part}, layer {batch.layer}): "
+                      f"{error['code']}: {error['message']}")
 
 
 def _judge_send(judge: Side, batch: Batch, cap: int) -> torch.Tensor:
@@ -403,10 +408,8 @@ def _judge_call(judge: Side, batch: Batch, cap: int) -> tuple[torch.Tensor | Non
 
     try:
         return _judge_send(judge, batch, cap), None
-    except ExpertServiceError as exc:
-        return None, {"code": exc.code.name, "message": exc.message}
-    except ValueError as exc:
-        return None, {"code": type(exc).__name__, "message": str(exc)}
+    except (ExpertServiceError, ValueError) as exc:  # refusals only: _judge_send raised the rest as CheckError
+        return None, _error_of(exc)
 
 
 def _output_error(out: torch.Tensor, batch: Batch, dtype: torch.dtype, hidden: int) -> dict[str, str] | None:
