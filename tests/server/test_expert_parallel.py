@@ -181,6 +181,18 @@ def test_lutb_load_refuses_servers_without_expert_metrics(deployment: Deployment
     assert lutb(["load", *deployment.targets[:2], "--out", str(out), "--metrics-url", deployment.metrics[0]]) == 2
 
 
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan"])
+def test_lutb_load_refuses_a_non_positive_timeout_as_a_usage_error(timeout: str, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--timeout 0 once reached the client and exited 1 (a failure), not 2 (bad usage)."""
+    out = tmp_path / "load.json"
+    with pytest.raises(SystemExit) as info:
+        lutb(["load", "127.0.0.1:1", "--out", str(out), "--timeout", timeout])
+    assert info.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert "--timeout" in err and "must be > 0" in err
+
+
 def test_metrics_url_forms() -> None:
     assert metrics_url(None, "10.0.0.5:50051") == "http://10.0.0.5:9400/metrics"
     assert metrics_url("h:9500", "x:1") == "http://h:9500/metrics"

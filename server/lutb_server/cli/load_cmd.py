@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lutb_server.cli._args import positive_float
+
 DEFAULT_METRICS_PORT = 9400
 FAMILY = "lutb_expert_tokens"
 
@@ -39,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="metrics endpoint of each target, in target order (http://H:P/metrics, H:P or H:P/path); "
         f"default http://HOST:{DEFAULT_METRICS_PORT}/metrics with the target's host",
     )
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per ModelInfo call and per scrape (default: 10)")
+    p.add_argument("--timeout", type=positive_float, default=10.0, metavar="S",
+                   help="seconds per ModelInfo call and per scrape, > 0 (default: 10)")
     p.set_defaults(run=run)
 
 
