@@ -428,15 +428,32 @@ def quantize_layer(
     Returns:
         :class:`QuantizedLayer`; its ``weights`` hold CPU tensors ready for a
         :class:`~lutb_kernels.checkpoint.CheckpointWriter`.
+
+    Raises:
+        ValueError: bad shapes; a weight of magnitude above :data:`LARGEST_WEIGHT`.
+        NonFiniteInputError: a weight is NaN or infinity.
+
+    Weights are checked with :func:`check_weights` expert by expert (gate, up, down) before ``gate`` and
+    ``up`` are stacked, so an error names the tensor the caller passed, the expert (its global id) and the
+    row in that expert's matrix: ``"up of expert 4: weights hold NaN or infinity (row 5)"``, never a row
+    of the stacked ``W13``.
     """
+    if gate.dim() != 3 or down.dim() != 3 or (up is not None and up.dim() != 3) or down.shape[0] != gate.shape[0]:
+        up_shape = "" if up is None else f", up {tuple(up.shape)}"
+        raise ValueError(f"expected gate and up [E, I, H] and down [E, H, I], got gate {tuple(gate.shape)}{up_shape} "
+                         f"and down {tuple(down.shape)}")
     w13 = stack_w13(gate, up)
-    if w13.dim() != 3 or down.dim() != 3 or down.shape[0] != w13.shape[0]:
-        raise ValueError(f"expected gate/up [E, I, H] and down [E, H, I], got {tuple(w13.shape)} and {tuple(down.shape)}")
     if down.shape[1] != w13.shape[2] or down.shape[2] != gate.shape[1]:
         raise ValueError(f"down {tuple(down.shape)} does not match gate {tuple(gate.shape)}: expected [E, H, I]")
     experts = w13.shape[0]
     if expert_ids is None:
         expert_ids = torch.arange(experts, dtype=torch.int32)
+    if tuple(expert_ids.shape) != (experts,):
+        raise ValueError(f"expert_ids: shape {tuple(expert_ids.shape)}, expected ({experts},): one global id per expert of gate")
+    for e, expert in enumerate(expert_ids.tolist()):
+        for part, w in (("gate", gate), ("up", up), ("down", down)):
+            if w is not None:
+                check_weights(w[e], f"{part} of expert {expert}")
     kwargs = dict(
         iterations=iterations,
         refinements=refinements,
@@ -447,8 +464,8 @@ def quantize_layer(
         chunk_tiles=chunk_tiles,
         progress=progress,
     )
-    q13 = quantize_matrix(w13, name="w13", **kwargs)
-    q2 = quantize_matrix(down, name="w2", **kwargs)
+    q13 = quantize_matrix(w13, name="gate/up (w13)", **kwargs)
+    q2 = quantize_matrix(down, name="down (w2)", **kwargs)
     weights = LayerWeights(q13.tiles.cpu(), q2.tiles.cpu(), expert_ids.to(torch.int32).cpu().contiguous())
     return QuantizedLayer(weights, q13, q2)
 

@@ -212,6 +212,31 @@ def test_quantize_layer_shape_mismatch() -> None:
         quantize_layer(torch.randn(2, 128, 256), torch.randn(2, 128, 256), torch.randn(2, 128, 256))
 
 
+@pytest.mark.parametrize("part", ["gate", "up", "down"])
+@pytest.mark.parametrize("bad", [float("nan"), 3.4e38], ids=["nan", "too-large"])
+def test_quantize_layer_names_the_bad_tensor_expert_and_row(part: str, bad: float) -> None:
+    """Gate and up are quantized stacked as W13 [E, 2I, H], and a bad value in either was reported as "w13" (a name
+    the caller never wrote) with a row of the stacked matrix: up row 5 of expert 1 read as "row 133 of matrix [1]"."""
+    e, i, h = 3, 128, 128
+    ws = {"gate": torch.randn(e, i, h) * 0.02, "up": torch.randn(e, i, h) * 0.02, "down": torch.randn(e, h, i) * 0.02}
+    ids = torch.tensor([2, 5, 7])
+    slot, row = int(torch.randint(0, e, ())), int(torch.randint(0, i, ()))
+    ws[part][slot, row, int(torch.randint(0, h, ()))] = bad
+    with pytest.raises(ValueError) as info:
+        quantize_layer(ws["gate"], ws["up"], ws["down"], expert_ids=ids, iterations=1, refinements=0)
+    msg = str(info.value)
+    what = "weights hold NaN or infinity" if bad != bad else "weights too large for LUT-B"
+    assert msg.startswith(f"{part} of expert {int(ids[slot])}: {what}"), msg
+    assert f"(row {row})" in msg or f"; row {row} holds" in msg, msg
+    assert "w13" not in msg and "matrix" not in msg, msg
+    assert isinstance(info.value, NonFiniteInputError) == (bad != bad)
+
+
+def test_quantize_layer_refuses_expert_ids_of_another_length() -> None:
+    with pytest.raises(ValueError, match=r"expert_ids: shape \(2,\), expected \(3,\)"):
+        quantize_layer(torch.randn(3, 128, 128), None, torch.randn(3, 128, 128), expert_ids=torch.tensor([0, 1]))
+
+
 def test_one_weight_beyond_bfloat16_is_refused_even_where_the_fit_misses_it() -> None:
     """Whether a finite float32 weight past bfloat16's range was refused depended on the LUT fit: one outlier at a
     position the fit's subsample skips (refinements=0) was clipped silently to ~8e37 and valid tiles came out."""

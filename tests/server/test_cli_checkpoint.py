@@ -62,6 +62,17 @@ def test_synth_refuses_bad_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "multiples of 128" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("std", ["inf", "nan", "1e38"])
+def test_synth_names_gate_or_up_not_w13(tmp_path: Path, std: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad synthetic weights were reported against "w13" (the stacked gate/up matrix), a name no synth user wrote."""
+    argv = ["synth", "--out", str(tmp_path / "x"), "--layers", "1", "--experts", "2", "--hidden", "128",
+            "--intermediate", "128", "--weight-std", std]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(("lutb synth: gate of expert ", "lutb synth: up of expert ")), err
+    assert "w13" not in err and "row " in err, err
+
+
 def test_synth_reports_a_full_disk_naming_the_output(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """An output write error (here a full disk) once escaped `lutb synth` as a traceback."""
