@@ -381,17 +381,18 @@ def _joined(group: Sequence[Batch]) -> Batch:
                    topk_ids=torch.cat([b.topk_ids for b in group]), topk_weights=torch.cat([b.topk_weights for b in group]))
 
 
-def _judge_failed(judge: Side, batch: Batch, exc: BaseException) -> CheckError:
+def _judge_failed(judge: Side, batch: Batch, exc: BaseException, role: str = "the judge") -> CheckError:
     error = _error_of(exc)
     where = "a headroom probe" if batch.index < 0 else f"batch {batch.index}"
-    return CheckError(f"the judge ({judge.address}) failed on {where} ({batch.part}, layer {batch.layer}): "
+    return CheckError(f"{role} ({judge.address}) failed on {where} ({batch.part}, layer {batch.layer}): "
                       f"{error['code']}: {error['message']}")
 
 
-def _judge_send(judge: Side, batch: Batch, cap: int) -> torch.Tensor:
-    """The judge's output for ``batch`` (in requests of at most ``cap`` tokens). A refusal of the input propagates
-    as it is; any other failure of the judge (a device it cannot use, a bad tile of its checkpoint, a node that is
-    down) is a :class:`CheckError`: the check cannot run, and the target is not to blame."""
+def _judge_send(judge: Side, batch: Batch, cap: int | None, role: str = "the judge") -> torch.Tensor:
+    """The judge's output for ``batch`` (in requests of at most ``cap`` tokens; None: a record's whole). A refusal
+    of the input propagates as it is; any other failure of the judge (a device it cannot use, a bad tile of its
+    checkpoint, a node that is down) is a :class:`CheckError` naming ``role``: the check cannot run, and the target
+    is not to blame."""
     try:
         return _send(judge, batch, cap=cap)
     except CheckError:
@@ -399,7 +400,7 @@ def _judge_send(judge: Side, batch: Batch, cap: int) -> torch.Tensor:
     except Exception as exc:  # noqa: BLE001 - sorted into refusals and the judge's own failures
         if _refused_input(exc):
             raise
-        raise _judge_failed(judge, batch, exc) from exc
+        raise _judge_failed(judge, batch, exc, role) from exc
 
 
 def _judge_call(judge: Side, batch: Batch, cap: int) -> tuple[torch.Tensor | None, dict[str, str] | None]:
@@ -651,7 +652,10 @@ def record_node(
 
     def room(layer: int) -> float:
         if layer not in headroom:
-            headroom[layer] = headroom_probe(lambda b: _send(target, b), layer, shape, seed=seed)
+            # The node judges its own headroom: only its refusal of the input means "too big"; it being down, late
+            # or failing is the recording's failure, not a headroom.
+            headroom[layer] = headroom_probe(lambda b: _judge_send(target, b, None, role="the node"), layer, shape,
+                                             seed=seed, too_big=_refused_input)
         return headroom[layer]
 
     batches = make_batches(suite_names, shape, chosen, cap=cap, seed=seed, headroom=room)

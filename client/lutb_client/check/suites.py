@@ -363,14 +363,14 @@ def make_batches(
 
 def headroom_probe(
     forward: Callable[[Batch], torch.Tensor], layer: int, shape: NodeShape, *, seed: int = 0,
-    too_big: Callable[[Exception], bool] | None = None,
+    too_big: Callable[[Exception], bool],
 ) -> float:
     """Largest power of two ``2^e`` such that every 32-block of the input at amax ``2^e`` keeps the output finite, / 4.
 
     ``forward`` runs a probe batch (one token per expert held, ``k = 1``, weight 1,
     combined) on the judge, in requests of at most ``shape.max_tokens`` tokens; a non-finite
-    output, or an exception ``too_big`` accepts (every exception when it is None), counts as
-    "too big"; any other exception propagates (the judge's own failure is not a headroom).
+    output, or an exception ``too_big`` accepts (a refusal of the input), counts as "too big"; any
+    other exception propagates (the judge's own failure is not a headroom).
     Binary search over ``e`` in ``[0, log2(dtype max)]``, about 7 probes for bfloat16.
     """
     held = shape.experts[layer]
@@ -389,7 +389,7 @@ def headroom_probe(
             try:
                 out = forward(batch)
             except Exception as exc:  # noqa: BLE001 - a refusal of the input means "too big"
-                if too_big is None or too_big(exc):
+                if too_big(exc):
                     return False
                 raise
             if not bool(torch.isfinite(out.float()).all()):
