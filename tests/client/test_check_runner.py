@@ -7,6 +7,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -237,7 +238,7 @@ def test_the_headroom_probes_show_progress(server: ServerThread, client_checkpoi
 class _FailingProbes(ReferenceSide):
     """Answers every batch but the headroom probes (index < 0), which fail with ``code``."""
 
-    def __init__(self, ckpt: Path, code: "grpc.StatusCode") -> None:
+    def __init__(self, ckpt: Path, code: grpc.StatusCode) -> None:
         super().__init__(ckpt, device="cpu")
         self.address, self.code = "probed:1", code
 
@@ -253,8 +254,6 @@ class _FailingProbes(ReferenceSide):
 def test_record_fails_when_the_nodes_headroom_probe_fails(tmp_path: Path, code: str) -> None:
     """A node that is down or failing during `lutb record`'s headroom probe fails the recording (naming the node and
     the code); it is not recorded as a headroom of 1."""
-    import grpc
-
     from lutb_client.check import CheckError
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", layers=(0,), num_experts=4)
@@ -267,8 +266,6 @@ def test_record_fails_when_the_nodes_headroom_probe_fails(tmp_path: Path, code: 
 def test_record_counts_the_nodes_refusal_as_too_big(tmp_path: Path) -> None:
     """The node's INVALID_ARGUMENT on every probe (its refusal of an overflowing input) is "too big" at every
     magnitude: the lowest headroom, and the recording goes on."""
-    import grpc
-
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", layers=(0,), num_experts=4)
     rec = record_node(_FailingProbes(ckpt, grpc.StatusCode.INVALID_ARGUMENT), tmp_path / "r.safetensors",
                       suites=["heavy_tailed"], tokens=8, topk=2, progress=False)
