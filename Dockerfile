@@ -2,7 +2,7 @@
 #
 #   docker build -t lutb-moe:0.1.0 .
 #   docker run --gpus 1 -p 50051:50051 -p 9400:9400 -v /path/to/ckpt:/checkpoints:ro \
-#       -e LUTB_CHECKPOINT=/checkpoints --read-only --tmpfs /tmp lutb-moe:0.1.0
+#       -e LUTB_CHECKPOINT=/checkpoints --read-only --tmpfs /tmp:exec lutb-moe:0.1.0
 #
 # The CUDA version of the base image matches the PyTorch wheel index below (cu130: CUDA 13.0,
 # NVIDIA driver >= 580 on the host). Change both FROM lines and TORCH_INDEX_URL together
