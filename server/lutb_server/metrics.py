@@ -7,14 +7,18 @@ lutb_grpc_requests_total                 counter   service, method, code        
 lutb_grpc_request_duration_seconds       histogram service, method                       server-side call latency
 lutb_grpc_requests_in_flight             gauge     service, method                       calls being handled
 lutb_forward_requests_total              counter   rpc, code                             forward requests the servicer handled (unary
-                                                                                         and each stream message; not unary calls the
-                                                                                         gate refused while loading or draining)
+                                                                                         and each stream message; not calls, unary or
+                                                                                         stream, the gate refused while loading or
+                                                                                         draining: lutb_grpc_requests_total has those)
 lutb_queue_wait_seconds                  histogram backend, layer                        time from enqueue to the start of its batch
 lutb_compute_seconds                     histogram backend, layer                        per batch this process handed over: the
                                                                                          experts call that ran it (a call merging
                                                                                          several batches: once per batch)
 lutb_batch_tokens                        histogram backend, layer                        tokens per experts call
-lutb_batch_requests                      histogram backend, layer                        requests pooled per experts call
+lutb_batch_requests                      histogram backend, layer                        this process's requests in each batch it
+                                                                                         handed over (not the merged call's)
+lutb_handoff_seconds                     histogram backend, layer, part                  per batch: its trip to the compute worker
+                                                                                         and back less compute, split to_call / back
 lutb_batches_total                       counter   backend, layer, path                  this process's batches by how the call that
                                                                                          ran them ran: graph, chunks, eager
 lutb_tokens_processed_total              counter   backend, layer                        tokens computed
@@ -46,9 +50,11 @@ front-end batches, not experts calls (docs/serving.md, Metrics).
 
 from __future__ import annotations
 
+import http.client
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, start_http_server
@@ -147,7 +153,7 @@ class ServerMetrics:
             "lutb_batch_tokens", "Tokens per experts call", ["backend", "layer"], buckets=TOKEN_BUCKETS, registry=r
         )
         self.batch_requests = Histogram(
-            "lutb_batch_requests", "Requests pooled per experts call", ["backend", "layer"], buckets=REQUEST_BUCKETS, registry=r
+            "lutb_batch_requests", "This serving process's requests in each batch it handed to the compute worker", ["backend", "layer"], buckets=REQUEST_BUCKETS, registry=r
         )
         self.batches = Counter(
             "lutb_batches", "This serving process's batches by how the experts call that ran them ran (a call merging "
@@ -221,8 +227,10 @@ class FrontEndsCollector(Collector):
     Args:
         own: front end 0's registry.
         ports: the loopback metrics ports of front ends 1..N-1, in order.
-        timeout_s: how long one front end's endpoint may take; one that fails, or whose answer is not
-            valid OpenMetrics, shows as ``lutb_front_end_up{front_end="k"} 0`` and contributes no samples.
+        timeout_s: how long one front end's endpoint may take (the endpoints are read in parallel, so a
+            scrape waits about this long however many hang); one that fails, answers broken HTTP, or whose
+            answer is not valid OpenMetrics, shows as ``lutb_front_end_up{front_end="k"} 0`` and contributes no
+            samples.
 
     The endpoints are read directly, never through a proxy of the environment, in OpenMetrics, the
     format that keeps every family's type (info, counter with its ``_created`` sample): the families
@@ -241,18 +249,28 @@ class FrontEndsCollector(Collector):
             text = response.read().decode()
         return list(parse_openmetrics(text))
 
+    def _read_or_none(self, port: int) -> list[Metric] | None:
+        """:meth:`_read`, None for a front end that is down, hung, or answers anything but OpenMetrics over HTTP
+        (one dying mid-answer: ``http.client.IncompleteRead``, not an OSError)."""
+        try:
+            return self._read(port)
+        except (OSError, ValueError, http.client.HTTPException):
+            return None
+
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         up = GaugeMetricFamily("lutb_front_end_up", "1 when this front end's metrics were read at this scrape", labels=["front_end"])
         # Front end 0's registry is read as is: it names and types its families as the OpenMetrics parser does.
         read: list[tuple[int, list[Metric]]] = [(0, list(self.own.collect()))]
         up.add_metric(["0"], 1.0)
-        for k, port in enumerate(self.ports, 1):
-            try:
-                read.append((k, self._read(port)))
-                up.add_metric([str(k)], 1.0)
-            except (OSError, ValueError):
-                up.add_metric([str(k)], 0.0)
+        answers: list[list[Metric] | None] = []
+        if self.ports:  # in parallel: hung front ends cost one timeout together, not one each
+            with ThreadPoolExecutor(max_workers=len(self.ports), thread_name_prefix="lutb-scrape") as pool:
+                answers = list(pool.map(self._read_or_none, self.ports))
+        for k, answer in enumerate(answers, 1):
+            up.add_metric([str(k)], 0.0 if answer is None else 1.0)
+            if answer is not None:
+                read.append((k, answer))
         for k, metrics in read:
             for metric in metrics:
                 family = families.get(metric.name)

@@ -284,6 +284,77 @@ def test_front_ends_are_read_on_loopback_past_a_proxy(monkeypatch: pytest.Monkey
         one.close()
 
 
+class _RawEndpoint:
+    """A loopback port that answers every connection with ``reply`` and closes it; with ``reply`` None it accepts
+    and never answers (a hung front end)."""
+
+    def __init__(self, reply: bytes | None) -> None:
+        import socket
+        import threading
+
+        self.reply, self.held = reply, []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            if self.reply is None:
+                self.held.append(conn)
+            else:
+                conn.sendall(self.reply)
+                conn.close()
+
+    def close(self) -> None:
+        for conn in self.held:
+            conn.close()
+        self.sock.close()
+
+
+def _up(collector) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    family = next(f for f in collector.collect() if f.name == "lutb_front_end_up")
+    return {s.labels["front_end"]: s.value for s in family.samples}
+
+
+@pytest.mark.parametrize("reply", [
+    b"HTTP/1.0 200 OK\r\nContent-Length: 5000\r\n\r\n# TYPE a counter\n",  # dies mid-answer: IncompleteRead
+    b"garbage\r\n",  # not HTTP: BadStatusLine
+], ids=["truncated", "not-http"])
+def test_a_front_end_answering_broken_http_is_down_not_a_failed_scrape(reply: bytes) -> None:
+    """A front end dying mid-answer made front end 0's whole endpoint answer 500 (http.client's errors are not
+    OSErrors); it must show as down, the others' metrics intact."""
+    from lutb_server.metrics import FrontEndsCollector, ServerMetrics
+
+    broken, one = _RawEndpoint(reply), ServerMetrics()
+    try:
+        collector = FrontEndsCollector(ServerMetrics().registry, [one.serve("127.0.0.1", 0), broken.port], timeout_s=2.0)
+        assert _up(collector) == {"0": 1.0, "1": 1.0, "2": 0.0}
+    finally:
+        broken.close()
+        one.close()
+
+
+def test_hung_front_ends_cost_one_timeout_together() -> None:
+    """Front ends are read in parallel: four that never answer cost a scrape about one timeout, not four (read
+    one after another, a few hung front ends took longer than Prometheus's 10 s scrape timeout, losing all)."""
+    from lutb_server.metrics import FrontEndsCollector, ServerMetrics
+
+    hung = [_RawEndpoint(None) for _ in range(4)]
+    try:
+        collector = FrontEndsCollector(ServerMetrics().registry, [h.port for h in hung], timeout_s=1.0)
+        start = time.monotonic()
+        assert _up(collector) == {"0": 1.0, "1": 0.0, "2": 0.0, "3": 0.0, "4": 0.0}
+        assert time.monotonic() - start < 3.0  # one after another: >= 4 s
+    finally:
+        for h in hung:
+            h.close()
+
+
 @pytest.mark.parametrize("others", [0, 1, 3])
 def test_merged_front_ends_endpoint_is_valid_in_either_format(others: int) -> None:
     """Front end 0's endpoint with ``others`` more front ends answers a scraper asking for OpenMetrics (Prometheus
