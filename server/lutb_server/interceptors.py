@@ -113,7 +113,13 @@ class _Observe:
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Request count by status, latency and in-flight gauge of every registered method."""
+    """Request count by status, latency and in-flight gauge of every registered method.
+
+    It sees what the handler does, not what gRPC does around it: a call whose request bytes gRPC cannot parse
+    never reaches the handler and is not counted, and one whose response gRPC fails to serialize is counted with
+    the handler's code (OK). ExpertService parses its requests leniently and checks its responses' size itself, so
+    this concerns garbage sent to the health and reflection services.
+    """
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
