@@ -107,7 +107,8 @@ def grouped_gemm(
     """``out[route] = (a[route // top_k] @ w[expert]^T) * topk_weights[route]`` over the routed rows.
 
     Args:
-        a: ``[M, K]`` bfloat16/float16/float32.
+        a: ``[M, K]`` bfloat16/float16/float32 (``K = 0``: every routed row of ``out`` gets
+            zeros, times its weight, as in :func:`grouped_gemm_reference`).
         w: ``[E, N, K]``, same dtype as ``a``.
         out: ``[M * top_k, N]`` bfloat16/float16/float32.
         topk_weights: float32 with ``M * top_k`` elements (flat route index), or None.
@@ -138,8 +139,9 @@ def grouped_gemm(
     bm = min(config.block_m, block_m)
     if block_m % bm:
         raise ValueError(f"config.block_m {config.block_m} must divide block_m {block_m}")
-    k_per_split = cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
-    split_k = cdiv(k, k_per_split)
+    # K = 0: one split whose K loop runs no step, so each routed row gets 0 (times its weight), as in the reference
+    k_per_split = max(1, cdiv(cdiv(k, config.split_k), config.block_k)) * config.block_k
+    split_k = max(1, cdiv(k, k_per_split))
     ws = torch.zeros((num_valid, n), dtype=torch.float32, device=device) if split_k > 1 else out
     grid = (expert_ids.numel() * (block_m // bm), cdiv(n, config.block_n), split_k)
     grouped_gemm_kernel[grid](

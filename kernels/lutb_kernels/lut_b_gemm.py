@@ -428,8 +428,12 @@ def lut_b_moe_gemm_reference(
     config: LutBGemmConfig | None = None,
     held_routes: int | None = None,
     kernel_layout: bool = False,
+    split_k_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain-PyTorch twin of :func:`lut_b_moe_gemm` (``config`` and ``held_routes`` are ignored).
+    """Plain-PyTorch twin of :func:`lut_b_moe_gemm`, with its signature.
+
+    ``config``, ``held_routes`` and ``split_k_counters`` are accepted and ignored (they shape the
+    launch, not the result; the counters are neither checked nor touched).
 
     Dequantizes A with :func:`~lutb_kernels.mxfp8.mxfp8_dequantize` and each expert's tiles
     with :func:`~lutb_kernels.tiles.tiles_to_dense`, then walks the routing blocks; float32

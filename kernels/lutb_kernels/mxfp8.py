@@ -14,6 +14,7 @@ are ``e4m3(x * 2**(127 - s))``, round-to-nearest-even, saturated to +-448.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, get_args
 
 import numpy as np
@@ -146,7 +147,26 @@ def mxfp8_dequantize_fast(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     _check_elements_and_scales(q, scales)
     if scales.numel() and int(scales.max()) > FAST_DEQUANTIZE_MAX_SCALE:
         return mxfp8_dequantize(q, scales, dtype)
-    return mxfp8_dequantize_into(q, scales, torch.empty(q.shape, dtype=dtype, device=q.device))
+    # [..., K] as the [M, K] rows mxfp8_dequantize_into takes (M spelled out: K = 0 leaves -1 ambiguous)
+    rows = math.prod(q.shape[:-1])
+    q2, s2 = (t.reshape(rows, t.shape[-1]) for t in (q, scales))
+    q2, s2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q2, s2))
+    out = torch.empty((rows, q.shape[-1]), dtype=dtype, device=q.device)
+    return mxfp8_dequantize_into(q2, s2, out).view(q.shape)
+
+
+def check_dequantize_into_args(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """The argument checks of both dequantize-into ops (this module's and :mod:`lutb_kernels.mxfp8_triton`'s):
+    shapes, dtypes, devices and row layout, never a value (no host sync)."""
+    if q.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] % BLOCK:
+        raise ValueError(f"expected float8_e4m3fn [M, K] (K % {BLOCK} == 0) and uint8 scales, got {q.dtype} "
+                         f"{tuple(q.shape)} and {scales.dtype}")
+    if tuple(scales.shape) != (q.shape[0], q.shape[1] // BLOCK) or tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"scales {tuple(scales.shape)} and out {tuple(out.shape)} do not match q {tuple(q.shape)}")
+    if out.dtype not in (torch.float32, torch.bfloat16, torch.float16) or out.device != q.device or scales.device != q.device:
+        raise ValueError(f"out must be float32/bfloat16/float16 on {q.device} with the scales, got {out.dtype} on {out.device}")
+    if any(t.shape[1] and t.stride(1) != 1 for t in (q, scales, out)):
+        raise ValueError("q, scales and out need contiguous rows")
 
 
 def mxfp8_dequantize_into(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -158,12 +178,22 @@ def mxfp8_dequantize_into(q: torch.Tensor, scales: torch.Tensor, out: torch.Tens
     included: both formats' subnormals line up); times the float32 ``2**(s - 119)`` built from the scale
     byte's bits that is one exact float32 product, rounded once to ``out.dtype``, as in the reference.
 
+    The Triton twin :func:`lutb_kernels.mxfp8_triton.mxfp8_dequantize_into` takes the same arguments
+    (:func:`lutb_kernels.mxfp8_triton.dequantize_into_op` picks one of the two) and this op refuses what it
+    refuses, with the same messages; the checks read shapes, dtypes and devices only, never a value.
+
     Args:
-        q: float8_e4m3fn ``[..., K]`` without NaN codes (:func:`e4m3_nan_count`).
-        scales: uint8 ``[..., K/32]``, every byte <= :data:`FAST_DEQUANTIZE_MAX_SCALE` (``2**(s - 119)`` must be
-            a normal float32; the caller checks: a larger byte gives a wrong result, not an error).
-        out: ``q``'s shape, contiguous, float32/bfloat16/float16, on ``q``'s device; returned.
+        q: float8_e4m3fn ``[M, K]``, ``K % 32 == 0``, contiguous rows (unit column stride), without NaN
+            codes (:func:`e4m3_nan_count`).
+        scales: uint8 ``[M, K/32]``, contiguous rows, on ``q``'s device, every byte <=
+            :data:`FAST_DEQUANTIZE_MAX_SCALE` (``2**(s - 119)`` must be a normal float32; the caller checks: a
+            larger byte gives a wrong result, not an error).
+        out: ``[M, K]`` float32/bfloat16/float16, contiguous rows, on ``q``'s device; returned.
+
+    Raises:
+        ValueError: an argument of another dtype, shape or device, or rows that are not contiguous.
     """
+    check_dequantize_into_args(q, scales, out)
     bits = q.view(torch.int8).to(torch.int16)
     bits <<= 7
     bits &= -0x4001

@@ -39,7 +39,7 @@ import torch
 from lutb_kernels._grouped_gemm_details.launch import pdl_launch, sm_count
 from lutb_kernels.activations import apply_activation, check_activation, is_gated
 from lutb_kernels.errors import NonFiniteInputError
-from lutb_kernels.mxfp8 import BLOCK, ScaleMode, check_scale_mode
+from lutb_kernels.mxfp8 import BLOCK, ScaleMode, check_dequantize_into_args, check_scale_mode
 from lutb_kernels.mxfp8 import mxfp8_dequantize as _ref_dequantize
 from lutb_kernels.mxfp8 import mxfp8_quantize as _ref_quantize
 
@@ -463,15 +463,7 @@ def mxfp8_dequantize_into(q: torch.Tensor, scales: torch.Tensor, out: torch.Tens
     """
     from lutb_kernels._mxfp8_details import kernels as K
 
-    if q.dtype != torch.float8_e4m3fn or scales.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] % BLOCK:
-        raise ValueError(f"expected float8_e4m3fn [M, K] (K % {BLOCK} == 0) and uint8 scales, got {q.dtype} "
-                         f"{tuple(q.shape)} and {scales.dtype}")
-    if tuple(scales.shape) != (q.shape[0], q.shape[1] // BLOCK) or tuple(out.shape) != tuple(q.shape):
-        raise ValueError(f"scales {tuple(scales.shape)} and out {tuple(out.shape)} do not match q {tuple(q.shape)}")
-    if out.dtype not in (torch.float32, torch.bfloat16, torch.float16) or out.device != q.device or scales.device != q.device:
-        raise ValueError(f"out must be float32/bfloat16/float16 on {q.device} with the scales, got {out.dtype} on {out.device}")
-    if any(t.shape[1] and t.stride(1) != 1 for t in (q, scales, out)):
-        raise ValueError("q, scales and out need contiguous rows")
+    check_dequantize_into_args(q, scales, out)
     m, k = q.shape
     if m and k:
         block_k = min(1024, triton_next_pow2(k)) if not interpreting() else min(256, triton_next_pow2(k))

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from lutb_kernels._grouped_gemm_details.launch import pdl_launch
-from lutb_kernels.routing import check_held_out, max_padded_routes
+from lutb_kernels.routing import check_held_out, check_routing_out, max_padded_routes
 from lutb_kernels.routing import moe_align_block_size as moe_align_block_size_reference
 
 __all__ = [
@@ -116,17 +116,6 @@ def triton_routing_wins(num_routes: int, num_experts: int) -> bool:
     return num_routes <= (ONEHOT_MAX_ROUTES if onehot else PAIRWISE_MAX_ROUTES)
 
 
-def _check_out(
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], max_padded: int, num_blocks: int, device: torch.device,
-) -> None:
-    if not isinstance(out, tuple) or len(out) != 3:
-        raise ValueError("out must be a tuple (sorted_token_ids, expert_ids, num_tokens_post_padded)")
-    for name, t, n in zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), out, (max_padded, num_blocks, 1)):
-        if t.dtype != torch.int32 or t.dim() != 1 or t.numel() != n or t.device != device or not t.is_contiguous():
-            raise ValueError(f"out {name} must be a contiguous int32 [{n}] tensor on {device}, "
-                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-
-
 def moe_align_block_size_triton(
     topk_ids: torch.Tensor,
     block_m: int,
@@ -192,7 +181,7 @@ def moe_align_block_size_triton(
         expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
         total = torch.empty(1, dtype=torch.int32, device=device)
     else:
-        _check_out(out, max_padded, num_blocks, device)
+        check_routing_out(out, max_padded, num_blocks, device)
         sorted_ids, expert_ids, total = out
     run = total if launch.onehot else torch.empty(launch.e_pad, dtype=torch.int32, device=device)
 

@@ -117,6 +117,26 @@ def test_grouped_gemm_and_combine(dtype: torch.dtype, split_k: int, held: list[i
         assert torch.equal(moe_combine_reference(out, None, top_k), combined)
 
 
+@pytest.mark.parametrize("split_k", [None, 1, 4])  # None: the default config
+@pytest.mark.parametrize("held,weighted", [(None, True), ([0, 2], True), ([1], False)])
+def test_grouped_gemm_of_k_zero_equals_the_reference(split_k: int | None, held: list[int] | None, weighted: bool) -> None:
+    """K = 0: every routed, held row is an empty sum, 0 (times its weight: -0.0 for a negative one), as the reference
+    writes; rows of routes not held are not touched. (Before, the K split divided by zero.)"""
+    tokens, top_k, experts, n = 9, 2, 3, 48
+    e_local = len(held) if held is not None else experts
+    ids, emap, (sorted_ids, expert_ids, ntpp) = _routing(tokens, top_k, experts, held, 16, seed=11)
+    tw = torch.randn(tokens, top_k, generator=torch.Generator().manual_seed(12)) if weighted else None
+    a, w = torch.zeros(tokens, 0, dtype=torch.float16), torch.zeros(e_local, n, 0, dtype=torch.float16)
+    out = torch.full((tokens * top_k, n), float("nan"), dtype=torch.float16)
+    ref = out.clone()
+    cfg = None if split_k is None else GroupedGemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_k, num_stages=1)
+    assert grouped_gemm(a, w, out, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16, config=cfg) is out
+    grouped_gemm_reference(a, w, ref, tw, sorted_ids, expert_ids, ntpp, top_k, block_m=16)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))  # bit for bit: NaN rows and signed zeros
+    routed = torch.ones(tokens * top_k, dtype=torch.bool) if emap is None else (emap[ids.long()] >= 0).reshape(-1)
+    assert (out[routed] == 0).all() and out[~routed].isnan().all()
+
+
 def test_triton_decoder_exact() -> None:
     """One-hot activations read single weights back: the pure-Triton decode must be exact."""
     from lutb_kernels.tiles import tiles_to_dense

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from lutb_kernels import mxfp8_triton as mt
 from lutb_kernels.activations import ACTIVATIONS, is_gated
 from lutb_kernels.errors import NonFiniteInputError
+from lutb_kernels.mxfp8 import mxfp8_dequantize_into as torch_dequantize_into
 from lutb_kernels.mxfp8 import mxfp8_qdq, mxfp8_quantize
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # triton interpreter
@@ -201,12 +204,48 @@ def test_dequantize_into_equals_the_reference_on_every_code_and_scale(dtype: tor
     assert torch.equal(out.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
 
 
-def test_dequantize_into_of_no_rows_and_bad_arguments() -> None:
+def _wide_rows(t: torch.Tensor, columns: int) -> torch.Tensor:
+    """``t`` [M, K] as the first K columns of an [M, columns] buffer (rows contiguous, not the tensor)."""
+    raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    wide = torch.zeros((t.shape[0], columns), dtype=raw.dtype)
+    wide[:, : t.shape[1]] = raw
+    return wide[:, : t.shape[1]].view(t.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter's bf16 is not the GPU's
+@pytest.mark.parametrize("op", ["triton", "torch"])
+def test_dequantize_into_of_no_rows_and_bad_arguments(op: str, dtype: torch.dtype) -> None:
+    """The two ops ``dequantize_into_op`` picks from (one Triton launch on CUDA, torch ops elsewhere) take the same
+    arguments: both accept rows of a wider buffer and refuse the same calls with the same messages, writing nothing."""
+    into = {"triton": mt.mxfp8_dequantize_into, "torch": torch_dequantize_into}[op]
     q, scales = _every_code_under_every_scale(64)
-    assert mt.mxfp8_dequantize_into(q[:0], scales[:0], torch.empty(0, 64)).shape == (0, 64)
-    with pytest.raises(ValueError, match="do not match"):
-        mt.mxfp8_dequantize_into(q, scales[:, :1], torch.empty(q.shape))
-    with pytest.raises(ValueError, match="float8_e4m3fn"):
-        mt.mxfp8_dequantize_into(q.view(torch.uint8), scales, torch.empty(q.shape))
-    with pytest.raises(ValueError, match="float32/bfloat16/float16"):
-        mt.mxfp8_dequantize_into(q, scales, torch.empty(q.shape, dtype=torch.int32))
+    q, scales = q[:200].contiguous(), scales[:200].contiguous()  # scale bytes 0..199 (the torch ops' limit is 246)
+    m = q.shape[0]
+    want = mt.mxfp8_dequantize_into_reference(q, scales, torch.empty(q.shape, dtype=dtype))
+    assert into(q[:0], scales[:0], torch.empty(0, 64, dtype=dtype)).shape == (0, 64)
+    wide = torch.full((m, 80), float("nan"), dtype=dtype)
+    out = wide[:, :64]
+    assert into(_wide_rows(q, 96), _wide_rows(scales, 3), out) is out
+    assert torch.equal(out.contiguous().view(torch.uint8), want.view(torch.uint8))
+    assert wide[:, 64:].isnan().all()  # nothing written past the rows' ends
+
+    expected = "expected float8_e4m3fn [M, K] (K % 32 == 0) and uint8 scales, got "
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    bad = [
+        ((q, scales[:, :1], out), f"scales ({m}, 1) and out ({m}, 64) do not match q ({m}, 64)"),
+        ((q, scales, torch.full((64, m), float("nan"), dtype=dtype)), f"scales ({m}, 2) and out (64, {m}) do not match q ({m}, 64)"),
+        ((q.view(torch.uint8), scales, out), expected + f"torch.uint8 ({m}, 64) and torch.uint8"),
+        ((q.view(1, m, 64), scales.view(1, m, 2), out.view(1, m, 64)), expected + f"torch.float8_e4m3fn (1, {m}, 64) and torch.uint8"),
+        ((q[:, :48], scales, out), expected + f"torch.float8_e4m3fn ({m}, 48) and torch.uint8"),
+        ((q, scales.int(), out), expected + f"torch.float8_e4m3fn ({m}, 64) and torch.int32"),
+        ((q, scales, out.int()), "out must be float32/bfloat16/float16 on cpu with the scales, got torch.int32 on cpu"),
+        ((q, scales, out.to("meta")), f"out must be float32/bfloat16/float16 on cpu with the scales, got {dtype} on meta"),
+        ((q, scales.to("meta"), out), f"out must be float32/bfloat16/float16 on cpu with the scales, got {dtype} on cpu"),
+        ((q, scales, torch.full((64, m), float("nan"), dtype=dtype).t()), "q, scales and out need contiguous rows"),
+        ((q.view(torch.uint8).t().contiguous().t().view(torch.float8_e4m3fn), scales, out), "q, scales and out need contiguous rows"),
+        ((q, scales.t().contiguous().t(), out), "q, scales and out need contiguous rows"),
+    ]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            into(*args)
+        assert args[2].is_meta or args[2].dtype == torch.int32 or args[2].isnan().all(), message

@@ -6,6 +6,8 @@ the routes inside each expert's run (both are stable).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from lutb_kernels.routing import max_padded_routes, moe_align_block_size
@@ -59,6 +61,9 @@ def _check(ids: torch.Tensor, block_m: int, experts: int, emap: torch.Tensor | N
         assert torch.equal(g, r), (name, (g != r).nonzero()[:8].flatten().tolist())
     fresh = moe_align_block_size_triton(ids, block_m, experts, emap)  # the op's own allocation
     assert all(torch.equal(f, r) for f, r in zip(fresh, ref))
+    out = _poisoned_out(ids.numel(), block_m, experts)  # the torch op fills out= the same way
+    assert all(g is o for g, o in zip(moe_align_block_size(ids, block_m, experts, emap, out=out), out))
+    assert all(torch.equal(o, r) for o, r in zip(out, ref))
 
 
 @pytest.mark.parametrize("experts", [3, 8, 64, 256])
@@ -124,6 +129,52 @@ def test_ids_out_of_range_get_no_rows(align, mapped: bool) -> None:  # noqa: ANN
     assert sorted_ids[:12].tolist() == [0, 8, 8, 8, 4, 8, 8, 8, 3, 8, 8, 8]
     assert expert_ids.tolist() == [0, 1, 2, -1, -1]
     assert (sorted_ids[12:] == 8).all()
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+@pytest.mark.parametrize("ids", [[[0, 0], [0, 0], [0, 0]], [[0, -1], [3, 1]], []], ids=["zeros", "any", "no-tokens"])
+def test_no_experts_give_no_rows(ids: list[list[int]], mapped: bool) -> None:
+    """num_experts = 0 (a map of no entries): no route is held or gets a row, both ops alike; the torch op used to
+    index an empty per-expert table (IndexError) when any route was present."""
+    topk_ids = torch.tensor(ids, dtype=torch.int32).reshape(-1, 2)
+    num_routes = topk_ids.numel()
+    emap = torch.zeros(0, dtype=torch.int32) if mapped else None
+    results = []
+    for align in (moe_align_block_size_triton, moe_align_block_size):
+        out = _poisoned_out(num_routes, 16, 0)
+        held = torch.ones(topk_ids.shape, dtype=torch.bool)
+        got = align(topk_ids, 16, 0, emap, out=out, held_out=held)
+        assert all(g is o for g, o in zip(got, out))
+        assert not held.any()
+        results.append([t.tolist() for t in got])
+    assert results[0] == results[1] == [[num_routes] * num_routes, [-1] * -(-num_routes // 16), [0]]
+
+
+@pytest.mark.parametrize("align", [moe_align_block_size_triton, moe_align_block_size], ids=["triton", "torch"])
+def test_bad_out_and_held_out_refused_alike(align) -> None:  # noqa: ANN001
+    """``out=`` and ``held_out=`` are checked by both ops, with the same messages, before anything is written."""
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    out = _poisoned_out(4, 16, 4)  # 4 + 4 * 15 = 64 rows, 4 blocks
+    bad = [
+        ({"held_out": torch.zeros(4, dtype=torch.int8)},
+         "held_out must be a contiguous bool tensor of 4 elements on cpu, got torch.int8 (4,) on cpu"),
+        ({"held_out": torch.zeros(3, dtype=torch.bool)},
+         "held_out must be a contiguous bool tensor of 4 elements on cpu, got torch.bool (3,) on cpu"),
+        ({"out": out[:2]}, "out must be a tuple (sorted_token_ids, expert_ids, num_tokens_post_padded)"),
+        ({"out": list(out)}, "out must be a tuple (sorted_token_ids, expert_ids, num_tokens_post_padded)"),
+        ({"out": (out[0], out[1][:-1], out[2])},
+         "out expert_ids must be a contiguous int32 [4] tensor on cpu, got torch.int32 (3,) on cpu"),
+        ({"out": (out[0].long(), out[1], out[2])},
+         "out sorted_token_ids must be a contiguous int32 [64] tensor on cpu, got torch.int64 (64,) on cpu"),
+        ({"out": (out[0], out[1], out[2].reshape(1, 1))},
+         "out num_tokens_post_padded must be a contiguous int32 [1] tensor on cpu, got torch.int32 (1, 1) on cpu"),
+        ({"out": (torch.full((128,), POISON, dtype=torch.int32)[::2], out[1], out[2])},
+         "out sorted_token_ids must be a contiguous int32 [64] tensor on cpu, got torch.int32 (64,) on cpu"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            align(ids, 16, 4, **kwargs)
+    assert all((t == POISON).all() for t in out)
 
 
 def test_bad_arguments_refused() -> None:
