@@ -15,7 +15,9 @@ Each op has a plain-PyTorch ``*_reference`` twin with the same signature built o
 :mod:`lutb_kernels.mxfp8` and :mod:`lutb_kernels.activations` (the judges).
 
 Non-finite input. The kernels flag a non-finite value (NaN/Inf in the input, or in the
-activation's output) in an int32 ``[1]`` device tensor instead of reading the input a
+activation's output), and a 32-block whose MXFP8 rounding carries it past the input dtype's largest
+finite value (spec steps 2 and 5 round the dequantized block to the model dtype, where it is then
+infinite: docs/format.md (k)), in an int32 ``[1]`` device tensor instead of reading the input a
 second time. Pass ``nonfinite=`` to collect the flag yourself (no host sync: check it
 once at the end of a forward pass); leave it ``None`` and the op checks it after the
 launch, which costs one device->host sync (~10 us) but no extra pass over the data,
@@ -42,6 +44,9 @@ from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.mxfp8 import BLOCK, ScaleMode, check_dequantize_into_args, check_scale_mode
 from lutb_kernels.mxfp8 import mxfp8_dequantize as _ref_dequantize
 from lutb_kernels.mxfp8 import mxfp8_quantize as _ref_quantize
+
+NONFINITE_MESSAGE = ("MXFP8 quantization refuses NaN or infinite input, or a 32-block that MXFP8 rounds past the "
+                     "model dtype's largest finite value")
 
 KOrder = Literal["natural", "decoder"]
 K_ORDERS = ("natural", "decoder")
@@ -208,13 +213,14 @@ def _launch(
             PERMUTE_K=k_order == "decoder",
             HAS_ROW_WEIGHT=row_weight is not None,
             HAS_ROW_MASK=row_mask is not None,
+            D_MAX=torch.finfo(x2.dtype).max,
             BLOCK_R=block_r,
             BLOCK_K=block_k,
             num_warps=4,
             **pdl_launch(device),
         )
     if own_flag and m and k_out and bool(flag.item()):
-        raise NonFiniteInputError("MXFP8 quantization refuses NaN or infinite input")
+        raise NonFiniteInputError(NONFINITE_MESSAGE)
     return q, s
 
 
@@ -310,7 +316,8 @@ def mxfp8_quantize_reference(
     row_weight: torch.Tensor | None = None,
     nonfinite: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-PyTorch twin of :func:`mxfp8_quantize` (raises on NaN/Inf; sets ``nonfinite`` first when given)."""
+    """Plain-PyTorch twin of :func:`mxfp8_quantize`: raises on NaN/Inf input and on a block whose dequantized
+    values overflow ``x.dtype`` (sets ``nonfinite`` first when given)."""
     _check_k_order(k_order)
     xin = x
     if row_weight is not None:
@@ -318,6 +325,10 @@ def mxfp8_quantize_reference(
     if nonfinite is not None and not bool(torch.isfinite(xin).all()):
         nonfinite.fill_(1)
     q, s = _ref_quantize(xin, scale_mode)
+    if not bool(torch.isfinite(_ref_dequantize(q, s, x.dtype)).all()):
+        if nonfinite is not None:
+            nonfinite.fill_(1)
+        raise NonFiniteInputError(NONFINITE_MESSAGE)
     if k_order == "decoder":
         q = q[..., decoder_column_order(x.shape[-1], x.device)]
     return q, s

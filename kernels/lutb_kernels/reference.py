@@ -53,6 +53,16 @@ def check_forward_args(
         raise ValueError("route_major output cannot be combined with apply_router_weight_on_input")
 
 
+def _qdq_finite(v: torch.Tensor, scale_mode: ScaleMode, what: str) -> torch.Tensor:
+    """``QDQ(v)`` rounded to ``v.dtype`` (spec steps 2 and 5); NonFiniteInputError when ``v`` or the result is not
+    finite (the result: a 32-block that MXFP8 rounding carried past the dtype's largest finite value)."""
+    out = mxfp8_qdq(v, scale_mode)
+    if not bool(torch.isfinite(out).all()):
+        raise NonFiniteInputError(f"MXFP8 quantization of the {what} rounds a 32-block past the largest finite "
+                                  f"{str(v.dtype).removeprefix('torch.')} value")
+    return out
+
+
 def reference_moe_forward(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -91,7 +101,9 @@ def reference_moe_forward(
         ValueError: bad arguments (:func:`check_forward_args`, weights of the wrong shape).
         NonFiniteInputError: ``x`` holds NaN or infinity anywhere, also in a token none of whose experts is held
             (spec section 3: such input is an error, whichever rows a backend quantizes), so does ``x`` times its
-            router weight (``apply_router_weight_on_input``: step 1 overflowing), or an activation output does.
+            router weight (``apply_router_weight_on_input``: step 1 overflowing), or an activation output does;
+            also a QDQ (steps 2 and 5) rounded to ``d`` that is infinite (MXFP8 rounding carried a value within one
+            e4m3 step of ``d``'s largest past it, docs/format.md (k)), step 2's in any token, held or not.
     """
     check_activation(activation)
     check_forward_args(
@@ -113,16 +125,18 @@ def reference_moe_forward(
         x_in = (x.float() * weights[:, 0:1]).to(d)
         if not bool(torch.isfinite(x_in).all()):
             raise NonFiniteInputError("MXFP8 quantization refuses NaN or infinite input (hidden states times router weights)")
+    # Step 2 depends on the token only, so it is done (and checked) once for every token, held or not.
+    a1_all = _qdq_finite(x_in, scale_mode, "hidden states")
     route_out = torch.zeros(tokens, k, hidden, dtype=torch.float32, device=x.device)
     for local, global_id in enumerate(expert_ids.tolist()):
         token_idx, route_idx = torch.nonzero(topk_ids == global_id, as_tuple=True)
         if token_idx.numel() == 0:
             continue
         w = weights[token_idx, route_idx]
-        a1 = mxfp8_qdq(x_in[token_idx], scale_mode)  # step 2 (returns d)
+        a1 = a1_all[token_idx]  # step 2 (in d)
         h = (a1.float() @ w13[local].float().T).to(d)  # step 3
         g = apply_activation(activation, h).to(d)  # step 4
-        a2 = mxfp8_qdq(g, scale_mode)  # step 5
+        a2 = _qdq_finite(g, scale_mode, "activation output")  # step 5
         y = a2.float() @ w2[local].float().T  # step 6
         if not apply_router_weight_on_input and output_mode == "combined":
             y = y * w[:, None]

@@ -67,6 +67,48 @@ def test_nonfinite_refused_gpu() -> None:
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("where", ["gate", "up"])
+def test_act_nan_is_flagged_gpu(activation: str, where: str) -> None:
+    """A NaN in h is flagged by every activation: PTX min/max return the non-NaN operand, so relu2's max(h, 0) and
+    swigluoai's clamps would have turned it into a finite value (the reference keeps the NaN and refuses it)."""
+    from lutb_kernels import mxfp8_triton as mt
+
+    inter = 256
+    h = torch.randn(4, 2 * inter if is_gated(activation) else inter, device="cuda").to(torch.bfloat16)
+    column = 7 if where == "gate" or not is_gated(activation) else (8 if activation == "swigluoai" else inter + 7)
+    h[2, column] = float("nan")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    mt.act_mxfp8_quantize(h, activation, nonfinite=flag)
+    assert int(flag) == 1
+    flag.zero_()
+    mt.act_mxfp8_qdq(h, activation, nonfinite=flag)
+    assert int(flag) == 1
+
+
+@pytest.mark.parametrize("dtype, big, fine", [(torch.bfloat16, 3.38e38, 3.0e38), (torch.float16, 64000.0, 63000.0)])
+def test_a_block_rounded_past_the_dtypes_largest_is_flagged_gpu(dtype: torch.dtype, big: float, fine: float) -> None:
+    """A value within one e4m3 step of the dtype's largest rounds past it (infinite once dequantized to the model
+    dtype, spec steps 2 and 5): flagged by quantize and QDQ, as the reference twins refuse it."""
+    from lutb_kernels import mxfp8_triton as mt
+
+    x = torch.randn(3, 256, device="cuda").to(dtype)
+    x[1, 100] = fine
+    for op in (mt.mxfp8_quantize, mt.mxfp8_qdq):
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        op(x, nonfinite=flag)
+        assert int(flag) == 0
+    x[1, 100] = big
+    for op, ref in ((mt.mxfp8_quantize, mt.mxfp8_quantize_reference), (mt.mxfp8_qdq, mt.mxfp8_qdq_reference)):
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        op(x, nonfinite=flag)
+        assert int(flag) == 1
+        with pytest.raises(NonFiniteInputError, match="32-block"):
+            op(x)
+        with pytest.raises(NonFiniteInputError, match="32-block"):
+            ref(x)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_act_quantize_gpu(activation: str) -> None:
     from lutb_kernels import mxfp8_triton as mt
 

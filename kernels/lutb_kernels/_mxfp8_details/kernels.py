@@ -136,15 +136,17 @@ def apply_act(a, b, ACT: tl.constexpr):
         z = 0.7978845608028654 * (a + 0.044715 * a * a * a)
         y = a * _sigmoid(2.0 * z) * b
     elif ACT == 4:  # swigluoai (a = gate, b = up, de-interleaved by the caller)
-        g = tl.minimum(a, 7.0)
-        up = tl.minimum(tl.maximum(b, -7.0), 7.0)
+        # NaN must survive the clamps (PTX min/max return the other operand), so that the caller flags it as the
+        # reference's torch.clamp would leave it
+        g = tl.minimum(a, 7.0, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(tl.maximum(b, -7.0, propagate_nan=tl.PropagateNan.ALL), 7.0, propagate_nan=tl.PropagateNan.ALL)
         y = (up + 1.0) * g * _sigmoid(1.702 * g)
     elif ACT == 5:  # silu_no_mul
         y = a * _sigmoid(a)
     elif ACT == 6:  # gelu_no_mul
         y = 0.5 * a * (1.0 + tl.math.erf(a * 0.7071067811865476))
     elif ACT == 7:  # relu2_no_mul
-        r = tl.maximum(a, 0.0)
+        r = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) stays NaN (flagged), as in torch
         y = r * r
     else:
         y = a
@@ -159,7 +161,7 @@ def mxfp8_quantize_kernel(
     s_ptr,  # uint8 [M, K/32] (OUT_MXFP8)
     row_w_ptr,  # float32 [M] row weights (HAS_ROW_WEIGHT)
     row_mask_ptr,  # int8 [M], rows with 0 are skipped (HAS_ROW_MASK)
-    flag_ptr,  # int32 [1], set to 1 when a quantized value is not finite
+    flag_ptr,  # int32 [1], set to 1 when a value is not finite or a block's QDQ overflows the model dtype
     M,
     K,  # output columns (multiple of 32)
     stride_xm,
@@ -173,6 +175,7 @@ def mxfp8_quantize_kernel(
     PERMUTE_K: tl.constexpr,
     HAS_ROW_WEIGHT: tl.constexpr,
     HAS_ROW_MASK: tl.constexpr,
+    D_MAX: tl.constexpr,  # the model dtype's (x's) largest finite value
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (lutb_kernels._pdl_details)
@@ -220,6 +223,12 @@ def mxfp8_quantize_kernel(
         s = e8m0_scale(amax, SCALE_MODE, UNDERFLOW_SCALE)  # [BLOCK_R, BLOCK_K/32] int32
         scaled = blocks * inv_pow2_from_e8m0(s)[:, :, None]
         code, val = e4m3_rne(scaled)
+        # Spec steps 2 and 5 round the dequantized block to the model dtype. rceil's rounding can carry a block's
+        # largest element one e4m3 step up, past the dtype's largest finite value (float16 above ~63488): infinity
+        # there, which the reference then refuses (docs/format.md (k)); refused here alike.
+        top = tl.reduce(tl.abs(val), 2, _maximum) * pow2_from_e8m0(s)  # [BLOCK_R, BLOCK_K/32]
+        n_over = tl.reduce(tl.reduce((top > D_MAX).to(tl.int32), 1, _add), 0, _add)
+        tl.store(flag_ptr, 1, mask=n_over > 0)
         if PERMUTE_K:
             # decoder order: column 32g + i + 8w + 4h goes to position 32g + 8w + 2i + h
             c32 = cols % 32

@@ -29,7 +29,7 @@ from lutb_kernels.checkpoint import DTYPES, CheckpointConfig, LayerWeights
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts, Support
 from lutb_kernels.mxfp8 import SCALE_MODES
-from lutb_kernels.mxfp8_triton import MIN_TRITON, triton_available, triton_installed, triton_release
+from lutb_kernels.mxfp8_triton import MIN_TRITON, NONFINITE_MESSAGE, triton_available, triton_installed, triton_release
 from lutb_kernels.reference import OutputMode
 from lutb_kernels.routing import moe_align_block_size
 from lutb_kernels.routing_triton import moe_align_block_size_triton, triton_routing_wins
@@ -221,7 +221,7 @@ class RoutedTritonExperts(LayerExperts):
             output_mode=output_mode, nonfinite=nonfinite,
         )
         if x.shape[0] and bool(nonfinite.item()):
-            raise NonFiniteInputError("MXFP8 quantization refuses NaN or infinite input (hidden states or activation output)")
+            raise NonFiniteInputError(NONFINITE_MESSAGE)
         return out
 
     def forward_unchecked(

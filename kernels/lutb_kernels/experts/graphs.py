@@ -61,7 +61,7 @@ from lutb_kernels.checkpoint import CheckpointConfig
 from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts, Support
 from lutb_kernels.mxfp8 import BLOCK
-from lutb_kernels.mxfp8_triton import dequantize_into_op
+from lutb_kernels.mxfp8_triton import NONFINITE_MESSAGE, dequantize_into_op
 from lutb_kernels.reference import OutputMode
 
 log = logging.getLogger(__name__)
@@ -390,7 +390,7 @@ class CudaGraphExperts(LayerExperts):
         out = self.forward_unchecked(x, topk_ids, topk_weights, apply_router_weight_on_input=apply_router_weight_on_input,
                                      output_mode=output_mode, nonfinite=flag)
         if x.shape[0] and bool(flag.item()):
-            raise NonFiniteInputError("MXFP8 quantization refuses NaN or infinite input (hidden states or activation output)")
+            raise NonFiniteInputError(NONFINITE_MESSAGE)
         return out.clone()
 
     # -- graphs ------------------------------------------------------------------------------

@@ -173,6 +173,26 @@ def test_every_backend_refuses_the_same_input(backend: str) -> None:
         ex.forward(x1, ids1, w1, apply_router_weight_on_input=True)
 
 
+@pytest.mark.parametrize("backend", ["reference", "packed", "packed_dense", "emulated"])
+@pytest.mark.parametrize("token", [0, 1], ids=["held", "not-held"])
+def test_every_backend_refuses_a_float16_qdq_that_overflows(backend: str, token: int) -> None:
+    """float16 x of 64000 (finite) is 250 x 2^8 in its block, which e4m3 rounds to 256 x 2^8 = 65536: spec step 2's
+    QDQ rounded to float16 is infinite (docs/format.md (k)). Every backend refuses it, in a token routed to an expert
+    held here or not; the packed path once answered it, feeding its GEMM the exact 65536 in bfloat16."""
+    cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=4, activation="silu", dtype="float16")
+    layer = make_layer(cfg, [0, 1])
+    ex = ReferenceExperts(cfg, layer, "cpu") if backend == "reference" else _make(backend, cfg, layer)
+    x, ids, w = make_batch(2, 2, 4, 128, torch.float16, seed=7)
+    ids[1] = torch.tensor([2, 3], dtype=ids.dtype)  # token 1: no expert held here
+    assert torch.isfinite(ex.forward(x, ids, w)).all()
+    if token == 1:  # 63000 rounds down to 61440: finite, answered (in a held token its h would overflow float16)
+        x[token, 40] = 63000.0
+        assert torch.isfinite(ex.forward(x, ids, w)).all()
+    x[token, 40] = 64000.0
+    with pytest.raises(NonFiniteInputError, match="32-block"):
+        ex.forward(x, ids, w)
+
+
 def test_packed_takes_the_dense_path_by_rows_per_expert() -> None:
     cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=8)
     ex = LutBPackedExperts(cfg, make_layer(cfg, [0, 1, 2, 3]), "cpu")  # a shard: 4 of 8 experts held

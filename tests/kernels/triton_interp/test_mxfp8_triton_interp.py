@@ -120,6 +120,31 @@ def test_nonfinite_refused(bad: float) -> None:
     assert int(flag) == 0
 
 
+@pytest.mark.parametrize("op", ["quantize", "qdq", "act_quantize", "act_qdq"])
+def test_a_block_rounded_past_float16s_largest_is_flagged(op: str) -> None:
+    """64000 in float16 quantizes to 256 x 2^8 = 65536, infinite once dequantized to float16 (spec steps 2 and 5):
+    every op flags it (collected or raised) as its reference twin refuses it; 63000 (to 61440) is not flagged."""
+    run = {
+        "quantize": (mt.mxfp8_quantize, mt.mxfp8_quantize_reference, ()),
+        "qdq": (mt.mxfp8_qdq, mt.mxfp8_qdq_reference, ()),
+        "act_quantize": (mt.act_mxfp8_quantize, mt.act_mxfp8_quantize_reference, ("silu_no_mul",)),
+        "act_qdq": (mt.act_mxfp8_qdq, mt.act_mxfp8_qdq_reference, ("silu_no_mul",)),
+    }[op]
+    fast, ref, extra = run
+    x = torch.randn(3, 64).half()
+    x[2, 40] = 63000.0
+    flag = torch.zeros(1, dtype=torch.int32)
+    fast(x, *extra, nonfinite=flag)
+    ref(x, *extra)
+    assert int(flag) == 0
+    x[2, 40] = 64000.0
+    fast(x, *extra, nonfinite=flag)
+    assert int(flag) == 1
+    for f in (fast, ref):
+        with pytest.raises(NonFiniteInputError, match="32-block"):
+            f(x, *extra)
+
+
 def test_bad_arguments_refused() -> None:
     with pytest.raises(ValueError):
         mt.mxfp8_quantize(torch.randn(2, 48))
