@@ -113,7 +113,8 @@ def grouped_gemm(
         out: ``[M * top_k, N]`` bfloat16/float16/float32.
         topk_weights: float32 with ``M * top_k`` elements (flat route index), or None.
         sorted_token_ids, expert_ids, num_tokens_post_padded: int32, from
-            ``moe_align_block_size(topk_ids, block_m, ...)``.
+            ``moe_align_block_size(topk_ids, block_m, ...)``; expert ids -1 or in ``[0, E)``, unchecked
+            on the device (as in :func:`lutb_kernels.lut_b_gemm.lut_b_moe_gemm`).
         top_k: routes per A row.
         block_m: the routing's block size.
         allow_tf32: let float32 inputs use TF32 tensor cores.

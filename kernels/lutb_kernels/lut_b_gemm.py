@@ -313,7 +313,10 @@ def lut_b_moe_gemm(
             rows of routed, held routes are written.
         topk_weights: float32 with ``M * top_k`` elements (``[M, top_k]``, flat route index), or None.
         sorted_token_ids, expert_ids, num_tokens_post_padded: int32, from
-            ``moe_align_block_size(topk_ids, block_m, ...)``; expert ids are local (``< E``).
+            ``moe_align_block_size(topk_ids, block_m, ...)``; expert ids are local: -1 or in ``[0, E)``
+            with ``E = w_packed.shape[0]``, which the device reads without a check (a host check would
+            need a sync): an id ``>= E`` reads past the weights. The routing ops give such ids only
+            for an ``expert_map`` (or ``num_experts``) that names more experts than ``w_packed`` holds.
         top_k: routes per A row.
         block_m: the routing's block size (16, 32, 64, 128 or 256).
         a_k_order: ``"decoder"`` when ``a_mxfp8`` was quantized with ``k_order="decoder"``
