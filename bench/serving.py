@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
 import re
@@ -271,12 +272,13 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         method = ECHO_METHOD if echo else FORWARD_METHOD
         stream_method = ECHO_STREAM_METHOD if echo else FORWARD_STREAM_METHOD
         payloads: list[bytes] = spec["payloads"]
-        latencies: list[float] = []
-        batch_tokens: list[int] = []
-        server_times: dict[str, list[int]] = {field: [] for field in SERVER_TIMING_FIELDS}  # each response's timing
+        # every successful response: (t0, t1, caller, batch_tokens, server timing values); the window is applied
+        # after the run, once it can no longer move (counting as responses came in double-counted a moved window's
+        # earlier responses)
+        samples: list[tuple[float, float, int, int, tuple[int, ...]]] = []
         sizes = {"request": len(payloads[0]), "response": 0}
         errors: list[str] = []
-        done_tokens = 0
+        error_count = 0  # failed requests, warm-up included (errors keeps the first few messages)
         answered_all = 0  # responses, warm-up included (CPU is measured over the whole run)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         # the measured window: after warmup_s, and after every caller's first answer (a first call that is slow,
@@ -285,19 +287,19 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         t_end = t_start + spec["duration_s"]
         unanswered = spec["concurrency"]  # callers still waiting for their first answer
 
+        window_moved = False
+
         def first_answer() -> None:
-            nonlocal t_start, t_end, unanswered
+            nonlocal t_start, t_end, unanswered, window_moved
             unanswered -= 1
             now = time.perf_counter()
             if unanswered == 0 and now > t_start:
-                t_start, t_end = now, now + spec["duration_s"]
-
-        measured_per_caller = [0] * spec["concurrency"]  # responses inside the window, per caller
+                t_start, t_end, window_moved = now, now + spec["duration_s"], True
 
         async def caller(index: int) -> None:
             # api "stream": one ForwardStream per caller for the whole cell, one request in
             # flight on it (what an attention node keeping a stream open per expert server does)
-            nonlocal done_tokens, answered_all
+            nonlocal answered_all, error_count
             i = index
             channel = channels[index % len(channels)]
             call = channel.unary_unary(method)  # bytes in, bytes out: no (de)serialization cost on this side
@@ -321,26 +323,28 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                         raw = await call(payload, timeout=60)
                 except grpc.RpcError as err:
                     errors.append(f"{err.code().name}: {err.details()}")
+                    error_count += 1
                     if len(errors) > 20 or duplex is not None:
                         return
                     continue
                 t1 = time.perf_counter()
+                sizes["response"] = len(raw)
+                batch, timing = 0, ()
+                if spec["kind"] == "expert":
+                    response = pb.ForwardResponse.FromString(raw)
+                    if response.status.code:  # a stream's request failed in-band: an error, not an answer
+                        errors.append(f"in-band {response.status.code}: {response.status.message}")
+                        error_count += 1
+                        if len(errors) > 20:
+                            return
+                        continue
+                    batch = int(response.timing.batch_tokens)
+                    timing = tuple(int(getattr(response.timing, name)) for name in SERVER_TIMING_FIELDS)
                 answered_all += 1
                 if not answered:
                     answered = True
                     first_answer()
-                if t0 >= t_start and t1 <= t_end:
-                    measured_per_caller[index - spec["first_index"]] += 1
-                    latencies.append(t1 - t0)
-                    done_tokens += spec["tokens"]
-                    if spec["kind"] == "expert":
-                        response = pb.ForwardResponse.FromString(raw)
-                        if response.status.code:
-                            errors.append(response.status.message)
-                        batch_tokens.append(int(response.timing.batch_tokens))
-                        for name, values in server_times.items():
-                            values.append(int(getattr(response.timing, name)))
-                sizes["response"] = len(raw)
+                samples.append((t0, t1, index - spec["first_index"], batch, timing))
             if duplex is not None:
                 await duplex.done_writing()
                 await duplex.wait_for_connection()
@@ -352,10 +356,22 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
         # its own callers' first answers)
         window_wall = time.time() - (time.perf_counter() - t_start)
         busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
-    return {"latencies": latencies, "tokens": done_tokens, "window_s": spec["duration_s"], "batch_tokens": batch_tokens,
-            "answered": answered_all, "busy": busy,
+    measured = window_samples(samples, t_start, t_end)
+    measured_per_caller = [0] * spec["concurrency"]  # responses inside the window, per caller
+    for _t0, _t1, who, _batch, _timing in measured:
+        measured_per_caller[who] += 1
+    server_times = {name: [m[4][j] for m in measured if m[4]] for j, name in enumerate(SERVER_TIMING_FIELDS)}
+    return {"latencies": [t1 - t0 for t0, t1, *_ in measured], "tokens": len(measured) * spec["tokens"],
+            "window_s": spec["duration_s"], "batch_tokens": [m[3] for m in measured if spec["kind"] == "expert"],
+            "answered": answered_all, "busy": busy, "window_moved": window_moved, "error_count": error_count,
             "measured_per_caller": measured_per_caller, "window_wall_start": window_wall, **server_times, "sizes": sizes,
             "errors": errors[:5], "front_ends": front_ends}
+
+
+def window_samples(samples: list[tuple[float, float, Any, Any, Any]], t_start: float, t_end: float) -> list[Any]:
+    """The samples ``(t0, t1, ...)`` of requests sent and answered inside the measured window ``[t_start, t_end]``
+    (perf_counter seconds); those straddling an edge are left out."""
+    return [s for s in samples if s[0] >= t_start and s[1] <= t_end]
 
 
 def _load_worker(conn: Any) -> None:
@@ -427,6 +443,8 @@ class LoadPool:
             "request_bytes": parts[0]["sizes"]["request"],
             "response_bytes": max(p["sizes"]["response"] for p in parts),
             "errors": [e for p in parts for e in p["errors"]][:5],
+            "error_count": sum(p["error_count"] for p in parts),  # failed requests, warm-up included
+            "window_moved": any(p["window_moved"] for p in parts),  # a late first answer started the window later
             "load_procs": procs,
             "answered": sum(p["answered"] for p in parts),  # warm-up included
             # CPU / wall of the busiest load-generator process: near 1, the load side limits the cell
@@ -925,16 +943,23 @@ def compute_thread_key(log: Path, compute_worker: str) -> str | None:
 
 
 def _targets(row: Row) -> None:
+    """Issue 5's targets for ``row``'s cell. A cell with failed requests, or with a caller that got no answer in
+    the window, meets none: its numbers are not the server's under the load asked for."""
     s, e, i = row.server, row.echo, row.inproc
+    clean = not s.get("error_count") and s.get("callers_measured", row.concurrency) >= row.concurrency
     if row.concurrency == 1 and row.tokens == 16:
         bound = i["us"] + e["p50_us"] + TARGET_SLACK_US
-        row.targets["latency"] = {"bound_us": bound, "ok": bool(s["p50_us"] <= bound)}
+        row.targets["latency"] = {"bound_us": bound, "ok": bool(clean and s["p50_us"] <= bound)}
     if row.concurrency == 64:
         want = TARGET_THROUGHPUT * i["tokens_per_s"]
         # above_echo: the bare echo, at this concurrency and on as many processes, answered fewer tokens/s than the
         # target asks: the target then lies beyond what the transport alone carried on this host
-        row.targets["throughput"] = {"min_tokens_per_s": want, "ok": bool(s["tokens_per_s"] >= want),
+        row.targets["throughput"] = {"min_tokens_per_s": want, "ok": bool(clean and s["tokens_per_s"] >= want),
                                      "above_echo": bool(want > e["tokens_per_s"])}
+    if not clean:
+        for target in row.targets.values():
+            target["unclean"] = f"{s.get('error_count', 0)} failed requests, {s.get('callers_measured')} of " \
+                                f"{row.concurrency} callers answered in the window"
 
 
 def _saturation(rows: list[Row], compute: str | None = None) -> dict[str, str]:
@@ -1035,6 +1060,35 @@ def busy_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def provenance() -> dict[str, Any]:
+    """When and from what a report was made: UTC date, the repository's commit and whether its tree had changes
+    (None for each where git or the repository is missing: a ``git archive`` copy), and the command line."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain") if commit else None
+    return {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit,
+            "dirty": None if status is None else bool(status), "argv": [sys.executable, *sys.argv]}
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (a cell without answers has no p50) as None: strict JSON has no NaN."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def write_report(out: Path, args: argparse.Namespace, infos: dict[str, Any], rows: list[Row], began: float) -> str:
     """Write serving.json and serving.md (after every shape, so a run cut short keeps what it measured); returns the short table."""
     import torch
@@ -1043,11 +1097,12 @@ def write_report(out: Path, args: argparse.Namespace, infos: dict[str, Any], row
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "cpus": os.cpu_count()}
     settings = {k: v for k, v in vars(args).items() if k not in ("child", "out")}
     settings["work_dir"] = str(settings["work_dir"])
-    report = {"settings": settings, "environment": env, "servers": infos, "rows": [asdict(r) for r in rows],
-              "seconds": round(time.perf_counter() - began, 1)}
-    (out / "serving.json").write_text(json.dumps(report, indent=2, default=str))
+    report = {"provenance": provenance(), "settings": settings, "environment": env, "servers": infos,
+              "rows": [asdict(r) for r in rows], "seconds": round(time.perf_counter() - began, 1)}
+    (out / "serving.json").write_text(json.dumps(_json_safe(report), indent=2, default=str, allow_nan=False))
     table = short_table(rows)
-    md = [f"# Serving benchmark ({time.strftime('%Y-%m-%d %H:%M')})", "",
+    md = [f"# Serving benchmark ({report['provenance']['date_utc']})", "",
+          f"Provenance: {json.dumps(report['provenance'])}", "",
           f"Environment: {json.dumps(env)}", "",
           f"Settings: {json.dumps(settings, default=str)}", ""]
     for name, info in infos.items():

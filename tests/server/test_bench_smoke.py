@@ -418,3 +418,37 @@ def test_in_process_baseline_puts_inputs_and_outputs_in_registered_memory(dtype:
     refusing = _RegisteringWorker(registers=False)
     with serving._like_arenas(refusing, prepared) as (same, into):
         assert same is prepared and into is None
+
+
+def test_serving_window_and_targets_count_only_clean_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measured window is applied after the run (a window moved by a late first answer once kept the samples
+    counted before it moved: +34% tokens/s in a review's replay), and a cell with failed requests or callers
+    unanswered in the window meets no target (in-band stream errors once counted as answered tokens)."""
+    serving = _serving_module(monkeypatch)
+    samples = [(0.5, 0.9, 0), (1.0, 1.2, 0), (1.9, 2.1, 1), (2.0, 2.4, 1), (2.9, 3.1, 0)]
+    assert serving.window_samples(samples, 1.0, 3.0) == [(1.0, 1.2, 0), (1.9, 2.1, 1), (2.0, 2.4, 1)]
+    assert serving.window_samples(samples, 2.0, 4.0) == [(2.0, 2.4, 1), (2.9, 3.1, 0)]  # moved: earlier ones gone
+
+    def row(concurrency: int, tokens: int, **server: Any) -> Any:
+        base = {"p50_us": 100.0, "tokens_per_s": 1e6, "error_count": 0, "callers_measured": concurrency}
+        r = serving.Row("s", "bf16", "stream", concurrency, tokens, {**base, **server},
+                        echo={"p50_us": 50.0, "tokens_per_s": 1e6}, inproc={"us": 10.0, "tokens_per_s": 1e6})
+        serving._targets(r)
+        return r.targets
+
+    assert row(1, 16)["latency"]["ok"] and row(64, 16)["throughput"]["ok"]
+    assert not row(1, 16, p50_us=211.0)["latency"]["ok"]  # 10 + 50 + 150 = 210
+    for bad in ({"error_count": 3}, {"callers_measured": 63}):
+        targets = row(64, 16, **bad)
+        assert not targets["throughput"]["ok"] and "callers answered" in targets["throughput"]["unclean"]
+    assert not row(1, 16, error_count=1)["latency"]["ok"]
+
+
+def test_serving_report_is_strict_json_with_provenance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cell without answers has NaN percentiles: the report writes them as null (strict JSON), and says when, from
+    which commit and with which command it was made."""
+    serving = _serving_module(monkeypatch)
+    assert serving._json_safe({"a": [float("nan"), 1.0, (float("inf"),)], "b": "x"}) == {"a": [None, 1.0, [None]], "b": "x"}
+    prov = serving.provenance()
+    assert set(prov) == {"date_utc", "commit", "dirty", "argv"} and prov["date_utc"].endswith("Z")
+    assert prov["commit"] is None or len(prov["commit"]) == 40
