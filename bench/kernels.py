@@ -16,6 +16,14 @@ time; and a read-only reduction), the LUT-B bytes the packed forward touches (on
 that receive tokens), and the weight memory per backend. Prints met/not-met for the targets
 and writes ``results.json`` and ``results.md`` to ``--out``; the short table comes last.
 
+Correctness gates the targets: at the smallest T, at T=32 and at the largest T of the run, the
+packed and emulated outputs are compared with the spec's reference (``lutb_kernels.reference``,
+dense weights dequantized from the original tiles; at most ``CHECK_TOKENS`` rows of a large T);
+a shape whose check fails (relative L2 over ``CHECK_TOL``, spec section 6) or could not run meets
+none of its performance targets. Each cell (a backend's timing at one T, a check, a shape's
+setup) that raises is recorded with its error and the run goes on. Exit status: 0, or 1 when a
+cell failed or a correctness check failed (2: no GPU).
+
 Usage::
 
     PYTHONPATH=kernels python3 bench/kernels.py --out bench/results/<date> [--quick] [--tune]
@@ -24,13 +32,16 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -50,15 +61,124 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+# ----------------------------------------------------------------------------- cells, provenance, display (no GPU)
+
+
+ERROR_CHARS = 300  # of an error's text kept in the results
+
+
+def describe(exc: BaseException) -> str:
+    """``"Type: message"`` of an exception, on one line, at most ERROR_CHARS characters."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:ERROR_CHARS]
+
+
+def guarded(what: str, fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``(fn(), None)``, or ``(None, error text)`` when ``fn`` raises (logged; CUDA's cache emptied after an OOM)."""
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - one cell's failure must not end the run
+        error = describe(exc)
+        log(f"  FAILED {what}: {error}")
+        if isinstance(exc, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None, error
+
+
+def timed_cell(what: str, fns: list) -> dict:
+    """``{"us", "method"}`` of :func:`time_graph_rot`, or ``{"us": nan, "method": "failed", "error"}``."""
+    got, error = guarded(what, lambda: time_graph_rot(fns))
+    if error is not None:
+        return {"us": float("nan"), "method": "failed", "error": error}
+    return {"us": got[0], "method": got[1]}
+
+
+def failed_cells(results: dict) -> list[dict]:
+    """Every cell of ``results`` that raised: ``{"shape", "tokens", "cell", "error"}`` (shape/tokens None where n/a)."""
+    out = []
+    if "error" in results.get("hbm", {}):
+        out.append({"shape": None, "tokens": None, "cell": "hbm", "error": results["hbm"]["error"]})
+    if results.get("tune_error"):
+        out.append({"shape": None, "tokens": None, "cell": "tune", "error": results["tune_error"]})
+    for name, sh in results.get("shapes", {}).items():
+        if "error" in sh:
+            out.append({"shape": name, "tokens": None, "cell": "setup", "error": sh["error"]})
+        for tokens, run in sh.get("runs", {}).items():
+            cells = [("run", run)] + [(b, run.get(b)) for b in BACKENDS]
+            cells += [("correctness", run.get("correctness")), ("packed_paths", run.get("packed_paths"))]
+            cells += [(f"ab {k}", v) for k, v in run.get("ab", {}).items()]
+            out += [{"shape": name, "tokens": int(tokens), "cell": cell, "error": rec["error"]}
+                    for cell, rec in cells if isinstance(rec, dict) and rec.get("error")]
+    return out
+
+
+def git_state(repo: Path) -> tuple[str | None, bool | None]:
+    """``(HEAD commit, tracked files changed)`` of the git tree holding ``repo``; ``(None, None)`` without git."""
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return proc.stdout if proc.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if head is None:
+        return None, None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return head.strip(), (None if status is None else bool(status.strip()))
+
+
+def provenance(repo: Path | None = None, argv: list[str] | None = None) -> dict:
+    """When (UTC, ISO 8601), from which commit (dirty: tracked files changed; None without git), with which argv."""
+    repo = Path(__file__).resolve().parent if repo is None else repo
+    head, dirty = git_state(repo)
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("lutb_kernels")
+        kernels_from = str(Path(spec.origin).parent) if spec and spec.origin else None
+    except (ImportError, ValueError):
+        kernels_from = None
+    return {"utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git_head": head, "git_dirty": dirty, "argv": list(sys.argv if argv is None else argv),
+            "lutb_kernels_from": kernels_from}
+
+
+def judged(value: float, threshold: float, *, higher_is_better: bool, decimals: int) -> tuple[bool, str]:
+    """``(met, value shown with decimals)``, the shown number never on the other side of ``threshold``.
+
+    ``met`` is ``value >= threshold`` (``<=`` when lower is better; NaN: not met). Where plain rounding would
+    cross the threshold (0.5997 of 0.6 shown as "0.60"), the value is rounded toward the side it lies on."""
+    met = value >= threshold if higher_is_better else value <= threshold
+    if not math.isfinite(value):
+        return False if math.isnan(value) else met, f"{value}"
+    text = f"{value:.{decimals}f}"
+
+    def agrees(t: str) -> bool:
+        shown = float(t)
+        return (shown >= threshold if higher_is_better else shown <= threshold) == met
+
+    if agrees(text):
+        return met, text
+    q = 10**decimals
+    up = met == higher_is_better  # toward the passing side of a met value, the failing side of a missed one
+    shown = (math.ceil(value * q) if up else math.floor(value * q)) / q
+    text = f"{shown:.{decimals}f}"
+    if not agrees(text):  # value * q rounded onto the boundary: one more step
+        text = f"{shown + (1 if up else -1) / q:.{decimals}f}"
+    return met, text
+
+
 # ----------------------------------------------------------------------------- timing
 
 
 def time_graph(fn, *, replays: int = 20, rounds: int = 7) -> tuple[float, str]:
-    """Median microseconds per call: CUDA-graph replay, else do_bench. Returns (us, method)."""
+    """Median microseconds per call: CUDA-graph replay, else do_bench. Returns (us, method).
+
+    An error of ``fn`` itself (in the warm-up call) propagates: only a failed capture falls back."""
+    torch.cuda.synchronize()
+    fn()  # warm-up / compile outside the capture
     torch.cuda.synchronize()
     try:
-        fn()  # warm-up / compile outside the capture
-        torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -127,7 +247,7 @@ def hbm_bandwidth() -> dict:
     x = src.view(torch.float32)
     acc = torch.empty((), device="cuda")
     read_us, _ = time_graph(lambda: torch.sum(x, dim=0, out=acc), replays=5, rounds=5)
-    del src, dst
+    src = dst = x = None  # (not del: the timed lambdas name them) frees the 4 GiB before empty_cache
     torch.cuda.empty_cache()
     return {
         "copy_read_plus_write_TBps": 2 * n / copy_us / 1e6,
@@ -195,6 +315,137 @@ class Bf16Triton:
         return moe_combine(y, held, top_k)
 
 
+# ----------------------------------------------------------------------------- correctness (runs on any device)
+
+
+CHECK_TOL = 1e-2  # spec section 6: relative L2 error in bfloat16
+CHECK_TOKENS = 64  # rows compared at a larger T (evenly spaced; each token's answer is its own)
+REF_DENSE_BYTES = 4 << 30  # dense reference weights held at once (a group of tokens' experts)
+
+
+def check_tokens_of(tokens_list: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """The T checked against the reference: the smallest, 32 (when run) and the largest."""
+    ts = sorted(set(int(t) for t in tokens_list))
+    return tuple(sorted({ts[0], ts[-1]} | ({32} & set(ts)))) if ts else ()
+
+
+def check_rows(tokens: int, limit: int = CHECK_TOKENS) -> torch.Tensor | None:
+    """Row indices compared at ``tokens`` (CPU int64), None for all of them (``tokens <= limit``)."""
+    if tokens <= limit:
+        return None
+    return torch.linspace(0, tokens - 1, limit, dtype=torch.float64).round().long().unique()
+
+
+def token_groups(ids_rows: list[list[int]], max_experts: int) -> list[list[int]]:
+    """Consecutive token indices grouped so that each group routes to at most ``max_experts`` experts
+    (a token routing to more is a group of its own)."""
+    groups: list[list[int]] = []
+    experts: set[int] = set()
+    for i, row in enumerate(ids_rows):
+        if groups and len(experts | set(row)) <= max_experts:
+            groups[-1].append(i)
+            experts |= set(row)
+        else:
+            groups.append([i])
+            experts = set(row)
+    return groups
+
+
+def reference_output(w13_tiles: torch.Tensor, w2_tiles: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
+                     weights: torch.Tensor, *, num_experts: int, activation: str = "silu", scale_mode: str = "rceil",
+                     budget_bytes: int = REF_DENSE_BYTES) -> torch.Tensor:
+    """The spec's reference forward (``lutb_kernels.reference``) of ``x`` on ``x.device``, in ``x.dtype``.
+
+    ``w13_tiles`` / ``w2_tiles``: the original LUT-B tiles (checkpoint layout, any device) of every expert, indexed
+    by global expert id. Only the experts the tokens route to are dequantized (``tiles_to_dense``; bfloat16 holds
+    each decoded value exactly: a bfloat16 LUT entry times a power of two), a group of tokens at a time so that at
+    most ``budget_bytes`` of dense weights exist at once; tokens are independent, so the groups' rows are the
+    rows of one reference call over all of them."""
+    from lutb_kernels.reference import reference_moe_forward
+    from lutb_kernels.tiles import tiles_to_dense
+
+    dev = x.device
+    n13, k13 = w13_tiles.shape[1] * 128, w13_tiles.shape[2] * 128
+    n2, k2 = w2_tiles.shape[1] * 128, w2_tiles.shape[2] * 128
+    per_expert = (n13 * k13 + n2 * k2) * 2
+    ids_cpu = ids.cpu()
+    out = torch.empty_like(x)
+    for rows in token_groups(ids_cpu.tolist(), max(1, budget_bytes // per_expert)):
+        experts = sorted(set(ids_cpu[rows].reshape(-1).tolist()))
+        w13 = torch.empty((len(experts), n13, k13), dtype=torch.bfloat16, device=dev)
+        w2 = torch.empty((len(experts), n2, k2), dtype=torch.bfloat16, device=dev)
+        for i, e in enumerate(experts):
+            w13[i] = tiles_to_dense(w13_tiles[e].to(dev), torch.bfloat16)
+            w2[i] = tiles_to_dense(w2_tiles[e].to(dev), torch.bfloat16)
+        r = torch.tensor(rows, dtype=torch.long, device=dev)
+        out[r] = reference_moe_forward(x[r], ids[r], weights[r], w13, w2, torch.tensor(experts, dtype=torch.int32),
+                                       num_experts=num_experts, activation=activation, scale_mode=scale_mode)
+        del w13, w2
+    return out
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``|got - want| / |want|`` in float64 (NaN when either holds a NaN)."""
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def correctness_record(outputs: dict[str, torch.Tensor], want: torch.Tensor, tol: float = CHECK_TOL) -> dict:
+    """``{"<name>_rel_l2": ..., "<name>_nonfinite": n, "ok": every output finite and within ``tol`` of ``want``}``,
+    plus ``packed_vs_emulated_rel_l2`` where both are given."""
+    rec: dict = {"tokens_checked": int(want.shape[0]), "tolerance": tol,
+                 "reference_nonfinite": int((~torch.isfinite(want)).sum())}
+    ok = rec["reference_nonfinite"] == 0
+    for name, got in outputs.items():
+        if got.shape != want.shape:
+            rec[f"{name}_rel_l2"], ok = float("nan"), False
+            rec[f"{name}_shape"] = list(got.shape)
+            continue
+        rec[f"{name}_rel_l2"] = rel_l2(got, want)
+        rec[f"{name}_nonfinite"] = int((~torch.isfinite(got)).sum())
+        ok = ok and rec[f"{name}_nonfinite"] == 0 and rec[f"{name}_rel_l2"] <= tol  # NaN: not ok
+    if "packed" in outputs and "emulated" in outputs and outputs["packed"].shape == outputs["emulated"].shape:
+        rec["packed_vs_emulated_rel_l2"] = rel_l2(outputs["packed"], outputs["emulated"])
+    rec["ok"] = bool(ok)
+    return rec
+
+
+def sci(value: float, tol: float) -> str:
+    """``value`` in 3 significant digits, more where those would put it on the other side of ``tol``."""
+    for digits in (2, 6, 16):
+        text = f"{value:.{digits}e}"
+        if not math.isfinite(value) or (float(text) <= tol) == (value <= tol):
+            return text
+    return repr(value)
+
+
+def _run_at(sh: dict, tokens: int) -> dict | None:
+    runs = sh.get("runs", {})
+    return runs.get(tokens, runs.get(str(tokens)))  # int keys in the run, str after a JSON round trip
+
+
+def correctness_gate(sh: dict) -> tuple[bool, str]:
+    """``(ok, why)`` of a shape's correctness checks: every T in ``correctness_tokens`` checked and within tolerance."""
+    planned = sh.get("correctness_tokens") or []
+    if not planned:
+        return False, "no correctness check ran"
+    bad = []
+    for t in planned:
+        rec = (_run_at(sh, t) or {}).get("correctness")
+        if rec is None:
+            bad.append(f"T={t} not checked")
+        elif rec.get("error"):
+            bad.append(f"T={t} check failed: {rec['error'][:80]}")
+        elif not rec.get("ok"):
+            tol = rec.get("tolerance", CHECK_TOL)
+            worst = [f"{b} rel-L2 {sci(rec[f'{b}_rel_l2'], tol)}" for b in ("packed", "emulated")
+                     if f"{b}_rel_l2" in rec and not rec[f"{b}_rel_l2"] <= tol]
+            worst += [f"{b} {rec[f'{b}_nonfinite']} non-finite" for b in ("packed", "emulated", "reference")
+                      if rec.get(f"{b}_nonfinite")]
+            bad.append(f"T={t} " + (", ".join(worst) or "not ok") + f" (tol {tol:g})")
+    return not bad, "; ".join(bad) or "ok"
+
+
 # ----------------------------------------------------------------------------- per shape
 
 
@@ -214,6 +465,8 @@ def make_backends(name: str, experts: int, hidden: int, inter: int) -> tuple[dic
     )
     packed = LutBPackedExperts(cfg, layer, "cuda")
     emulated = LutBEmulationTritonExperts(cfg, layer, "cuda")
+    # The original tiles, on the host, for the reference the outputs are checked against (packed's are converted).
+    tiles = {"w13": layer.w13.cpu(), "w2": layer.w2.cpu(), "scale_mode": cfg.mxfp8_scale_mode}
     del layer
     log(f"[{name}] weights ready in {time.time() - t0:.1f} s")
     n_weights = experts * (cfg.w13_rows * hidden + hidden * inter)
@@ -232,7 +485,7 @@ def make_backends(name: str, experts: int, hidden: int, inter: int) -> tuple[dic
     if Bf16GroupedMm.available():
         fns["bf16_grouped_mm"] = Bf16GroupedMm(emulated.w13, emulated.w2, "silu")
     info = {"memory_bytes": memory, "bits_per_weight": bits, "per_expert_packed_bytes": packed.weight_bytes // experts}
-    return fns, info, (packed, emulated)
+    return fns, info, (packed, emulated, tiles)
 
 
 PREFILL_AB_FROM = 2048
@@ -306,81 +559,173 @@ def ab_table(results: dict, name: str) -> str:
     for shape, sres in results["shapes"].items():
         for t, run in sres["runs"].items():
             ab = run.get("ab", {}).get(name)
-            if ab:
+            if ab and ab.get("error"):
+                lines.append(f"{shape:16s} {int(t):5d} error: {ab['error']}")
+            elif ab:
                 on, off = statistics.median(ab["on"]), statistics.median(ab["off"])
                 on_r = f"{min(ab['on']):.1f}-{max(ab['on']):.1f}"
                 off_r = f"{min(ab['off']):.1f}-{max(ab['off']):.1f}"
-                lines.append(f"{shape:16s} {t:5d} {on:9.1f} {on_r:>15s} {off:9.1f} {off_r:>15s} {off - on:7.1f}")
+                lines.append(f"{shape:16s} {int(t):5d} {on:9.1f} {on_r:>15s} {off:9.1f} {off_r:>15s} {off - on:7.1f}")
     return "\n".join(lines)
 
 
+def check_correctness(packed, emulated, tiles: dict, x: torch.Tensor, ids: torch.Tensor,  # noqa: ANN001
+                      weights: torch.Tensor, experts: int) -> dict:
+    """Packed and emulated forwards (the ones timed) against the reference on ``check_rows`` of the batch."""
+    rows = check_rows(x.shape[0])
+
+    def sel(t: torch.Tensor) -> torch.Tensor:
+        return t if rows is None else t[rows.to(t.device)]
+
+    outs = {"packed": sel(packed.forward_unchecked(x, ids, weights)), "emulated": sel(emulated.forward_unchecked(x, ids, weights))}
+    want = reference_output(tiles["w13"], tiles["w2"], sel(x), sel(ids), sel(weights), num_experts=experts,
+                            scale_mode=tiles["scale_mode"])
+    return correctness_record(outs, want, CHECK_TOL)
+
+
 def bench_shape(name: str, tokens_list: tuple[int, ...], results: dict) -> None:
+    """Every cell of one shape into ``results["shapes"][name]``; a cell that raises is recorded with its error."""
     experts, hidden, inter, top_k = SHAPES[name]
-    fns, info, (packed, emulated) = make_backends(name, experts, hidden, inter)
-    shape_res = {"experts": experts, "hidden": hidden, "intermediate": inter, "top_k": top_k, **info, "runs": {}}
+    shape_res: dict = {"experts": experts, "hidden": hidden, "intermediate": inter, "top_k": top_k,
+                       "correctness_tokens": list(check_tokens_of(tokens_list)), "runs": {}}
     results["shapes"][name] = shape_res
+    made, error = guarded(f"[{name}] setup", lambda: make_backends(name, experts, hidden, inter))
+    if error is not None:
+        shape_res["error"] = error
+        return
+    fns, info, (packed, emulated, tiles) = made
+    shape_res.update(info)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for tokens in tokens_list:
-        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-        ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
-        weights = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=gen), dim=1)
-        touched_experts = int(torch.unique(ids).numel())
-        rot = rotated_ids(ids, experts, rotations_for(tokens))
-        union = int(torch.unique(torch.cat([r.reshape(-1) for r in rot])).numel()) * info["per_expert_packed_bytes"]
-        run = {"touched_experts": touched_experts, "touched_packed_bytes": touched_experts * info["per_expert_packed_bytes"],
-               "rotations": len(rot), "rotation_union_packed_bytes": union,
-               "l2_resident": union < 2 * L2_BYTES}
-        if tokens == 32:  # a sanity check on the big shapes the unit tests do not cover
-            a, b = packed.forward_unchecked(x, ids, weights).float(), emulated.forward_unchecked(x, ids, weights).float()
-            run["packed_vs_emulated_rel_l2"] = float((a - b).norm() / b.norm())
-        for backend, fn in fns.items():
-            try:
-                us, method = time_graph_rot([lambda fn=fn, r=r: fn(x, r, weights) for r in rot])
-            except torch.cuda.OutOfMemoryError as exc:
-                us, method = float("nan"), f"OOM: {exc}"[:100]
-                torch.cuda.empty_cache()
-            run[backend] = {"us": us, "method": method}
-        for switch in AB:
-            ab = run.setdefault("ab", {})[switch] = interleaved_ab(switch, packed, x, rot, weights)
-            log(f"[{name}] T={tokens:5d} packed {switch} on {ab['on']} off {ab['off']} us")
-        if tokens >= PREFILL_AB_FROM:
-            run["packed_paths"] = prefill_paths(packed, x, rot, weights)
-            log(f"[{name}] T={tokens:5d} packed paths: {run['packed_paths']}")
-        packed_us = run["packed"]["us"]
-        run["packed_touched_TBps"] = run["touched_packed_bytes"] / packed_us / 1e6
-        peers = [run[p]["us"] for p in PEERS if p in run and not math.isnan(run[p]["us"])]
-        run["fastest_peer_us"] = min(peers) if peers else float("nan")
+        run: dict = {}
         shape_res["runs"][tokens] = run
-        log(f"[{name}] T={tokens:5d} " + " ".join(f"{b}={run[b]['us']:.1f}us" for b in fns) +
-            f" touched={run['packed_touched_TBps']:.2f}TB/s" + (" (L2-resident)" if run["l2_resident"] else ""))
-    del fns, packed, emulated
-    torch.cuda.empty_cache()
+        check = tokens in shape_res["correctness_tokens"]
+        _, error = guarded(f"[{name}] T={tokens}", lambda: bench_tokens(name, tokens, gen, check, fns, info, packed, emulated,
+                                                                        tiles, run))
+        if error is not None:
+            run["error"] = error
+    fns = packed = emulated = tiles = None  # (not del: closures above name them) frees the weights
+    guarded("empty_cache", torch.cuda.empty_cache)
+
+
+def bench_tokens(name: str, tokens: int, gen: torch.Generator, check: bool, fns: dict, info: dict, packed,  # noqa: ANN001
+                 emulated, tiles: dict, run: dict) -> None:  # noqa: ANN001
+    """One (shape, T) into ``run``: the correctness check (``check``), each backend's time, the A/B switches, the
+    prefill paths."""
+    experts, hidden, _, top_k = SHAPES[name]
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
+    weights = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=gen), dim=1)
+    touched_experts = int(torch.unique(ids).numel())
+    rot = rotated_ids(ids, experts, rotations_for(tokens))
+    union = int(torch.unique(torch.cat([r.reshape(-1) for r in rot])).numel()) * info["per_expert_packed_bytes"]
+    run.update({"touched_experts": touched_experts, "touched_packed_bytes": touched_experts * info["per_expert_packed_bytes"],
+                "rotations": len(rot), "rotation_union_packed_bytes": union, "l2_resident": union < 2 * L2_BYTES})
+    if check:
+        rec, error = guarded(f"[{name}] T={tokens} correctness",
+                             lambda: check_correctness(packed, emulated, tiles, x, ids, weights, experts))
+        run["correctness"] = {"error": error, "ok": False} if error is not None else rec
+        if rec is not None and "packed_vs_emulated_rel_l2" in rec:
+            run["packed_vs_emulated_rel_l2"] = rec["packed_vs_emulated_rel_l2"]
+        if rec is not None:
+            log(f"[{name}] T={tokens:5d} vs reference ({rec['tokens_checked']} rows): packed rel-L2 "
+                f"{rec['packed_rel_l2']:.2e}, emulated {rec['emulated_rel_l2']:.2e}: {'ok' if rec['ok'] else 'FAILED'}")
+    for backend, fn in fns.items():
+        run[backend] = timed_cell(f"[{name}] T={tokens} {backend}", [lambda fn=fn, r=r: fn(x, r, weights) for r in rot])
+    for switch in AB:
+        ab, error = guarded(f"[{name}] T={tokens} ab {switch}", lambda: interleaved_ab(switch, packed, x, rot, weights))
+        run.setdefault("ab", {})[switch] = ab if error is None else {"error": error}
+        if error is None:
+            log(f"[{name}] T={tokens:5d} packed {switch} on {ab['on']} off {ab['off']} us")
+    if tokens >= PREFILL_AB_FROM:
+        paths, error = guarded(f"[{name}] T={tokens} packed paths", lambda: prefill_paths(packed, x, rot, weights))
+        run["packed_paths"] = paths if error is None else {"error": error}
+        if error is None:
+            log(f"[{name}] T={tokens:5d} packed paths: {paths}")
+    run["packed_touched_TBps"] = ratio(run["touched_packed_bytes"], run["packed"]["us"]) / 1e6
+    peers = [run[p]["us"] for p in PEERS if p in run and not math.isnan(run[p]["us"])]
+    run["fastest_peer_us"] = min(peers) if peers else float("nan")
+    log(f"[{name}] T={tokens:5d} " + " ".join(f"{b}={run[b]['us']:.1f}us" for b in fns) +
+        f" touched={run['packed_touched_TBps']:.2f}TB/s" + (" (L2-resident)" if run["l2_resident"] else ""))
+
+
+def ratio(a: float, b: float) -> float:
+    """``a / b``; NaN where ``b`` is 0 or either is NaN."""
+    return a / b if b and not (math.isnan(a) or math.isnan(b)) else float("nan")
+
+
+def _missing(results: dict, run: dict, needs: tuple[str, ...]) -> list[str]:
+    """Why a target needing ``needs`` (backends, "peers", "hbm") cannot be judged at ``run``: its cells' errors."""
+    if run.get("error"):  # the run stopped before (some of) its cells
+        return [f"run: {run['error']}"]
+    why = []
+    for need in needs:
+        if need == "hbm":
+            if results["hbm"].get("error"):
+                why.append(f"hbm: {results['hbm']['error']}")
+        elif need == "peers":  # a failed peer might have been the fastest one: no verdict against the others
+            why += [f"{p}: {run[p]['error']}" for p in PEERS if run.get(p, {}).get("error")]
+            if not any(p in run and not math.isnan(run[p]["us"]) for p in PEERS):
+                why.append("no bf16 peer timed")
+        elif need not in run:
+            why.append(f"{need}: not run")
+        elif run[need].get("error"):
+            why.append(f"{need}: {run[need]['error']}")
+    return why
 
 
 def evaluate_targets(results: dict) -> list[dict]:
-    hbm = results["hbm"]["sum_read_TBps"]  # "HBM read bandwidth": the read-only reduction
-    copy = results["hbm"]["copy_read_plus_write_TBps"]
+    """The targets of ``results`` (no GPU needed): ``{"target", "value", "met", "shape", "tokens", ...}`` each.
+
+    A performance target is not met where a cell it needs failed (value "error: ...") or where its shape failed
+    its correctness gate (:func:`correctness_gate`; the value then says why). The bits-per-weight target counts
+    bytes, so correctness does not gate it. Values are shown so that they never contradict the verdict
+    (:func:`judged`)."""
+    nan = float("nan")
+    hbm = results["hbm"].get("sum_read_TBps", nan)  # "HBM read bandwidth": the read-only reduction
+    copy = results["hbm"].get("copy_read_plus_write_TBps", nan)
     targets = []
     for name, sh in results["shapes"].items():
+        if sh.get("error"):
+            targets.append({"shape": name, "tokens": None, "target": f"{name}: benchmarked",
+                            "value": f"error: {sh['error']}", "met": False})
+            continue
+        gate_ok, gate_why = correctness_gate(sh)
         for tokens, run in sh["runs"].items():
             tokens = int(tokens)
-            packed, peer = run["packed"]["us"], run["fastest_peer_us"]
+            packed = run.get("packed", {}).get("us", nan)
+            peer = run.get("fastest_peer_us", nan)
+            specs = []  # (target, needs, value, threshold, higher is better, decimals, shown -> value text)
             if name in ("mixtral-8x7b", "deepseek-v3") and tokens <= 32:
-                frac = run["packed_touched_TBps"] / hbm
+                touched = run.get("packed_touched_TBps", nan)
                 l2 = " (L2-resident!)" if run.get("l2_resident") else ""
-                targets.append({"target": f"{name} T={tokens}: packed >= 60% HBM read BW on touched bytes",
-                                "value": f"{100 * frac:.0f}% of read {hbm:.2f} TB/s ({100 * run['packed_touched_TBps'] / copy:.0f}% of copy){l2}",
-                                "met": frac >= 0.6})
-                targets.append({"target": f"{name} T={tokens}: packed >= 2.5x faster than fastest bf16 peer",
-                                "value": f"{peer / packed:.2f}x", "met": peer / packed >= 2.5})
+                specs.append((f"{name} T={tokens}: packed >= 60% HBM read BW on touched bytes", ("packed", "hbm"),
+                              100 * ratio(touched, hbm), 60.0, True, 1,
+                              lambda v, touched=touched, l2=l2: f"{v}% of read {hbm:.2f} TB/s "
+                                                                f"({100 * ratio(touched, copy):.0f}% of copy){l2}"))
+                specs.append((f"{name} T={tokens}: packed >= 2.5x faster than fastest bf16 peer", ("packed", "peers"),
+                              ratio(peer, packed), 2.5, True, 2, lambda v: f"{v}x"))
             if tokens == 8192:
-                targets.append({"target": f"{name} T=8192: packed within 1.5x of fastest bf16 peer",
-                                "value": f"{packed / peer:.2f}x", "met": packed / peer <= 1.5})
-            em = run["emulated"]["us"]
-            targets.append({"target": f"{name} T={tokens}: emulated within 1.25x of fastest bf16 peer",
-                            "value": f"{em / peer:.2f}x", "met": em / peer <= 1.25})
-        targets.append({"target": f"{name}: packed weights <= 3.3 bits/weight",
-                        "value": f"{sh['bits_per_weight']['packed']:.3f}", "met": sh["bits_per_weight"]["packed"] <= 3.3})
+                specs.append((f"{name} T=8192: packed within 1.5x of fastest bf16 peer", ("packed", "peers"),
+                              ratio(packed, peer), 1.5, False, 2, lambda v: f"{v}x"))
+            specs.append((f"{name} T={tokens}: emulated within 1.25x of fastest bf16 peer", ("emulated", "peers"),
+                          ratio(run.get("emulated", {}).get("us", nan), peer), 1.25, False, 2, lambda v: f"{v}x"))
+            for target, needs, value, threshold, higher, decimals, show in specs:
+                rec = {"shape": name, "tokens": tokens, "target": target, "number": value, "threshold": threshold,
+                       "correctness_ok": gate_ok}
+                why = _missing(results, run, needs)
+                if why:
+                    rec.update(value="error: " + "; ".join(why), met=False)
+                else:
+                    met, shown = judged(value, threshold, higher_is_better=higher, decimals=decimals)
+                    rec.update(value=show(shown), met=met)
+                    if not gate_ok:
+                        rec.update(value=f"{rec['value']} [correctness FAILED: {gate_why}]", met=False)
+                targets.append(rec)
+        bits = sh["bits_per_weight"]["packed"]
+        met, shown = judged(bits, 3.3, higher_is_better=False, decimals=3)
+        targets.append({"shape": name, "tokens": None, "target": f"{name}: packed weights <= 3.3 bits/weight",
+                        "value": shown, "met": met, "number": bits, "threshold": 3.3})
     return targets
 
 
@@ -562,7 +907,7 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
             del st
         routing_prefill(results, name, experts, top_k, emap)
         checkpoint_layout.clear()
-        del pk
+        pk = None  # (not del: the stage closures name it) frees the weights
         torch.cuda.empty_cache()
 
 
@@ -750,7 +1095,7 @@ def tune(results: dict, quick: bool, out_dir: Path, budget_s: float = 1e9) -> No
                     f"{best}" + (f" ({rec['best_TBps']:.2f} TB/s)" if rec["best_TBps"] else ""))
                 (out_dir / "tune.json").write_text(json.dumps({"tune": recs, "table_suggestion": table_suggestion(recs)},
                                                               indent=1, default=str))
-            del w
+            w = None  # (not del: the timed lambdas name it) frees the weights
             torch.cuda.empty_cache()
 
 
@@ -766,39 +1111,88 @@ def table_suggestion(recs: list[dict]) -> dict:
 # ----------------------------------------------------------------------------- output
 
 
+def _us(run: dict, backend: str, width: int = 0) -> str:
+    """A backend's time at a run: "n/a" (not run), "error" (failed) or its us."""
+    cell = run.get(backend)
+    text = "n/a" if cell is None else "error" if cell.get("error") else f"{cell['us']:.1f}"
+    return f"{text:>{width}s}" if width else text
+
+
+def _rel(run: dict, backend: str) -> str:
+    """A backend's rel-L2 against the reference at a run ("-": not checked), "!" where over the tolerance."""
+    rec = run.get("correctness")
+    if rec is None:
+        return "-"
+    if rec.get("error"):
+        return "error"
+    value = rec.get(f"{backend}_rel_l2", float("nan"))
+    tol = rec.get("tolerance", CHECK_TOL)
+    return sci(value, tol) + ("" if value <= tol else "!")
+
+
+def _speedup(run: dict) -> float:
+    return ratio(run.get("fastest_peer_us", float("nan")), run.get("packed", {}).get("us", float("nan")))
+
+
 def markdown(results: dict, targets: list[dict]) -> str:
+    prov = results.get("provenance", {})
     lines = [f"# GPU experts benchmark ({results['device']})", "",
+             f"{prov.get('utc', '?')}, commit {prov.get('git_head') or 'unknown'}"
+             f"{' (dirty tree)' if prov.get('git_dirty') else ''}: `{' '.join(prov.get('argv', []))}`", "",
              f"torch {results['torch']}, triton {results['triton']}; HBM (2 GiB D2D copy, read+write): "
-             f"{results['hbm']['copy_read_plus_write_TBps']:.2f} TB/s; read-only sum: {results['hbm']['sum_read_TBps']:.2f} TB/s", "",
-             "Median microseconds per whole experts forward (bf16, silu, uniform random routing).", "",
-             "| shape | T | packed | emulated | bf16 _grouped_mm | bf16 triton | packed touched TB/s | packed vs fastest peer |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"{results['hbm'].get('copy_read_plus_write_TBps', float('nan')):.2f} TB/s; read-only sum: "
+             f"{results['hbm'].get('sum_read_TBps', float('nan')):.2f} TB/s", "",
+             "Median microseconds per whole experts forward (bf16, silu, uniform random routing); rel-L2 of packed "
+             f"and emulated against the spec's reference where checked (tolerance {CHECK_TOL:g}; `!`: over it).", "",
+             "| shape | T | packed | emulated | bf16 _grouped_mm | bf16 triton | packed touched TB/s | packed vs fastest peer "
+             "| rel-L2 packed | rel-L2 emulated |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, sh in results["shapes"].items():
-        for tokens, run in sh["runs"].items():
-            cell = lambda b: f"{run[b]['us']:.1f}" if b in run else "n/a"  # noqa: E731
-            lines.append(f"| {name} | {tokens} | {cell('packed')} | {cell('emulated')} | {cell('bf16_grouped_mm')} | "
-                         f"{cell('bf16_triton')} | {run['packed_touched_TBps']:.2f}{' (L2)' if run.get('l2_resident') else ''} | "
-                         f"{run['fastest_peer_us'] / run['packed']['us']:.2f}x |")
+        if sh.get("error"):
+            lines.append(f"| {name} | - | error: {sh['error']} | | | | | | | |")
+        for tokens, run in sh.get("runs", {}).items():
+            if run.get("error") and "packed" not in run:
+                lines.append(f"| {name} | {tokens} | error: {run['error']} | | | | | | | |")
+                continue
+            lines.append(f"| {name} | {tokens} | {_us(run, 'packed')} | {_us(run, 'emulated')} | {_us(run, 'bf16_grouped_mm')} | "
+                         f"{_us(run, 'bf16_triton')} | {run.get('packed_touched_TBps', float('nan')):.2f}"
+                         f"{' (L2)' if run.get('l2_resident') else ''} | {_speedup(run):.2f}x | {_rel(run, 'packed')} | "
+                         f"{_rel(run, 'emulated')} |")
     paths = [(name, tokens, run["packed_paths"]) for name, sh in results["shapes"].items()
-             for tokens, run in sh["runs"].items() if "packed_paths" in run]
+             for tokens, run in sh.get("runs", {}).items() if "packed_paths" in run]
     if paths:
         lines += ["", "Packed prefill paths (us per forward): tiles decoded in every GEMM block vs dequantized once per "
                   "forward into a bf16 scratch, then the dense grouped GEMM (`LutBPackedExperts.dense_from_rows_per_expert`).",
                   "", "| shape | T | in-kernel decode | dense | default picks | rel-L2 dense vs in-kernel |",
                   "| --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {n} | {t} | {p['in_kernel']:.1f} | {p['dense']:.1f} | {p['default']} | {p['dense_vs_in_kernel_rel_l2']:.1e} |"
+        lines += [f"| {n} | {t} | error: {p['error']} | | | |" if p.get("error") else
+                  f"| {n} | {t} | {p['in_kernel']:.1f} | {p['dense']:.1f} | {p['default']} | {p['dense_vs_in_kernel_rel_l2']:.1e} |"
                   for n, t, p in paths]
     lines += ["", "| shape | backend | weight GB | bits/weight |", "| --- | --- | --- | --- |"]
     for name, sh in results["shapes"].items():
-        for b, v in sh["memory_bytes"].items():
+        for b, v in sh.get("memory_bytes", {}).items():
             lines.append(f"| {name} | {b} | {v / 1e9:.2f} | {sh['bits_per_weight'][b]:.3f} |")
+    lines += ["", "| shape | correctness (gates its performance targets) |", "| --- | --- |"]
+    for name, sh in results["shapes"].items():
+        ok, why = correctness_gate(sh)
+        verdict = "setup failed" if sh.get("error") else "ok" if ok else f"FAILED: {why}"
+        lines.append(f"| {name} | {verdict} (checked at T {', '.join(str(t) for t in sh.get('correctness_tokens') or [])}) |")
     lines += ["", "| target | value | met |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['value']} | {'met' if t['met'] else 'NOT MET'} |" for t in targets]
-    methods = {run[b]["method"] for sh in results["shapes"].values() for run in sh["runs"].values()
-               for b in BACKENDS if b in run and run[b]["method"] != "cuda-graph"}
+    methods = {run[b]["method"] for sh in results["shapes"].values() for run in sh.get("runs", {}).values()
+               for b in BACKENDS if b in run and run[b]["method"] not in ("cuda-graph", "failed")}
     if methods:
         lines += ["", "Timing fallbacks: " + "; ".join(sorted(methods))]
+    failed = failed_cells(results)
+    if failed:
+        lines += ["", f"Failed cells ({len(failed)}):", ""]
+        lines += [f"- {_where(f)}: {f['error']}" for f in failed]
     return "\n".join(lines) + "\n"
+
+
+def _where(f: dict) -> str:
+    """"shape T=t cell" of a failed cell."""
+    return " ".join(str(x) for x in (f["shape"], None if f["tokens"] is None else f"T={f['tokens']}", f["cell"]) if x is not None)
 
 
 def breakdown_table(results: dict) -> str:
@@ -834,25 +1228,45 @@ def tune_table(results: dict) -> str:
 
 
 def short_table(results: dict, targets: list[dict]) -> str:
-    lines = [f"HBM read (sum) {results['hbm']['sum_read_TBps']:.2f} TB/s, copy (read+write) {results['hbm']['copy_read_plus_write_TBps']:.2f} TB/s;"
-             f" small-T rows time {ROTATIONS} rotated routings per graph replay; L2 = rotation union < {2 * L2_BYTES / 1e6:.0f} MB",
-             f"{'shape':15s} {'T':>5s} {'packed':>9s} {'emul':>9s} {'gmm':>9s} {'bf16tri':>9s} {'pk TB/s':>7s} {'pk/peer':>7s}"]
+    hbm = results["hbm"]
+    lines = [f"HBM read (sum) {hbm.get('sum_read_TBps', float('nan')):.2f} TB/s, copy (read+write) "
+             f"{hbm.get('copy_read_plus_write_TBps', float('nan')):.2f} TB/s;"
+             f" small-T rows time {ROTATIONS} rotated routings per graph replay; L2 = rotation union < {2 * L2_BYTES / 1e6:.0f} MB;"
+             f" rel-L2 vs the reference (tolerance {CHECK_TOL:g}, ! over it)",
+             f"{'shape':15s} {'T':>5s} {'packed':>9s} {'emul':>9s} {'gmm':>9s} {'bf16tri':>9s} {'pk TB/s':>7s} {'pk/peer':>7s}"
+             f" {'pk relL2':>10s} {'em relL2':>10s}"]
     for name, sh in results["shapes"].items():
-        for tokens, run in sh["runs"].items():
-            f = lambda b: f"{run[b]['us']:9.1f}" if b in run else f"{'n/a':>9s}"  # noqa: E731
-            lines.append(f"{name:15s} {int(tokens):5d} {f('packed')} {f('emulated')} {f('bf16_grouped_mm')} {f('bf16_triton')} "
-                         f"{run['packed_touched_TBps']:7.2f} {run['fastest_peer_us'] / run['packed']['us']:6.2f}x"
-                         + (" L2" if run.get("l2_resident") else ""))
+        if sh.get("error"):
+            lines.append(f"{name:15s} setup error: {sh['error']}")
+        for tokens, run in sh.get("runs", {}).items():
+            if run.get("error") and "packed" not in run:
+                lines.append(f"{name:15s} {int(tokens):5d} error: {run['error']}")
+                continue
+            lines.append(f"{name:15s} {int(tokens):5d} {_us(run, 'packed', 9)} {_us(run, 'emulated', 9)} "
+                         f"{_us(run, 'bf16_grouped_mm', 9)} {_us(run, 'bf16_triton', 9)} "
+                         f"{run.get('packed_touched_TBps', float('nan')):7.2f} {_speedup(run):6.2f}x"
+                         f" {_rel(run, 'packed'):>10s} {_rel(run, 'emulated'):>10s}" + (" L2" if run.get("l2_resident") else ""))
     for name, sh in results["shapes"].items():
-        for tokens, run in sh["runs"].items():
-            if "packed_paths" in run:
-                p = run["packed_paths"]
+        for tokens, run in sh.get("runs", {}).items():
+            p = run.get("packed_paths")
+            if p and not p.get("error"):
                 lines.append(f"  packed paths {name} T={tokens}: in-kernel {p['in_kernel']:.1f} us, dense {p['dense']:.1f} us"
                              f" (default: {p['default']}; rel-L2 between them {p['dense_vs_in_kernel_rel_l2']:.1e})")
+    for name, sh in results["shapes"].items():
+        ok, why = correctness_gate(sh)
+        if not ok and not sh.get("error"):
+            lines.append(f"  correctness FAILED {name}: {why} (its performance targets count as not met)")
+    failed = failed_cells(results)
+    lines += [f"  FAILED cell {_where(f)}: {f['error']}" for f in failed]
     met = sum(t["met"] for t in targets)
-    lines.append(f"targets met: {met}/{len(targets)}")
+    lines.append(f"targets met: {met}/{len(targets)}" + (f"; {len(failed)} failed cell(s)" if failed else ""))
     lines += [f"  NOT MET: {t['target']} ({t['value']})" for t in targets if not t["met"]]
     return "\n".join(lines)
+
+
+def run_failed(results: dict) -> bool:
+    """Whether the run's exit status says failure: a cell raised or a shape's correctness check failed."""
+    return bool(failed_cells(results)) or any(not correctness_gate(sh)[0] for sh in results["shapes"].values())
 
 
 def main() -> int:
@@ -884,12 +1298,17 @@ def main() -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
+    tokens = tuple(args.tokens) if args.tokens else (QUICK_TOKENS if args.quick else TOKENS)
     results: dict = {
+        "provenance": provenance(), "settings": settings_of(args, tokens),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "capability": list(torch.cuda.get_device_capability()),
         "grouped_mm": Bf16GroupedMm.available(), "shapes": {},
     }
-    results["hbm"] = hbm_bandwidth()
+    hbm, error = guarded("HBM bandwidth", hbm_bandwidth)
+    nan = float("nan")
+    results["hbm"] = hbm if error is None else {"copy_read_plus_write_TBps": nan, "copy_read_TBps": nan, "sum_read_TBps": nan,
+                                                "error": error}
     log(f"HBM: {results['hbm']}")
     if args.tune_grouped:
         tune_grouped(results, args.tune_budget)
@@ -909,15 +1328,19 @@ def main() -> int:
         else:
             print(tune_table(results))
         return 0
-    tokens = tuple(args.tokens) if args.tokens else (QUICK_TOKENS if args.quick else TOKENS)
     for name in args.shapes:
-        bench_shape(name, tokens, results)
+        _, error = guarded(f"[{name}]", lambda: bench_shape(name, tokens, results))
+        if error is not None:  # bench_shape records its cells' errors; this is one outside them
+            results["shapes"].setdefault(name, {"runs": {}})["error"] = error
         # Partial results after each shape, so a run cut short by a time limit keeps what it measured.
         (args.out / "results.partial.json").write_text(json.dumps(results, indent=1, default=str))
     if args.tune:
-        tune(results, args.quick, args.out, args.tune_budget)
+        _, error = guarded("tune", lambda: tune(results, args.quick, args.out, args.tune_budget))
+        if error is not None:
+            results["tune_error"] = error
     targets = evaluate_targets(results)
     results["targets"] = targets
+    results["failed_cells"] = failed_cells(results)
     results["wall_s"] = time.time() - t_start
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "results.md").write_text(markdown(results, targets))
@@ -925,7 +1348,18 @@ def main() -> int:
     print(short_table(results, targets))
     for switch in AB:
         print("\n" + ab_table(results, switch))
+    if run_failed(results):
+        print("\nexit 1: a cell failed or a correctness check failed (see above)", file=sys.stderr)
+        return 1
     return 0
+
+
+def settings_of(args: argparse.Namespace, tokens: tuple[int, ...]) -> dict:
+    """The run's settings for the results: every option (paths as text), ``tokens`` as resolved, the check's limits."""
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    settings.update(tokens_arg=args.tokens, tokens=list(tokens), correctness_tolerance=CHECK_TOL,
+                    correctness_rows_at_most=CHECK_TOKENS)
+    return settings
 
 
 if __name__ == "__main__":
