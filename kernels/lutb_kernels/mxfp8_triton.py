@@ -121,6 +121,11 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x2
 
 
+def _check_out_dtype(out_dtype: torch.dtype | None) -> None:
+    if out_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"out_dtype must be bfloat16, float16 or float32 (or None: the input's), got {out_dtype}")
+
+
 def _check_row_args(m: int, device: torch.device, row_weight: torch.Tensor | None, row_mask: torch.Tensor | None) -> None:
     if row_weight is not None:
         if row_weight.dtype != torch.float32 or row_weight.numel() != m or row_weight.device != device:
@@ -264,7 +269,7 @@ def _check_act_quantize_args(
     h: torch.Tensor, activation: str, scale_mode: str, k_order: str, row_mask: torch.Tensor | None,
     nonfinite: torch.Tensor | None,
 ) -> tuple[torch.Tensor, int]:
-    """Validate the arguments of the fused activation ops; returns ``(h [R, N], output columns)``."""
+    """Validate the arguments of the activation ops; returns ``(h [R, N], output columns)``."""
     check_activation(activation)
     check_scale_mode(scale_mode)
     _check_k_order(k_order)
@@ -352,6 +357,7 @@ def mxfp8_qdq(
     from lutb_kernels._mxfp8_details.kernels import OUT_QDQ
 
     x2 = _check_quantize_args(x, scale_mode, k_order, row_weight, nonfinite)
+    _check_out_dtype(out_dtype)
     out, _ = _launch(x2, x2.shape[1], activation=None, scale_mode=scale_mode, out_mode=OUT_QDQ, k_order=k_order,
                      row_weight=row_weight, row_mask=None, nonfinite=nonfinite, out_dtype=out_dtype)
     return out.reshape(x.shape)
@@ -367,6 +373,7 @@ def mxfp8_qdq_reference(
     nonfinite: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch twin of :func:`mxfp8_qdq`."""
+    _check_out_dtype(out_dtype)
     q, s = mxfp8_quantize_reference(x, scale_mode, row_weight=row_weight, nonfinite=nonfinite)
     out = _ref_dequantize(q, s, out_dtype or x.dtype)
     if k_order == "decoder":
@@ -441,6 +448,7 @@ def act_mxfp8_qdq(
     from lutb_kernels._mxfp8_details.kernels import OUT_QDQ
 
     h2, k_out = _check_act_quantize_args(h, activation, scale_mode, k_order, row_mask, nonfinite)
+    _check_out_dtype(out_dtype)
     out, _ = _launch(h2, k_out, activation=activation, scale_mode=scale_mode, out_mode=OUT_QDQ, k_order=k_order,
                      row_weight=None, row_mask=row_mask, nonfinite=nonfinite, out_dtype=out_dtype)
     return out
@@ -513,10 +521,7 @@ def act_rounded(h: torch.Tensor, activation: str, *, row_mask: torch.Tensor | No
     """
     from lutb_kernels._mxfp8_details.kernels import OUT_PLAIN
 
-    check_activation(activation)
-    h2 = _rows(h, "h")
-    k_out = _act_columns(h2, activation)
-    _check_row_args(h2.shape[0], h2.device, None, row_mask)
+    h2, k_out = _check_act_quantize_args(h, activation, "rceil", "natural", row_mask, None)
     flag = torch.zeros(1, dtype=torch.int32, device=h2.device)
     out, _ = _launch(h2, k_out, activation=activation, scale_mode="rceil", out_mode=OUT_PLAIN, k_order="natural",
                      row_weight=None, row_mask=row_mask, nonfinite=flag)
@@ -524,5 +529,6 @@ def act_rounded(h: torch.Tensor, activation: str, *, row_mask: torch.Tensor | No
 
 
 def act_rounded_reference(h: torch.Tensor, activation: str, *, row_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain-PyTorch twin of :func:`act_rounded`."""
+    """Plain-PyTorch twin of :func:`act_rounded` (the same argument checks)."""
+    _check_act_quantize_args(h, activation, "rceil", "natural", row_mask, None)
     return _act_reference(h, activation, row_mask)[0]

@@ -145,6 +145,21 @@ def test_a_block_rounded_past_float16s_largest_is_flagged(op: str) -> None:
             f(x, *extra)
 
 
+def test_activation_of_another_rank_and_integer_outputs_refused() -> None:
+    """act_rounded took a [2, 3, 64] h and answered [6, 64] (its siblings refuse anything but [R, N]); the QDQ ops
+    wrote an integer out_dtype, truncating every value, where their twins fail later or not at all."""
+    h = torch.randn(2, 3, 64)
+    for fn in (mt.act_rounded, mt.act_rounded_reference, mt.act_mxfp8_qdq):
+        with pytest.raises(ValueError, match=r"\[R, N\]"):
+            fn(h, "silu_no_mul")
+    x = torch.randn(2, 64)
+    for fn in (mt.mxfp8_qdq, mt.mxfp8_qdq_reference):
+        with pytest.raises(ValueError, match="out_dtype"):
+            fn(x, out_dtype=torch.int8)
+    with pytest.raises(ValueError, match="out_dtype"):
+        mt.act_mxfp8_qdq(x, "silu_no_mul", out_dtype=torch.int8)
+
+
 def test_bad_arguments_refused() -> None:
     with pytest.raises(ValueError):
         mt.mxfp8_quantize(torch.randn(2, 48))
