@@ -5,34 +5,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("lutb_bench_kernels", ROOT / "bench" / "kernels.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return module
-
-
-bk = _load_bench()
+bk = load_bench("kernels.py")
 NAN = float("nan")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,14 +171,7 @@ def test_ab_serving_smoke(tmp_path: Path) -> None:
 
 def test_ab_serving_table_gives_each_pairs_ratio() -> None:
     """Pair i is new run i against old run i (they ran back to back); the means' ratio hides which pairs won."""
-    spec = importlib.util.spec_from_file_location("lutb_bench_ab_serving", ROOT / "bench" / "ab_serving.py")
-    assert spec is not None and spec.loader is not None
-    ab_serving = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(ab_serving)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    ab_serving = load_bench("ab_serving.py")
 
     def report(p50: float, tps: float, inproc: float | None = None, wait: float | None = None) -> dict:
         server = {"p50_us": p50, "tokens_per_s": tps, "batch_tokens_p50": 240}
@@ -257,10 +250,7 @@ def test_ab_series_starts_no_pair_the_budget_cannot_finish(tmp_path: Path, monke
     import argparse
     import types
 
-    spec = importlib.util.spec_from_file_location("lutb_bench_ab_trees", ROOT / "bench" / "ab_trees.py")
-    assert spec is not None and spec.loader is not None
-    ab_trees = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab_trees)
+    ab_trees = load_bench("ab_trees.py")
     clock = [0.0]
     monkeypatch.setattr(ab_trees, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     runs: list[str] = []
@@ -280,12 +270,7 @@ def test_ab_series_starts_no_pair_the_budget_cannot_finish(tmp_path: Path, monke
 def _serving_module(monkeypatch: pytest.MonkeyPatch) -> Any:
     """bench/serving.py imported as a module (registered in sys.modules for the test: its dataclasses look their
     module up there)."""
-    spec = importlib.util.spec_from_file_location("lutb_bench_serving", ROOT / "bench" / "serving.py")
-    assert spec is not None and spec.loader is not None
-    serving = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, serving)
-    spec.loader.exec_module(serving)
-    return serving
+    return load_bench("serving.py", monkeypatch)
 
 
 def test_py_spy_summary_splits_samples_by_process(monkeypatch: pytest.MonkeyPatch) -> None:
