@@ -75,7 +75,10 @@ def test_act_nan_is_flagged_gpu(activation: str, where: str) -> None:
 
     inter = 256
     h = torch.randn(4, 2 * inter if is_gated(activation) else inter, device="cuda").to(torch.bfloat16)
-    column = 7 if where == "gate" or not is_gated(activation) else (8 if activation == "swigluoai" else inter + 7)
+    if activation == "swigluoai":  # gate/up interleaved: gate h[0::2], up h[1::2]
+        column = 8 if where == "gate" else 7
+    else:  # gate h[:I], up h[I:] (the *_no_mul activations: the whole h, either column)
+        column = 7 if where == "gate" or not is_gated(activation) else inter + 7
     h[2, column] = float("nan")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     mt.act_mxfp8_quantize(h, activation, nonfinite=flag)
