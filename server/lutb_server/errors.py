@@ -101,11 +101,20 @@ def cancelled_status(deadline: float | None) -> grpc.StatusCode:
 
 
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status code and message a request that raised ``exc`` ends with."""
+    """The gRPC status code and message a request that raised ``exc`` ends with.
+
+    The device running out of memory for a batch (``torch.cuda.OutOfMemoryError``, also from a compute process) is
+    RESOURCE_EXHAUSTED, not INTERNAL: no bug, a batch too large for the memory left (its routes, ``T * k``, set the
+    experts' working memory); every request of that batch gets it, and the server goes on."""
     import grpc
+    import torch
 
     if isinstance(exc, ServiceError):
         return getattr(grpc.StatusCode, exc.code), str(exc)
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, (
+            f"the device ran out of memory computing the batch this request was in; send fewer tokens or routes "
+            f"per request, or retry: {' '.join(str(exc).split())[:300]}")
     for exc_type, name in _STATUS_MAP:
         if isinstance(exc, exc_type):
             return getattr(grpc.StatusCode, name), str(exc) or exc_type.__name__

@@ -11,7 +11,7 @@ import torch
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_client.codec import encode_tensor
-from lutb_server.testing import ServerThread
+from lutb_server.testing import SLEEP_EXPERTS_ENV, ServerThread, SleepExperts
 
 HIDDEN = 128
 OK = grpc.StatusCode.OK
@@ -185,3 +185,25 @@ def test_expected_content_hash_is_checked_against_the_served_checkpoint(stub) ->
     responses = list(stub.ForwardStream(iter([_request(expected_content_hash=h) for h in (served, wrong, "")]), timeout=60))
     codes = [r.status.code for r in responses]
     assert codes == [0, grpc.StatusCode.FAILED_PRECONDITION.value[0], 0], [r.status.message for r in responses]
+
+
+class OutOfMemoryExperts(SleepExperts):
+    """Runs out of device memory on batches of more than 4 tokens (``--backend test_server_errors:OutOfMemoryExperts``)."""
+
+    def forward(self, x, topk_ids, topk_weights, **kwargs):  # type: ignore[no-untyped-def]
+        if x.shape[0] > 4:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB.")
+        return super().forward(x, topk_ids, topk_weights, **kwargs)
+
+
+def test_a_batch_the_device_cannot_hold_is_resource_exhausted(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Running out of device memory is no server bug: RESOURCE_EXHAUSTED with a hint (it was INTERNAL), and the
+    next, smaller request is answered."""
+    monkeypatch.setenv(SLEEP_EXPERTS_ENV, "0,0")
+    with ServerThread(checkpoint=tiny_checkpoint, backend="test_server_errors:OutOfMemoryExperts", max_wait_us=0) as srv:
+        stub = pb_grpc.ExpertServiceStub(grpc.insecure_channel(srv.address))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Forward(_request(tokens=8), timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "ran out of memory" in info.value.details() and "fewer tokens" in info.value.details()
+        assert list(stub.Forward(_request(tokens=2), timeout=30).output.shape) == [2, HIDDEN]
