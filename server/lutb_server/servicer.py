@@ -45,8 +45,10 @@ RESPONSE_ENVELOPE_BYTES = 1024
 """Room left in a response message for everything but the output tensor's bytes (ids, status, timing)."""
 
 
-def build_model_info(engine: ExpertEngine, *, max_batch_tokens: int, front_end: int = 0, front_ends: int = 1) -> pb.ModelInfo:
-    """The ``ModelInfo`` an engine serves from front end ``front_end`` of ``front_ends``."""
+def build_model_info(engine: ExpertEngine, *, max_batch_tokens: int, front_end: int = 0, front_ends: int = 1,
+                     max_message_bytes: int | None = None) -> pb.ModelInfo:
+    """The ``ModelInfo`` an engine serves from front end ``front_end`` of ``front_ends``; ``max_message_bytes``
+    the server's message bound (None: unbounded here, sent as 0)."""
     config = engine.config
     return pb.ModelInfo(
         format=FORMAT,
@@ -67,6 +69,7 @@ def build_model_info(engine: ExpertEngine, *, max_batch_tokens: int, front_end: 
         max_batch_tokens=max_batch_tokens,
         front_end=front_end,
         front_ends=front_ends,
+        max_message_bytes=max_message_bytes or 0,
     )
 
 
@@ -181,7 +184,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self._engine = engine
         self._scheduler = scheduler
         self._info = build_model_info(engine, max_batch_tokens=scheduler.max_batch_tokens, front_end=front_end,
-                                      front_ends=front_ends)
+                                      front_ends=front_ends, max_message_bytes=self._max_response_bytes)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest | MalformedRequest, context: grpc.aio.ServicerContext

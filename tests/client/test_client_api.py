@@ -60,6 +60,7 @@ def test_model_info(server: ServerThread, client_checkpoint: Path) -> None:
     assert info.backend == "reference" and "auto" in info.backend_reason and info.device == "cpu"
     assert info.content_hash == Checkpoint(client_checkpoint).content_hash()
     assert info.server_version and info.max_tokens_per_request > 0
+    assert info.max_message_bytes == server.settings.max_message_bytes  # the server's bound, said ahead
 
 
 @pytest.mark.parametrize(

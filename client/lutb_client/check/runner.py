@@ -74,6 +74,7 @@ def model_info_dict(info: Any) -> dict[str, Any]:
         "device": info.device,
         "max_tokens_per_request": int(info.max_tokens_per_request),
         "max_batch_tokens": int(info.max_batch_tokens),
+        "max_message_bytes": int(info.max_message_bytes),  # 0: not said (a server older than the field)
         "content_hash": info.content_hash,
         "server_version": info.server_version,
     }
@@ -131,6 +132,8 @@ class NodeSide(Side):
         except ExpertServiceError as exc:
             self.client.close()
             raise CheckError(f"{address}: {exc}") from None
+        if self.info["max_message_bytes"]:  # the node's own bound, where it says it: requests fit the first time
+            self.message_bytes = min(self.message_bytes, self.info["max_message_bytes"])
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.client.forward(
@@ -186,6 +189,7 @@ class ReferenceSide(Side):
             "device": str(self.device),
             "max_tokens_per_request": 0,
             "max_batch_tokens": 0,
+            "max_message_bytes": 0,
             "content_hash": self.checkpoint.content_hash(),
             "server_version": "",
             "checkpoint_path": str(self.checkpoint.path),

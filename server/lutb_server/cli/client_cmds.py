@@ -102,6 +102,7 @@ def run_info(args: argparse.Namespace) -> int:
         ("device", info.device),
         ("max_tokens_per_request", info.max_tokens_per_request),
         ("max_batch_tokens", info.max_batch_tokens),
+        ("max_message_bytes", info.max_message_bytes or "not said (an older server)"),
         ("content_hash", info.content_hash),
         ("server_version", info.server_version),
         ("front_end", f"{info.front_end} of {info.front_ends}"),
