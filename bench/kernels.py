@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -1111,11 +1112,10 @@ def table_suggestion(recs: list[dict]) -> dict:
 # ----------------------------------------------------------------------------- output
 
 
-def _us(run: dict, backend: str, width: int = 0) -> str:
+def _us(run: dict, backend: str) -> str:
     """A backend's time at a run: "n/a" (not run), "error" (failed) or its us."""
     cell = run.get(backend)
-    text = "n/a" if cell is None else "error" if cell.get("error") else f"{cell['us']:.1f}"
-    return f"{text:>{width}s}" if width else text
+    return "n/a" if cell is None else "error" if cell.get("error") else f"{cell['us']:.1f}"
 
 
 def _rel(run: dict, backend: str) -> str:
@@ -1134,6 +1134,23 @@ def _speedup(run: dict) -> float:
     return ratio(run.get("fastest_peer_us", float("nan")), run.get("packed", {}).get("us", float("nan")))
 
 
+def _table_rows(results: dict) -> Iterator[tuple[str, str, list[str] | None, str | None, bool]]:
+    """The main table's rows, for either format: ``(shape, T, cells, error, L2-resident)``; ``cells`` (packed,
+    emulated, the two peers in us, packed touched TB/s, packed vs fastest peer, the two rel-L2) None where the
+    shape's setup or the run failed, ``error`` then saying how."""
+    for name, sh in results["shapes"].items():
+        if sh.get("error"):
+            yield name, "-", None, f"setup error: {sh['error']}", False
+        for tokens, run in sh.get("runs", {}).items():
+            if run.get("error") and "packed" not in run:
+                yield name, str(int(tokens)), None, f"error: {run['error']}", False
+                continue
+            cells = [_us(run, "packed"), _us(run, "emulated"), _us(run, "bf16_grouped_mm"), _us(run, "bf16_triton"),
+                     f"{run.get('packed_touched_TBps', float('nan')):.2f}", f"{_speedup(run):.2f}x",
+                     _rel(run, "packed"), _rel(run, "emulated")]
+            yield name, str(int(tokens)), cells, None, bool(run.get("l2_resident"))
+
+
 def markdown(results: dict, targets: list[dict]) -> str:
     prov = results.get("provenance", {})
     lines = [f"# GPU experts benchmark ({results['device']})", "",
@@ -1147,17 +1164,12 @@ def markdown(results: dict, targets: list[dict]) -> str:
              "| shape | T | packed | emulated | bf16 _grouped_mm | bf16 triton | packed touched TB/s | packed vs fastest peer "
              "| rel-L2 packed | rel-L2 emulated |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, sh in results["shapes"].items():
-        if sh.get("error"):
-            lines.append(f"| {name} | - | error: {sh['error']} | | | | | | | |")
-        for tokens, run in sh.get("runs", {}).items():
-            if run.get("error") and "packed" not in run:
-                lines.append(f"| {name} | {tokens} | error: {run['error']} | | | | | | | |")
-                continue
-            lines.append(f"| {name} | {tokens} | {_us(run, 'packed')} | {_us(run, 'emulated')} | {_us(run, 'bf16_grouped_mm')} | "
-                         f"{_us(run, 'bf16_triton')} | {run.get('packed_touched_TBps', float('nan')):.2f}"
-                         f"{' (L2)' if run.get('l2_resident') else ''} | {_speedup(run):.2f}x | {_rel(run, 'packed')} | "
-                         f"{_rel(run, 'emulated')} |")
+    for name, tokens, cells, error, l2 in _table_rows(results):
+        if cells is None:
+            lines.append(f"| {name} | {tokens} | {error} | | | | | | | |")
+            continue
+        cells[4] += " (L2)" if l2 else ""
+        lines.append(f"| {name} | {tokens} | " + " | ".join(cells) + " |")
     paths = [(name, tokens, run["packed_paths"]) for name, sh in results["shapes"].items()
              for tokens, run in sh.get("runs", {}).items() if "packed_paths" in run]
     if paths:
@@ -1235,17 +1247,12 @@ def short_table(results: dict, targets: list[dict]) -> str:
              f" rel-L2 vs the reference (tolerance {CHECK_TOL:g}, ! over it)",
              f"{'shape':15s} {'T':>5s} {'packed':>9s} {'emul':>9s} {'gmm':>9s} {'bf16tri':>9s} {'pk TB/s':>7s} {'pk/peer':>7s}"
              f" {'pk relL2':>10s} {'em relL2':>10s}"]
-    for name, sh in results["shapes"].items():
-        if sh.get("error"):
-            lines.append(f"{name:15s} setup error: {sh['error']}")
-        for tokens, run in sh.get("runs", {}).items():
-            if run.get("error") and "packed" not in run:
-                lines.append(f"{name:15s} {int(tokens):5d} error: {run['error']}")
-                continue
-            lines.append(f"{name:15s} {int(tokens):5d} {_us(run, 'packed', 9)} {_us(run, 'emulated', 9)} "
-                         f"{_us(run, 'bf16_grouped_mm', 9)} {_us(run, 'bf16_triton', 9)} "
-                         f"{run.get('packed_touched_TBps', float('nan')):7.2f} {_speedup(run):6.2f}x"
-                         f" {_rel(run, 'packed'):>10s} {_rel(run, 'emulated'):>10s}" + (" L2" if run.get("l2_resident") else ""))
+    for name, tokens, cells, error, l2 in _table_rows(results):
+        if cells is None:
+            lines.append(f"{name:15s} {tokens:>5s} {error}")
+            continue
+        lines.append(f"{name:15s} {tokens:>5s} " + " ".join(f"{c:>{w}s}" for c, w in zip(cells, (9, 9, 9, 9, 7, 7, 10, 10)))
+                     + (" L2" if l2 else ""))
     for name, sh in results["shapes"].items():
         for tokens, run in sh.get("runs", {}).items():
             p = run.get("packed_paths")

@@ -201,9 +201,11 @@ def test_failed_run_and_shape_setup_and_hbm() -> None:
     cells = {(f["shape"], f["tokens"], f["cell"]) for f in bk.failed_cells(results)}
     assert cells == {(None, None, "hbm"), ("deepseek-v3", None, "setup"), ("mixtral-8x7b", 32, "run")}
     text = bk.short_table(results, targets)
-    assert "deepseek-v3     setup error: OutOfMemoryError: setup" in text
+    assert "deepseek-v3         - setup error: OutOfMemoryError: setup" in text
     assert "mixtral-8x7b       32 error: RuntimeError: illegal memory access" in text
-    assert "| deepseek-v3 | setup failed" in bk.markdown(results, targets)
+    md = bk.markdown(results, targets)
+    assert "| deepseek-v3 | setup failed" in md and "| deepseek-v3 | - | setup error: OutOfMemoryError: setup |" in md
+    assert "| mixtral-8x7b | 32 | error: RuntimeError: illegal memory access |" in md
 
 
 def test_targets_after_a_json_round_trip() -> None:
