@@ -243,12 +243,15 @@ class ExpertServer:
             set), as front end 0 computed it from that path before spawning this front end with it; it is not
             computed again. Front end 0 hashes the checkpoint once per server start and hands the hash to the
             compute process and the other front ends. None: hashed here.
+        instance_id: front end 0's :attr:`instance_id`, handed to front ends k > 0. None: drawn here.
     """
 
     def __init__(self, settings: ServerSettings, *, engine_loader: Callable[[], ExpertEngine] | None = None,
                  compute_connection: socket.socket | None = None, front_end: tuple[int, int] | None = None,
-                 content_hash: str | None = None) -> None:
+                 content_hash: str | None = None, instance_id: str | None = None) -> None:
         self.settings = settings
+        self.instance_id = instance_id or uuid.uuid4().hex[:16]
+        """This server's random id (``ModelInfo.instance_id``): the same from every front end, new at each start."""
         self.front_end = front_end if front_end is not None else (0, settings.front_ends)
         self.metrics = ServerMetrics(expert_metrics=settings.expert_metrics)
         self.gate = Gate()
@@ -353,7 +356,8 @@ class ExpertServer:
                 if connection is None and s.front_ends > 1:
                     process, connections = spawn_compute_process(spec, s.front_ends)
                     connection = connections[0]
-                    self.front_ends.spawn(s, self.port, connections[1:], plan.checkpoint.path, engine.content_hash)
+                    self.front_ends.spawn(s, self.port, connections[1:], plan.checkpoint.path, engine.content_hash,
+                                          self.instance_id)
                     self.front_ends.watch(self._front_end_exited)
                 worker = ProcessComputeWorker(spec, connection=connection, process=process, loop=loop,
                                               on_gone=self._compute_gone, arena_bytes=arena_bytes(plan, s))
@@ -386,7 +390,8 @@ class ExpertServer:
             weight_bytes=weight_bytes, gpu_memory=gpu_memory,
             inline_batches=(lambda: worker.inline_batches) if isinstance(worker, ProcessComputeWorker) else None,
         )
-        self.servicer.bind(engine, scheduler, front_end=self.front_end[0], front_ends=self.front_end[1])
+        self.servicer.bind(engine, scheduler, front_end=self.front_end[0], front_ends=self.front_end[1],
+                           instance_id=self.instance_id)
         if self.gate.state == "loading":
             self.gate.state = "serving"
             for name in ("", SERVICE_NAME):
@@ -446,15 +451,17 @@ async def serve(
     compute_connection: socket.socket | None = None,
     front_end: tuple[int, int] | None = None,
     content_hash: str | None = None,
+    instance_id: str | None = None,
 ) -> int:
     """Run a server until SIGTERM or SIGINT, then drain within ``settings.shutdown_grace_s``; returns 0.
 
     Returns 1 instead when the server stopped because it could no longer compute (its compute
     process died), so that a supervisor (Kubernetes) restarts it.
 
-    ``engine_loader``, ``compute_connection``, ``front_end`` and ``content_hash`` are passed to :class:`ExpertServer`
-    (benchmarks serve fake backends with the first; front ends k > 0 run on the second, say which they are with the
-    third and are handed front end 0's hash of the checkpoint with the fourth).
+    ``engine_loader``, ``compute_connection``, ``front_end``, ``content_hash`` and ``instance_id`` are passed to
+    :class:`ExpertServer` (benchmarks serve fake backends with the first; front ends k > 0 run on the second, say
+    which they are with the third and are handed front end 0's hash of the checkpoint and its instance id with the
+    last two).
     """
     log.info("%s", tune_malloc())  # this process moves large messages (lutb_client.allocator)
     loop = asyncio.get_running_loop()
@@ -462,7 +469,7 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
     server = ExpertServer(settings, engine_loader=engine_loader, compute_connection=compute_connection, front_end=front_end,
-                          content_hash=content_hash)
+                          content_hash=content_hash, instance_id=instance_id)
     starting = asyncio.create_task(server.start())
     stop_wait = asyncio.create_task(stop_requested.wait())
     failed_wait = asyncio.create_task(server.failed.wait())

@@ -46,9 +46,9 @@ RESPONSE_ENVELOPE_BYTES = 1024
 
 
 def build_model_info(engine: ExpertEngine, *, max_batch_tokens: int, front_end: int = 0, front_ends: int = 1,
-                     max_message_bytes: int | None = None) -> pb.ModelInfo:
+                     max_message_bytes: int | None = None, instance_id: str = "") -> pb.ModelInfo:
     """The ``ModelInfo`` an engine serves from front end ``front_end`` of ``front_ends``; ``max_message_bytes``
-    the server's message bound (None: unbounded here, sent as 0)."""
+    the server's message bound (None: unbounded here, sent as 0); ``instance_id`` the server's (every front end's)."""
     config = engine.config
     return pb.ModelInfo(
         format=FORMAT,
@@ -70,6 +70,7 @@ def build_model_info(engine: ExpertEngine, *, max_batch_tokens: int, front_end: 
         front_end=front_end,
         front_ends=front_ends,
         max_message_bytes=max_message_bytes or 0,
+        instance_id=instance_id,
     )
 
 
@@ -179,12 +180,15 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         if engine is not None and scheduler is not None:
             self.bind(engine, scheduler)
 
-    def bind(self, engine: ExpertEngine, scheduler: BatchScheduler, *, front_end: int = 0, front_ends: int = 1) -> None:
-        """Serve ``engine``'s model through ``scheduler`` from now on, as front end ``front_end`` of ``front_ends``."""
+    def bind(self, engine: ExpertEngine, scheduler: BatchScheduler, *, front_end: int = 0, front_ends: int = 1,
+             instance_id: str = "") -> None:
+        """Serve ``engine``'s model through ``scheduler`` from now on, as front end ``front_end`` of ``front_ends`` of
+        the server ``instance_id``."""
         self._engine = engine
         self._scheduler = scheduler
         self._info = build_model_info(engine, max_batch_tokens=scheduler.max_batch_tokens, front_end=front_end,
-                                      front_ends=front_ends, max_message_bytes=self._max_response_bytes)
+                                      front_ends=front_ends, max_message_bytes=self._max_response_bytes,
+                                      instance_id=instance_id)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest | MalformedRequest, context: grpc.aio.ServicerContext

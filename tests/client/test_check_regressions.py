@@ -246,3 +246,16 @@ def test_one_node_under_two_names_is_refused(server: ServerThread, capsys: pytes
     assert not same_node(server.address, f"127.0.0.1:{int(port) + 1}")
     with pytest.raises(CheckError, match="judged against itself"):
         run_check(NodeSide(server.address), NodeSide(f"localhost:{port}"), suites=["normal"], **SMALL)
+
+
+def test_one_node_behind_a_name_that_resolves_elsewhere_is_refused_by_its_instance_id(server: ServerThread,
+                                                                                        client_checkpoint: Path) -> None:
+    """A proxy or port forward gives one node a second address that resolves apart; ModelInfo.instance_id (one per
+    server start, the same from every front end) shows it is one node. Another server has another id."""
+    proxied = NodeSide(server.address)
+    proxied.address = "proxy.invalid:443"  # what the check would see through a proxy: another name, the same node
+    with pytest.raises(CheckError, match="one node .*judged against itself"):
+        run_check(NodeSide(server.address), proxied, suites=["normal"], **SMALL)
+    with ServerThread(checkpoint=client_checkpoint) as other:
+        a, b = NodeSide(server.address), NodeSide(other.address)
+        assert a.info["instance_id"] and b.info["instance_id"] and a.info["instance_id"] != b.info["instance_id"]

@@ -61,6 +61,7 @@ def test_model_info(server: ServerThread, client_checkpoint: Path) -> None:
     assert info.content_hash == Checkpoint(client_checkpoint).content_hash()
     assert info.server_version and info.max_tokens_per_request > 0
     assert info.max_message_bytes == server.settings.max_message_bytes  # the server's bound, said ahead
+    assert len(info.instance_id) == 16 and info.instance_id == server.server.instance_id
 
 
 @pytest.mark.parametrize(

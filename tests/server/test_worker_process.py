@@ -470,15 +470,17 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
         counts = _forward_requests_by_front_end(metrics)
         assert counts == {"0": 6, "1": 6}, counts
 
-        async def spread_async_client() -> tuple[list[int], list[int], set[str]]:
+        async def spread_async_client() -> tuple[list[int], list[int], set[str], set[str]]:
             async with AsyncExpertClient(serving.address, connections=4) as aclient:
                 fronts = await aclient.spread_connections()
                 infos = [await aclient.model_info() for _ in range(4)]  # calls take the connections in turn
-                return fronts, [info.front_end for info in infos], {info.content_hash for info in infos}
+                return (fronts, [info.front_end for info in infos], {info.content_hash for info in infos},
+                        {info.instance_id for info in infos})
 
-        fronts, seen, hashes = asyncio.run(spread_async_client())
+        fronts, seen, hashes, instances = asyncio.run(spread_async_client())
         assert sorted(fronts) == [0, 0, 1, 1] and seen == fronts, (fronts, seen)
         assert hashes == {ckpt.content_hash()}, hashes
+        assert len(instances) == 1 and len(next(iter(instances))) == 16, instances  # one server, one id
         assert serving.stop(60) == 0, "".join(serving.lines)
         deadline = time.monotonic() + 10
         while any(_alive(pid) for pid in (*pids, child)):
@@ -511,7 +513,7 @@ def _spawn_front_ends(settings: object, checkpoint: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(front_ends, "mp", SimpleNamespace(get_context=lambda method: context))
     pairs = [socket.socketpair() for _ in range(settings.front_ends - 1)]  # type: ignore[attr-defined]
     try:
-        front_ends.FrontEnds().spawn(settings, 50051, [ours for ours, _ in pairs], checkpoint, "sha256:f0")
+        front_ends.FrontEnds().spawn(settings, 50051, [ours for ours, _ in pairs], checkpoint, "sha256:f0", "0123abcd")
     finally:
         for ours, theirs in pairs:
             ours.close()
@@ -530,8 +532,8 @@ def test_front_ends_are_handed_the_checkpoint_and_hash_of_front_end_0(tiny_check
     assert settings.checkpoint is None
     started = _spawn_front_ends(settings, tiny_checkpoint, monkeypatch)
     assert len(started) == 2
-    for k, (own, front_end, _, _, _, content_hash) in enumerate(started, 1):
-        assert front_end == (k, 3) and content_hash == "sha256:f0"
+    for k, (own, front_end, _, _, _, content_hash, instance_id) in enumerate(started, 1):
+        assert front_end == (k, 3) and content_hash == "sha256:f0" and instance_id == "0123abcd"
         assert ServerSettings(**own).checkpoint == tiny_checkpoint
 
 

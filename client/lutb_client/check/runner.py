@@ -75,6 +75,7 @@ def model_info_dict(info: Any) -> dict[str, Any]:
         "max_tokens_per_request": int(info.max_tokens_per_request),
         "max_batch_tokens": int(info.max_batch_tokens),
         "max_message_bytes": int(info.max_message_bytes),  # 0: not said (a server older than the field)
+        "instance_id": info.instance_id,  # "": not said
         "content_hash": info.content_hash,
         "server_version": info.server_version,
     }
@@ -190,6 +191,7 @@ class ReferenceSide(Side):
             "max_tokens_per_request": 0,
             "max_batch_tokens": 0,
             "max_message_bytes": 0,
+            "instance_id": "",
             "content_hash": self.checkpoint.content_hash(),
             "server_version": "",
             "checkpoint_path": str(self.checkpoint.path),
@@ -476,7 +478,7 @@ def _own_addresses() -> frozenset[str]:
 def same_node(a: str, b: str) -> bool:
     """Whether addresses ``a`` and ``b`` lead to the same server: equal strings, or the same port on the same
     resolved IP (any address of this host counting as one). Two names for one node that resolve apart (a proxy,
-    a port forward) are not seen: ModelInfo carries no per-process identity."""
+    a port forward) are not seen here: :func:`run_check` compares the nodes' ``ModelInfo.instance_id`` too."""
     if a.strip() == b.strip():
         return True
     ea, eb = _host_endpoints(a), _host_endpoints(b)
@@ -509,8 +511,11 @@ def run_check(
             judge failed on its own (not a refusal of a batch's input: see :func:`_judge_send`).
         ValueError: an unknown suite name.
     """
-    if isinstance(target, NodeSide) and isinstance(against, NodeSide) and same_node(target.address, against.address):
-        raise CheckError(f"{target.address} and {against.address} are one node: judged against itself it proves nothing")
+    if isinstance(target, NodeSide) and isinstance(against, NodeSide):
+        ids = target.info["instance_id"], against.info["instance_id"]
+        if same_node(target.address, against.address) or (ids[0] and ids[0] == ids[1]):
+            raise CheckError(f"{target.address} and {against.address} are one node (instance {ids[0] or 'id not said'}): "
+                             f"judged against itself it proves nothing")
     differences, incompatible = compare_identity(target.info, against.info)
     if incompatible:
         text = "; ".join(f"{d['field']}: {target.address} has {d['target']}, {against.address} has {d['against']}"

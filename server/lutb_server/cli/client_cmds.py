@@ -106,6 +106,7 @@ def run_info(args: argparse.Namespace) -> int:
         ("content_hash", info.content_hash),
         ("server_version", info.server_version),
         ("front_end", f"{info.front_end} of {info.front_ends}"),
+        ("instance_id", info.instance_id or "not said (an older server)"),
     ]
     for layer in info.layers:
         rows.append((f"layer {layer.layer}", f"{len(layer.expert_ids)} experts: {_ranges(list(layer.expert_ids))}"))
