@@ -969,7 +969,7 @@ def _saturation(rows: list[Row], compute: str | None = None) -> dict[str, str]:
     come from larger batches), or its largest busy share."""
     out = {}
     for key in sorted({(r.wire, r.api, r.tokens) for r in rows}):
-        cells = sorted((r.concurrency, r) for r in rows if (r.wire, r.api, r.tokens) == key)
+        cells = sorted(((r.concurrency, r) for r in rows if (r.wire, r.api, r.tokens) == key), key=lambda cell: cell[0])
         series = [(c, r.server["tokens_per_s"]) for c, r in cells]
         where = f"still growing at C={series[-1][0]}"
         for (c0, t0), (_c1, t1) in zip(series, series[1:]):
@@ -1228,7 +1228,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _wait_ready(echoes, echo_logs, ECHO_READY)
         for shape_name in args.shapes:
-            rows, info = run_shape(shape_name, args, pool, f"127.0.0.1:{echo_port}", out)
+            try:
+                rows, info = run_shape(shape_name, args, pool, f"127.0.0.1:{echo_port}", out)
+            except Exception as exc:  # noqa: BLE001 - a shape whose server fails is recorded; the others still run
+                print(f"[bench] {shape_name} FAILED: {type(exc).__name__}: {exc}", flush=True)
+                rows, info = [], {"failed": f"{type(exc).__name__}: {exc}"}
             all_rows += rows
             infos[shape_name] = info
             write_report(out, args, infos, all_rows, began)
@@ -1246,7 +1250,7 @@ def main(argv: list[str] | None = None) -> int:
     print(time_split_table(all_rows))
     print()
     print(table, flush=True)
-    return 0
+    return 1 if any("failed" in info for info in infos.values()) else 0
 
 
 if __name__ == "__main__":

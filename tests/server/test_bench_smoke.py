@@ -437,3 +437,25 @@ def test_serving_report_is_strict_json_with_provenance(monkeypatch: pytest.Monke
     prov = serving.provenance()
     assert set(prov) == {"date_utc", "commit", "dirty", "argv"} and prov["date_utc"].endswith("Z")
     assert prov["commit"] is None or len(prov["commit"]) == 40
+
+
+def test_serving_bench_records_a_shape_whose_server_fails(tmp_path: Path) -> None:
+    """A server that fails to start (the packed backend on the CPU) once raised out of main, skipping the other
+    shapes and writing nothing about it; now the failure is in serving.json and the exit status is 1."""
+    out = tmp_path / "out"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / d) for d in ("kernels", "client", "server")] + [env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serving.py"), "--smoke", "--backend", "packed", "--out",
+                           str(out), "--concurrency", "1,1", "--tokens", "4"], capture_output=True, text=True,
+                          timeout=180, env=env, cwd=ROOT)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((out / "serving.json").read_text())
+    assert "failed" in report["servers"]["smoke"] and report["rows"] == []
+    assert "smoke FAILED" in proc.stdout
+
+
+def test_saturation_takes_a_concurrency_given_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--concurrency 1,1` gave two rows of one concurrency, and sorting (concurrency, Row) pairs compared Rows."""
+    serving = _serving_module(monkeypatch)
+    rows = [serving.Row("s", "bf16", "stream", c, 16, {"tokens_per_s": tps}) for c, tps in ((1, 100.0), (1, 120.0), (8, 500.0))]
+    assert serving._saturation(rows) == {"bf16 stream T=16": "still growing at C=8"}
