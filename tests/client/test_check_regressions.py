@@ -259,3 +259,18 @@ def test_one_node_behind_a_name_that_resolves_elsewhere_is_refused_by_its_instan
     with ServerThread(checkpoint=client_checkpoint) as other:
         a, b = NodeSide(server.address), NodeSide(other.address)
         assert a.info["instance_id"] and b.info["instance_id"] and a.info["instance_id"] != b.info["instance_id"]
+
+
+def test_a_device_out_of_memory_is_a_finding_not_a_size_to_split() -> None:
+    """The server's OOM answer (RESOURCE_EXHAUSTED, "... send fewer tokens or routes per request ...") was taken for a
+    message-size refusal: the check split the batch and lowered the node's message bound, hiding the OOM."""
+    from lutb_client.check.runner import _too_large
+    from lutb_server.errors import to_status
+
+    code, oom = to_status(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB."))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert not _too_large(ExpertServiceError(code, oom))
+    size = ("the output takes 9000000 bytes: more than a message of max_message_bytes = 4194304 holds; "
+            "send fewer tokens per request")
+    assert _too_large(ExpertServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, size))
+    assert _too_large(ExpertServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (5 vs. 4)"))

@@ -291,9 +291,10 @@ def _shape(info: dict[str, Any], topk: int, cap: int, *sides: Side) -> NodeShape
     )
 
 
-SIZE_REFUSAL = re.compile(r"larger than max|max_message_bytes|send fewer tokens", re.IGNORECASE)
+SIZE_REFUSAL = re.compile(r"larger than max|max_message_bytes", re.IGNORECASE)
 """What a RESOURCE_EXHAUSTED about a message's size says (the server's refusal of a response too large for its
-``max_message_bytes``, or gRPC's of a message beyond a channel's limit), unlike a full queue."""
+``max_message_bytes``, or gRPC's of a message beyond a channel's limit), unlike a full queue or a device out of
+memory (whose hint also says "send fewer tokens": a finding, not a size to split)."""
 
 
 def _too_large(exc: BaseException) -> bool:
