@@ -318,6 +318,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                         raw = await duplex.read()
                         if raw is grpc.aio.EOF:
                             errors.append("stream ended early")
+                            error_count += 1
                             return
                     else:
                         raw = await call(payload, timeout=60)
@@ -350,6 +351,7 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                 await duplex.wait_for_connection()
                 if await duplex.read() is not grpc.aio.EOF:
                     errors.append("stream: a response after the last request")
+                    error_count += 1
 
         await asyncio.gather(*(caller(spec["first_index"] + j) for j in range(spec["concurrency"])))
         # where this process's window sat on the wall clock (the processes' windows can differ: each starts after
@@ -1073,9 +1075,9 @@ def provenance() -> dict[str, Any]:
         return done.stdout.strip() if done.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain") if commit else None
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
     return {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit,
-            "dirty": None if status is None else bool(status), "argv": [sys.executable, *sys.argv]}
+            "dirty": None if status is None else bool(status), "argv": [sys.executable, *sys.argv]}  # dirty: tracked files
 
 
 def _json_safe(value: Any) -> Any:
