@@ -103,9 +103,10 @@ def cancelled_status(deadline: float | None) -> grpc.StatusCode:
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and message a request that raised ``exc`` ends with.
 
-    The device running out of memory for a batch (``torch.cuda.OutOfMemoryError``, also from a compute process) is
-    RESOURCE_EXHAUSTED, not INTERNAL: no bug, a batch too large for the memory left (its routes, ``T * k``, set the
-    experts' working memory); every request of that batch gets it, and the server goes on."""
+    The device running out of memory (``torch.cuda.OutOfMemoryError``, also from a compute process) is
+    RESOURCE_EXHAUSTED, not INTERNAL: no bug, a request too large for the memory left (its routes, ``T * k``, set the
+    experts' working memory); the scheduler reruns a failed pooled batch's requests alone, so this reaches a request
+    that runs out of memory by itself, and the server goes on."""
     import grpc
     import torch
 

@@ -227,8 +227,9 @@ class FrontEndsCollector(Collector):
     Args:
         own: front end 0's registry.
         ports: the loopback metrics ports of front ends 1..N-1, in order.
-        timeout_s: how long one front end's endpoint may take (the endpoints are read in parallel, so a
-            scrape waits about this long however many hang); one that fails, answers broken HTTP, or whose
+        timeout_s: how long one front end's endpoint may stay silent (the endpoints are read in parallel, so
+            a scrape waits about this long however many hang; it bounds each socket operation, so one that
+            answers slowly but steadily can take longer); one that fails, answers broken HTTP, or whose
             answer is not valid OpenMetrics, shows as ``lutb_front_end_up{front_end="k"} 0`` and contributes no
             samples.
 

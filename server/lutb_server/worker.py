@@ -62,7 +62,7 @@ from lutb_kernels.errors import NonFiniteInputError
 from lutb_kernels.experts.base import LayerExperts
 from lutb_kernels.experts.graphs import DEFAULT_MAX_TOKENS, CudaGraphExperts, GraphInputs, StaticBuffers, is_capture_safe
 from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize_fast
-from lutb_kernels.mxfp8_triton import dequantize_into_op
+from lutb_kernels.mxfp8_triton import NONFINITE_MESSAGE, dequantize_into_op
 from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
 
@@ -543,7 +543,7 @@ class ComputeWorker:
             if unchecked and flag_np[0]:
                 flag.zero_()  # on the worker's stream, ahead of the next batch; only a batch that set the flag pays for this
                 if tokens:
-                    raise NonFiniteInputError("MXFP8 quantization met NaN or Inf (hidden states or activation output)")
+                    raise NonFiniteInputError(NONFINITE_MESSAGE)
         if out_h is None:
             return list(into), path  # type: ignore[arg-type]
         return _deliver(out_h, requests, into, owned=False, written=direct), path  # the pinned buffer is reused
