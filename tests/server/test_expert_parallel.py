@@ -181,6 +181,17 @@ def test_lutb_load_refuses_servers_without_expert_metrics(deployment: Deployment
     assert lutb(["load", *deployment.targets[:2], "--out", str(out), "--metrics-url", deployment.metrics[0]]) == 2
 
 
+def test_lutb_load_refuses_one_server_named_twice(deployment: Deployment, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """One server under two names (its ModelInfo.instance_id the same) would have its load summed twice."""
+    out = tmp_path / "load.json"
+    port = deployment.targets[0].rsplit(":", 1)[1]
+    code = lutb(["load", deployment.targets[0], f"localhost:{port}", "--out", str(out),
+                 "--metrics-url", deployment.metrics[0], "--metrics-url", deployment.metrics[0]])
+    assert code == 1 and not out.exists()
+    assert "are one server" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("timeout", ["0", "-1", "nan"])
 def test_lutb_load_refuses_a_non_positive_timeout_as_a_usage_error(timeout: str, tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:

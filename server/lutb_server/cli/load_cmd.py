@@ -88,14 +88,25 @@ def scrape_expert_tokens(url: str, timeout: float) -> dict[int, dict[int, float]
 
 
 def collect_load(targets: list[str], urls: list[str], timeout: float) -> tuple[int, dict[int, list[float]]]:
-    """``(num_experts, {layer: tokens per global expert})`` summed over ``targets``."""
+    """``(num_experts, {layer: tokens per global expert})`` summed over ``targets``.
+
+    Raises:
+        ValueError: the targets serve different models, a metrics endpoint names an expert outside the model, or two
+            targets are one server (the same ``ModelInfo.instance_id``: its load would be counted twice).
+    """
     from lutb_client import ExpertClient
 
     num_experts: int | None = None
     layers: dict[int, list[float]] = {}
+    instances: dict[str, str] = {}  # instance id -> the first target answering it
     for target, url in zip(targets, urls):
         with ExpertClient(target, timeout=timeout) as client:
             info: Any = client.model_info()
+        if info.instance_id in instances:
+            raise ValueError(f"{target} and {instances[info.instance_id]} are one server (instance {info.instance_id}): "
+                             f"its load would be counted twice; name each server once")
+        if info.instance_id:  # empty: a server older than the field, not comparable
+            instances[info.instance_id] = target
         if num_experts is None:
             num_experts = int(info.num_experts)
         elif int(info.num_experts) != num_experts:
