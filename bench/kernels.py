@@ -37,7 +37,6 @@ import json
 import math
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
+from repo_state import git_state
 
 SHAPES = {
     # name: (experts, hidden, intermediate, top_k)
@@ -110,22 +110,6 @@ def failed_cells(results: dict) -> list[dict]:
             out += [{"shape": name, "tokens": int(tokens), "cell": cell, "error": rec["error"]}
                     for cell, rec in cells if isinstance(rec, dict) and rec.get("error")]
     return out
-
-
-def git_state(repo: Path) -> tuple[str | None, bool | None]:
-    """``(HEAD commit, tracked files changed)`` of the git tree holding ``repo``; ``(None, None)`` without git."""
-    def git(*args: str) -> str | None:
-        try:
-            proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=20)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return proc.stdout if proc.returncode == 0 else None
-
-    head = git("rev-parse", "HEAD")
-    if head is None:
-        return None, None
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return head.strip(), (None if status is None else bool(status.strip()))
 
 
 def provenance(repo: Path | None = None, argv: list[str] | None = None) -> dict:

@@ -53,6 +53,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from repo_state import git_state  # bench/, on the path of a script run from it
+
 SHAPES: dict[str, dict[str, int]] = {
     "qwen3-30b-a3b": {"experts": 128, "hidden": 2048, "intermediate": 768, "top_k": 8},
     "deepseek-v3": {"experts": 256, "hidden": 7168, "intermediate": 2048, "top_k": 8},
@@ -1065,19 +1067,9 @@ def busy_table(rows: list[Row]) -> str:
 def provenance() -> dict[str, Any]:
     """When and from what a report was made: UTC date, the repository's commit and whether its tree had changes
     (None for each where git or the repository is missing: a ``git archive`` copy), and the command line."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit,
-            "dirty": None if status is None else bool(status), "argv": [sys.executable, *sys.argv]}  # dirty: tracked files
+    commit, dirty = git_state(Path(__file__).resolve().parent)
+    return {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit, "dirty": dirty,
+            "argv": [sys.executable, *sys.argv]}
 
 
 def _json_safe(value: Any) -> Any:

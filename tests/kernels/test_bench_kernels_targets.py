@@ -262,7 +262,7 @@ def test_provenance_in_this_repo_and_without_git(tmp_path: Path, monkeypatch: py
     def no_git(*args: object, **kwargs: object) -> None:
         raise FileNotFoundError("git")
 
-    monkeypatch.setattr(bk.subprocess, "run", no_git)
+    monkeypatch.setattr(subprocess, "run", no_git)  # what bench/repo_state.git_state runs
     prov = bk.provenance()
     assert prov["git_head"] is None and prov["git_dirty"] is None and prov["argv"] == sys.argv
     json.dumps(prov)
