@@ -104,7 +104,7 @@ def moe_align_block_size(
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, bucket, torch.ones_like(bucket))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0
+    padded[num_experts:].zero_()  # a kernel: `padded[i] = 0` would copy a host scalar in (no CUDA graph capture)
     padded_end_all = torch.cumsum(padded, 0)
     padded_start = padded_end_all - padded
     padded_end = padded_end_all[:num_experts]
