@@ -1249,10 +1249,19 @@ def short_table(results: dict, targets: list[dict]) -> str:
             lines.append(f"  correctness FAILED {name}: {why} (its performance targets count as not met)")
     failed = failed_cells(results)
     lines += [f"  FAILED cell {_where(f)}: {f['error']}" for f in failed]
+    uncaptured = _uncaptured_cells(results)
+    if uncaptured:
+        lines.append(f"  NOT IN A CUDA GRAPH (capture failed; timed eagerly by do_bench, launches included): {', '.join(uncaptured)}")
     met = sum(t["met"] for t in targets)
     lines.append(f"targets met: {met}/{len(targets)}" + (f"; {len(failed)} failed cell(s)" if failed else ""))
     lines += [f"  NOT MET: {t['target']} ({t['value']})" for t in targets if not t["met"]]
     return "\n".join(lines)
+
+
+def _uncaptured_cells(results: dict) -> list[str]:
+    """"shape T=t backend" of every timing whose CUDA graph capture failed: a capture-safe op that stopped being one."""
+    return [f"{name} T={tokens} {b}" for name, sh in results["shapes"].items() for tokens, run in sh.get("runs", {}).items()
+            for b in BACKENDS if "capture failed" in str(run.get(b, {}).get("method", ""))]
 
 
 def run_failed(results: dict) -> bool:

@@ -379,3 +379,14 @@ def test_check_correctness_on_the_cpu(tokens: int) -> None:
     assert rec["ok"] and rec["packed_rel_l2"] == 0.0 and rec["tokens_checked"] == min(tokens, bk.CHECK_TOKENS)
     rec = bk.check_correctness(_FakeExperts(ref, 1.03), _FakeExperts(ref), tiles, x, ids, weights, experts)
     assert not rec["ok"] and 0.02 < rec["packed_rel_l2"] < 0.04 and rec["emulated_rel_l2"] == 0.0
+
+
+def test_a_capture_that_failed_is_named_in_the_short_table() -> None:
+    """A timing that fell back to do_bench because its CUDA graph capture failed (a capture-safe op that stopped being
+    one: 88d9473's routing) is listed where the device call's output shows it, not only in results.md."""
+    runs = _all_met_runs()
+    runs[8192]["emulated"]["method"] = "do_bench (graph capture failed: RuntimeError: Cannot copy between CPU and CUDA)"
+    results = _results(runs)
+    table = bk.short_table(results, bk.evaluate_targets(results))
+    assert "NOT IN A CUDA GRAPH (capture failed; timed eagerly by do_bench, launches included): mixtral-8x7b T=8192 emulated" in table
+    assert "NOT IN A CUDA GRAPH" not in bk.short_table(_results(_all_met_runs()), [])
