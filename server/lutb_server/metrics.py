@@ -54,7 +54,7 @@ import http.client
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, start_http_server
@@ -227,11 +227,11 @@ class FrontEndsCollector(Collector):
     Args:
         own: front end 0's registry.
         ports: the loopback metrics ports of front ends 1..N-1, in order.
-        timeout_s: how long one front end's endpoint may stay silent (the endpoints are read in parallel, so
-            a scrape waits about this long however many hang; it bounds each socket operation, so one that
-            answers slowly but steadily can take longer); one that fails, answers broken HTTP, or whose
-            answer is not valid OpenMetrics, shows as ``lutb_front_end_up{front_end="k"} 0`` and contributes no
-            samples.
+        timeout_s: how long the other front ends' answers may take, all together: the endpoints are read in
+            parallel, and a scrape waits at most about this long however many hang or answer slowly (a read
+            still going then is left to end on its own, bounded per socket operation by the same timeout). A
+            front end that is late, fails, answers broken HTTP, or whose answer is not valid OpenMetrics, shows
+            as ``lutb_front_end_up{front_end="k"} 0`` and contributes no samples.
 
     The endpoints are read directly, never through a proxy of the environment, in OpenMetrics, the
     format that keeps every family's type (info, counter with its ``_created`` sample): the families
@@ -265,9 +265,14 @@ class FrontEndsCollector(Collector):
         read: list[tuple[int, list[Metric]]] = [(0, list(self.own.collect()))]
         up.add_metric(["0"], 1.0)
         answers: list[list[Metric] | None] = []
-        if self.ports:  # in parallel: hung front ends cost one timeout together, not one each
-            with ThreadPoolExecutor(max_workers=len(self.ports), thread_name_prefix="lutb-scrape") as pool:
-                answers = list(pool.map(self._read_or_none, self.ports))
+        if self.ports:  # in parallel, under one deadline: late front ends cost one timeout together, not one each
+            pool = ThreadPoolExecutor(max_workers=len(self.ports), thread_name_prefix="lutb-scrape")
+            try:
+                futures = [pool.submit(self._read_or_none, port) for port in self.ports]
+                done = wait(futures, timeout=self.timeout_s).done
+                answers = [f.result() if f in done else None for f in futures]
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)  # a late read ends at its own socket timeout
         for k, answer in enumerate(answers, 1):
             up.add_metric([str(k)], 0.0 if answer is None else 1.0)
             if answer is not None:

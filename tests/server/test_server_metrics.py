@@ -355,6 +355,43 @@ def test_hung_front_ends_cost_one_timeout_together() -> None:
             h.close()
 
 
+def test_a_front_end_answering_slowly_but_steadily_costs_one_timeout() -> None:
+    """The timeout bounds the whole scrape, not each socket read: a front end that trickles its answer a byte at a time,
+    never silent for a whole timeout, used to hold the scrape for as long as it kept going."""
+    import socket
+    import threading
+
+    from lutb_server.metrics import FrontEndsCollector, ServerMetrics
+
+    stop = threading.Event()
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def trickle() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 100000\r\n\r\n")
+        end = time.monotonic() + 6.0  # then it hangs up: a scrape without the bound fails the timing below
+        while not stop.wait(0.05) and time.monotonic() < end:
+            try:
+                conn.sendall(b"#")
+            except OSError:
+                break
+        conn.close()
+
+    threading.Thread(target=trickle, daemon=True).start()
+    one = ServerMetrics()
+    try:
+        collector = FrontEndsCollector(ServerMetrics().registry, [one.serve("127.0.0.1", 0), server.getsockname()[1]],
+                                       timeout_s=1.0)
+        start = time.monotonic()
+        assert _up(collector) == {"0": 1.0, "1": 1.0, "2": 0.0}
+        assert time.monotonic() - start < 2.5  # bounded per socket read only: until it hangs up, 6 s
+    finally:
+        stop.set()
+        server.close()
+        one.close()
+
+
 @pytest.mark.parametrize("others", [0, 1, 3])
 def test_merged_front_ends_endpoint_is_valid_in_either_format(others: int) -> None:
     """Front end 0's endpoint with ``others`` more front ends answers a scraper asking for OpenMetrics (Prometheus
