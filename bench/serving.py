@@ -28,7 +28,7 @@ batch size; tokens/s grows with concurrency until the GPU is busy (the table say
 
 Writes ``serving.json`` (every number), ``serving.md`` (tables) and, with ``--profile``, the
 server's top functions (py-spy when installed, else cProfile of its event-loop and compute
-threads) under ``--out``; prints the short table last.
+threads) under ``--out``, the server's and echo servers' logs under ``--out``/logs; prints the short table last.
 """
 
 from __future__ import annotations
@@ -646,7 +646,7 @@ class Profiler:
             native = ["--native", "--rate", "100"] if self.native else ["--nonblocking", "--rate", "250"]
             self.proc = subprocess.Popen([self.py_spy, "record", "--pid", str(pid), "--format", "raw", *native,
                                           "--threads", "--subprocesses", "--output", str(self.raw)],  # the compute process too
-                                         stdout=subprocess.DEVNULL, stderr=open(self.out / f"profile-{self.tag}.pyspy.log", "wb"))
+                                         stdout=subprocess.DEVNULL, stderr=open(self.out / "logs" / f"profile-{self.tag}.pyspy.log", "wb"))
 
     def detach(self) -> str | None:
         if self.proc is None:
@@ -859,7 +859,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
     if profiler is not None and not profiler.py_spy:
         config["_cprofile"] = str(profiler.cprofile)
     started = time.perf_counter()
-    server = _spawn_child(["serve", json.dumps(config)], out / f"server-{shape_name}.log")
+    server = _spawn_child(["serve", json.dumps(config)], out / "logs" / f"server-{shape_name}.log")
     rows: list[Row] = []
     info: dict[str, Any] = {}
     requests: dict[tuple[str, int], CellRequests] = {}
@@ -900,7 +900,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         _stop_child(server)
         if profiler is not None and not profiler.py_spy:
             info["profile"] = str(profiler.cprofile) if profiler.cprofile.exists() else None
-    merged = compute_process_calls(out / f"server-{shape_name}.log")
+    merged = compute_process_calls(out / "logs" / f"server-{shape_name}.log")
     if merged is not None:
         info["compute_process"] = merged
     cells = []
@@ -911,7 +911,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
     for row, (reqs, formed) in zip(rows, cells):
         row.inproc = times[(reqs.wire, reqs.tokens, formed)]
         _targets(row)
-    info["saturation"] = _saturation(rows, compute_thread_key(out / f"server-{shape_name}.log", args.compute_worker))
+    info["saturation"] = _saturation(rows, compute_thread_key(out / "logs" / f"server-{shape_name}.log", args.compute_worker))
     return rows, info
 
 
@@ -1209,11 +1209,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench] {wakeup.note}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops us: still stop the children
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)  # the children's logs, apart from the report
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     echo_port = _free_port()
-    echo_logs = [out / f"echo-{i}.log" for i in range(args.echo_procs)]
+    echo_logs = [out / "logs" / f"echo-{i}.log" for i in range(args.echo_procs)]
     echoes = [_spawn_child(["echo", str(echo_port), args.event_loop] + (["shared-port"] if args.echo_procs > 1 else []), log)
               for log in echo_logs]
     pool = LoadPool(max(1, min(args.load_procs, max(args.concurrency))))

@@ -43,7 +43,7 @@ if [[ $STAGE == ab ]]; then
   bench_status=$?
 fi
 if [[ $STAGE == all || $STAGE == bench ]]; then
-  echo "== bench/serving.py (server logs: bench/server-*.log in $OUT/bench.tgz) =="
+  echo "== bench/serving.py (server logs: bench/logs/ in $OUT/bench.tgz) =="
   timeout 540 "$PY" bench/serving.py --out "$OUT/bench" --duration-s 1.5 --warmup-s 0.3 --inproc-s 0.3 "$@"
   bench_status=$?
   echo "(bench exit status $bench_status; tests exit status $tests_status)"

@@ -104,7 +104,7 @@ def test_serving_bench_smoke_on_a_compute_process(tmp_path: Path) -> None:
     assert row["echo"]["requests"] > 0 and not row["echo"]["errors"]
     assert report["settings"]["compute_worker"] == "process" and report["settings"]["echo_procs"] == 2
     for i in range(2):
-        assert "echo server ready" in (out / f"echo-{i}.log").read_text()
+        assert "echo server ready" in (out / "logs" / f"echo-{i}.log").read_text()
     # the CPU meter follows the server's children: the root (front end 0), front end 1 and the compute process
     # (and multiprocessing's resource tracker)
     assert row["server"]["cpu"]["processes"] >= 3, row["server"]["cpu"]
