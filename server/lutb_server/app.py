@@ -136,7 +136,7 @@ def worker_spec(plan: EnginePlan, settings: ServerSettings) -> WorkerSpec:
         cuda_graph_max_tokens=settings.cuda_graph_max_tokens, cuda_graph_top_k=settings.cuda_graph_top_k,
         warm_up_tokens=warm_up_limit(settings), max_batch_tokens=settings.max_batch_tokens,
         intra_op_threads=settings.intra_op_threads,
-        gil_switch_interval_us=settings.gil_switch_interval_us,
+        gil_switch_interval_us=settings.gil_switch_interval_us, spin_s=settings.compute_spin_us / 1e6,
     )
 
 

@@ -114,6 +114,12 @@ class ServerSettings(BaseSettings):
         "claimed, leaving the serving processes two), or none "
         "(the kernel places every process)",
     )
+    compute_spin_us: int = Field(
+        0, ge=0, le=1_000_000, description="with compute_worker = process: how long the compute process polls for the "
+        "next batch after each call, in microseconds, before it sleeps in the kernel: a batch arriving within it starts "
+        "without the process's wake-up (a lone caller's next request), at the price of that CPU time spent polling each "
+        "time; 0 (the default): it sleeps at once",
+    )
     cpu_wakeup_latency_us: int | None = Field(
         None, ge=0, le=2**31 - 1, description="the longest wake-up an idle CPU of this machine may take while the server "
         "runs, in microseconds (Linux's CPU latency QoS, /dev/cpu_dma_latency: needs root, and in a container the "
@@ -133,6 +139,8 @@ class ServerSettings(BaseSettings):
     def _process_settings_need_the_compute_process(self) -> ServerSettings:
         if self.front_ends > 1 and self.compute_worker != "process":
             raise ValueError(f"front_ends = {self.front_ends} needs compute_worker = process (one compute process serves them all)")
+        if self.compute_spin_us and self.compute_worker != "process":
+            raise ValueError(f"compute_spin_us = {self.compute_spin_us} needs compute_worker = process (it is the compute process's poll)")
         if self.compute_cpu != "none" and self.compute_worker != "process":
             raise ValueError(f"compute_cpu = {self.compute_cpu} needs compute_worker = process (the CPU is the compute process's)")
         if self.metrics_port and self.metrics_port + self.front_ends - 1 > 65535:  # front end k listens on metrics_port + k

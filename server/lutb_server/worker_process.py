@@ -126,6 +126,8 @@ class WorkerSpec:
     gil_switch_interval_us: int = 0
     compute_cpu: int | None = None
     """The CPU the child pins itself to (``lutb_server.cpu_placement``); None: wherever the kernel places it."""
+    spin_s: float = 0.0
+    """How long the child polls its sockets after each call before it blocks (the server's ``compute_spin_us``)."""
     content_hash: str | None = None
     """``Checkpoint(checkpoint).content_hash()``, as the serving process that spawns the child computed it (the
     child's engine then does not read every byte again); None: the child computes it."""
@@ -360,11 +362,13 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
             except OSError:
                 pass
         return
-    inbox = _Inbox(connections, worker, ready, memory)
+    inbox = _Inbox(connections, worker, ready, memory, spin_s=spec.spin_s)
     while inbox:
         inbox.read()
         batches = inbox.pop()
         _run_merged(worker, batches, inbox.memory, spec.max_batch_tokens, during=inbox.read_arrived)
+        if batches:
+            inbox.called()
         inbox.release_closed()  # after the call that may have written their arenas
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
             inbox.memory, memory_read = _gpu_memory(device), time.monotonic()
@@ -388,7 +392,8 @@ class _Inbox:
     have several batches in flight: ``batches_in_flight``).
     """
 
-    def __init__(self, connections: list[_Connection], worker: Any, ready: object, memory: tuple[int, int] = (0, 0)) -> None:
+    def __init__(self, connections: list[_Connection], worker: Any, ready: object, memory: tuple[int, int] = (0, 0),
+                 spin_s: float = 0.0) -> None:
         self.waiting = list(connections)  # before the handshake: front ends start in any order
         self.open: list[_Connection] = []
         self.ahead: list[_Batch] = []
@@ -397,6 +402,8 @@ class _Inbox:
         self.memory = memory  # the GPU memory figures every answer carries, as last read (the loop updates them)
         self._worker = worker
         self._ready = ready
+        self._spin_s = spin_s
+        self._spun_until = 0.0  # the end of the poll after the last call (monotonic seconds)
 
     def __bool__(self) -> bool:
         """Whether anything is left to do: a connection to serve or a batch to run."""
@@ -404,10 +411,13 @@ class _Inbox:
 
     def read(self) -> None:
         """Shake hands with the serving processes that have connected, and read one message from each open
-        connection that has one; wait for one only when no batch is ready to run."""
+        connection that has one; wait for one only when no batch is ready to run (polling first, for up to
+        ``spin_s`` after the last call, then sleeping in the kernel)."""
         buffered = [c for c in self.open if c.buffered]  # a whole message in already: select would not report it
         if buffered or self.ahead:
             readable = buffered + [c for c in select.select(self.waiting + self.open, [], [], 0)[0] if c not in buffered]
+        elif (readable := self._poll()):
+            pass
         elif len(self.open) == 1 and not self.waiting:
             readable = list(self.open)  # a lone serving process: its socket, blocking, without a select
         else:
@@ -417,6 +427,19 @@ class _Inbox:
                 self._handshake(c)
             else:
                 self._take_all(c)
+
+    def called(self) -> None:
+        """A call has run: the next :meth:`read` polls for up to ``spin_s`` from now before it sleeps."""
+        self._spun_until = time.monotonic() + self._spin_s
+
+    def _poll(self) -> list[_Connection]:
+        """The connections readable before the poll's end (none once it is over: the caller then blocks)."""
+        sockets = self.waiting + self.open
+        while time.monotonic() < self._spun_until:
+            readable = select.select(sockets, [], [], 0)[0]
+            if readable:
+                return readable
+        return []
 
     def read_arrived(self) -> None:
         """While a call runs on the device: read the batches that have arrived (never waits for one)."""

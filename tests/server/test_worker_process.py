@@ -250,6 +250,47 @@ def test_many_batches_in_flight_complete_in_any_interleaving(process_worker: Pro
     assert merged, "no two queued batches of this connection ever ran as one call"
 
 
+def test_the_child_polls_for_the_next_batch_only_within_the_spin() -> None:
+    """compute_spin_us: after a call the child's inbox polls its sockets (a batch arriving then is read without
+    sleeping in the kernel) until the spin is over, then reports nothing readable, so that the caller blocks."""
+    import socket
+
+    from lutb_server.worker_process import _Inbox
+
+    ours, theirs = socket.socketpair()
+    try:
+        inbox = _Inbox([], worker=None, ready=None, spin_s=0.5)
+        inbox.open = [ours]  # anything with a fileno() serves select
+        assert inbox._poll() == []  # no call yet: no poll
+        inbox.called()
+        threading.Timer(0.05, theirs.send, (b"x",)).start()
+        start = time.monotonic()
+        assert inbox._poll() == [ours]  # found while polling
+        assert time.monotonic() - start < 0.45
+        ours.recv(1)
+        start = time.monotonic()
+        assert inbox._poll() == []  # nothing came: the poll ends with the spin
+        assert time.monotonic() - start < 0.5
+        inbox._spin_s = 0.0
+        inbox.called()
+        assert inbox._poll() == []  # compute_spin_us 0: never polls
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_spinning_child_answers_batches_near_and_far_apart(tiny_checkpoint: Path) -> None:
+    catalog, full = _engines(tiny_checkpoint)
+    worker = ProcessComputeWorker(WorkerSpec(str(tiny_checkpoint), "reference", "cpu", validate_tiles=False, spin_s=0.05)).start()
+    try:
+        for i, gap in enumerate((0.0, 0.01, 0.2, 0.0, 0.1)):  # inside the 50 ms poll and after it
+            time.sleep(gap)
+            batch = _requests(catalog, i % 2, (1 + i,), seed=300 + i)
+            assert torch.equal(as_tensor(worker.submit(batch).result(60).outputs[0]), ComputeWorker(full).run(batch).outputs[0])
+    finally:
+        worker.close(10)
+
+
 def test_a_dead_child_fails_pending_and_later_batches(tiny_checkpoint: Path) -> None:
     catalog, _ = _engines(tiny_checkpoint)
     worker = ProcessComputeWorker(WorkerSpec(str(tiny_checkpoint), "reference", "cpu", validate_tiles=False)).start()
@@ -636,6 +677,10 @@ def test_front_ends_need_the_compute_process() -> None:
     with pytest.raises(ValidationError, match="needs compute_worker = process"):
         ServerSettings(front_ends=2)
     assert ServerSettings(front_ends=2, compute_worker="process").front_ends == 2
+    with pytest.raises(ValidationError, match="compute_spin_us = 100 needs compute_worker = process"):
+        ServerSettings(compute_spin_us=100)
+    with pytest.raises(ValidationError):
+        ServerSettings(compute_spin_us=-1, compute_worker="process")
 
 
 MERGE_CASES = {
