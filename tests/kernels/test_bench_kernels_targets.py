@@ -8,6 +8,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -258,6 +259,18 @@ def test_provenance_in_this_repo_and_without_git(tmp_path: Path, monkeypatch: py
         head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         assert prov["git_head"] == head and isinstance(prov["git_dirty"], bool)
     assert bk.git_state(tmp_path) == (None, None)  # not a git tree
+    if shutil.which("git"):  # a copy in an ignored folder of a checkout (ab_new/ on the device) is not that checkout's HEAD
+        repo = tmp_path / "checkout"
+        (repo / "bench").mkdir(parents=True)
+        (repo / "ab_new" / "bench").mkdir(parents=True)
+        (repo / ".gitignore").write_text("/ab_new/\n")
+        (repo / "bench" / "kernels.py").write_text("")
+        (repo / "ab_new" / "bench" / "kernels.py").write_text("")
+        for cmd in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x"]):
+            subprocess.run(["git", "-C", str(repo), *cmd], check=True, capture_output=True)
+        head, dirty = bk.git_state(repo / "bench")
+        assert head is not None and len(head) == 40 and dirty is False
+        assert bk.git_state(repo / "ab_new" / "bench") == (None, None)
 
     def no_git(*args: object, **kwargs: object) -> None:
         raise FileNotFoundError("git")
