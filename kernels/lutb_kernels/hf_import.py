@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from lutb_kernels.checkpoint import DTYPES, CheckpointConfig, CheckpointWriter, LayerWeights, SafetensorsFile, open_safetensors
+from lutb_kernels.devices import resolve_compute_device
 from lutb_kernels.errors import LutBFormatError
 from lutb_kernels.quantizer import (
     DEFAULT_ITERATIONS,
@@ -205,35 +206,6 @@ def _check_layer_experts(layer: int, experts: dict[int, dict[str, str]], num_exp
                               f"an incomplete model cannot be converted")
 
 
-def resolve_device(device: torch.device | str | None) -> torch.device:
-    """The device to quantize on: ``device`` (``cpu``, ``cuda`` or ``cuda:N``), or by default CUDA when
-    available, else CPU.
-
-    Checked before anything is read or written, so a device this host lacks is a clear error rather
-    than an AssertionError or RuntimeError from the first tensor moved there.
-
-    Raises:
-        ValueError: naming ``device``: not a device name torch parses, a device type other than cpu or
-            cuda, CUDA asked for on a host without it, or a CUDA index beyond the host's devices.
-    """
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device {str(device)!r} is not a device name (expected cpu, cuda or cuda:N)") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ValueError(f"device {str(device)!r}: the quantizer runs on cpu or cuda (cuda:N)")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r}: CUDA is not available on this host")
-    count = torch.cuda.device_count()
-    if dev.index is not None and dev.index >= count:
-        raise ValueError(f"device {str(device)!r}: this host has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
-    return dev
-
-
 def import_hf_checkpoint(
     src: str | Path,
     out_dir: str | Path,
@@ -253,7 +225,7 @@ def import_hf_checkpoint(
         out_dir: the LUT-B checkpoint to write (one file per layer).
         scale_mode: the MXFP8 scale mode the checkpoint records.
         device: where to quantize, ``cpu``, ``cuda`` or ``cuda:N`` (default: CUDA when available, else
-            CPU); see :func:`resolve_device`.
+            CPU); see :func:`~lutb_kernels.devices.resolve_compute_device`.
         seed, iterations, refinements: passed to :func:`~lutb_kernels.quantizer.quantize_matrix`.
         progress: show a tqdm bar (tiles) on stderr.
         overwrite: replace safetensors files already in ``out_dir``.
@@ -267,7 +239,7 @@ def import_hf_checkpoint(
         NonFiniteInputError, ValueError: weights the quantizer cannot encode (NaN or infinity, magnitude
             above bfloat16's largest finite value), naming the source tensor (gate, up or down
             projection) and the first offending row of it; a device this host lacks
-            (:func:`resolve_device`), before anything is written.
+            (:func:`~lutb_kernels.devices.resolve_compute_device`), before anything is written.
         FileExistsError: ``out_dir`` cannot be replaced (see :class:`~lutb_kernels.checkpoint.StagedDirectory`).
         OSError: writing ``out_dir`` failed (a full disk, no permission); the message names the output.
     """
@@ -275,7 +247,7 @@ def import_hf_checkpoint(
 
     src = Path(src)
     hf = read_hf_config(src)
-    dev = resolve_device(device)
+    dev = resolve_compute_device(device, who="the quantizer")
     config = CheckpointConfig(
         hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size,
@@ -394,5 +366,4 @@ def compact_ids(ids: list[int]) -> str:
     return ",".join(out)
 
 
-__all__ = ["HF_ACTIVATIONS", "HFMoEConfig", "ImportReport", "LayerReport", "compact_ids", "import_hf_checkpoint", "read_hf_config",
-           "resolve_device"]
+__all__ = ["HF_ACTIVATIONS", "HFMoEConfig", "ImportReport", "LayerReport", "compact_ids", "import_hf_checkpoint", "read_hf_config"]

@@ -153,25 +153,17 @@ class ReferenceSide(Side):
 
     def __init__(self, checkpoint: str | Path, *, device: str = "auto") -> None:
         from lutb_kernels.checkpoint import Checkpoint
+        from lutb_kernels.devices import resolve_compute_device
         from lutb_kernels.errors import LutBError
 
         try:
             self.checkpoint = Checkpoint(checkpoint)
         except LutBError as exc:
             raise CheckError(str(exc)) from None
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
-            self.device = torch.device(device)
-        except RuntimeError as exc:
-            raise CheckError(f"device {device!r}: {exc}") from None
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise CheckError(f"device {device!r}: no CUDA device here (use cpu or auto)")
-        if self.device.type == "cuda" and self.device.index is not None:
-            count = torch.cuda.device_count()
-            if self.device.index >= count:
-                have = {0: "none", 1: "cuda:0"}.get(count, f"cuda:0 to cuda:{count - 1}")
-                raise CheckError(f"device {device!r}: this host has {count} CUDA device(s) ({have})")
+            self.device = resolve_compute_device(device, who="the reference")
+        except ValueError as exc:
+            raise CheckError(str(exc)) from None
         self.address = "reference"
         config = self.checkpoint.config
         self.info = {
