@@ -642,6 +642,7 @@ class Profiler:
 
     def attach(self, pid: int) -> None:
         if self.py_spy:
+            (self.out / "logs").mkdir(parents=True, exist_ok=True)  # also for bench/serving_overhead.py's own --out
             # unwinding C stacks is slow and needs the process stopped; Python stacks are read without stopping it
             native = ["--native", "--rate", "100"] if self.native else ["--nonblocking", "--rate", "250"]
             self.proc = subprocess.Popen([self.py_spy, "record", "--pid", str(pid), "--format", "raw", *native,

@@ -459,3 +459,18 @@ def test_saturation_takes_a_concurrency_given_twice(monkeypatch: pytest.MonkeyPa
     serving = _serving_module(monkeypatch)
     rows = [serving.Row("s", "bf16", "stream", c, 16, {"tokens_per_s": tps}) for c, tps in ((1, 100.0), (1, 120.0), (8, 500.0))]
     assert serving._saturation(rows) == {"bf16 stream T=16": "still growing at C=8"}
+
+
+def test_the_profiler_makes_its_log_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/serving_overhead.py hands the Profiler its own --out, where no logs/ folder was made: attaching py-spy
+    failed with FileNotFoundError once the logs moved to OUT/logs."""
+    serving = _serving_module(monkeypatch)
+    profiler = serving.Profiler(tmp_path / "out", "overhead")
+    (tmp_path / "out").mkdir()
+    profiler.py_spy = shutil.which("true")  # stands in for py-spy: starts and exits
+    if profiler.py_spy is None:
+        pytest.skip("no `true` program")
+    profiler.attach(os.getpid())
+    profiler.proc.wait(10)
+    assert (tmp_path / "out" / "logs" / "profile-overhead.pyspy.log").exists()
+    assert profiler.detach() is None  # no samples were written
