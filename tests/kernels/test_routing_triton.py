@@ -62,20 +62,18 @@ def test_matches_torch_gpu(tokens: int, top_k: int, experts: int, skewed: bool) 
                 _assert_equal(moe_align_block_size_triton(ids.long(), block_m, experts, emap), ref)
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 8, 256, 16), (33, 2, 8, 16), (8192, 8, 256, 128)])
-def test_cuda_graph_gpu(tokens: int, top_k: int, experts: int, block_m: int) -> None:
-    """Captured once, replayed on new routings written into the same input buffer."""
-    from lutb_kernels.routing_triton import moe_align_block_size_triton
-
+def _replays_match(align, tokens: int, top_k: int, experts: int, block_m: int, seeds: tuple[int, ...]) -> None:
+    """Capture ``align(static_ids, emap, out)`` once (after one call outside the capture: compile, allocator), then
+    replay it on new routings written into the same input buffer, into poisoned outputs, against the torch op."""
     ids, emap = _inputs(tokens, top_k, experts, 1, skewed=False, sharded=True)
     static_ids = ids.clone()
     out = _poisoned(ids.numel(), block_m, experts)
-    moe_align_block_size_triton(static_ids, block_m, experts, emap, out=out)  # compile outside the capture
+    align(static_ids, emap, out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        moe_align_block_size_triton(static_ids, block_m, experts, emap, out=out)
-    for seed in (2, 3, 4):
+        align(static_ids, emap, out)
+    for seed in seeds:
         new_ids, _ = _inputs(tokens, top_k, experts, seed, skewed=seed == 3, sharded=False)
         static_ids.copy_(new_ids)
         for t in out:
@@ -83,26 +81,20 @@ def test_cuda_graph_gpu(tokens: int, top_k: int, experts: int, block_m: int) -> 
         graph.replay()
         torch.cuda.synchronize()
         _assert_equal(out, moe_align_block_size(new_ids, block_m, experts, emap))
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 8, 256, 16), (33, 2, 8, 16), (8192, 8, 256, 128)])
+def test_cuda_graph_gpu(tokens: int, top_k: int, experts: int, block_m: int) -> None:
+    from lutb_kernels.routing_triton import moe_align_block_size_triton
+
+    _replays_match(lambda ids, emap, out: moe_align_block_size_triton(ids, block_m, experts, emap, out=out),
+                   tokens, top_k, experts, block_m, seeds=(2, 3, 4))
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,block_m", [(33, 2, 8, 16), (8192, 8, 256, 128)])
 def test_torch_routing_in_a_cuda_graph_gpu(tokens: int, top_k: int, experts: int, block_m: int) -> None:
     """The torch op captures too (the experts use it above the Triton op's sizes, and bench/kernels.py's bf16 peer at
     every size); a host copy in it made every such capture fail."""
-    ids, emap = _inputs(tokens, top_k, experts, 1, skewed=False, sharded=True)
-    static_ids = ids.clone()
-    out = _poisoned(ids.numel(), block_m, experts)
     held = torch.zeros(tokens, top_k, dtype=torch.bool, device="cuda")
-    moe_align_block_size(static_ids, block_m, experts, emap, out=out, held_out=held)  # warm the allocator
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        moe_align_block_size(static_ids, block_m, experts, emap, out=out, held_out=held)
-    for seed in (2, 3):
-        new_ids, _ = _inputs(tokens, top_k, experts, seed, skewed=seed == 3, sharded=False)
-        static_ids.copy_(new_ids)
-        for t in out:
-            t.fill_(POISON)
-        graph.replay()
-        torch.cuda.synchronize()
-        _assert_equal(out, moe_align_block_size(new_ids, block_m, experts, emap))
+    _replays_match(lambda ids, emap, out: moe_align_block_size(ids, block_m, experts, emap, out=out, held_out=held),
+                   tokens, top_k, experts, block_m, seeds=(2, 3))
