@@ -52,9 +52,9 @@ from __future__ import annotations
 
 import http.client
 import threading
-import urllib.request
+import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, start_http_server
@@ -74,10 +74,8 @@ GRPC_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 16))
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-"""Opener of the front ends' loopback endpoints: no proxy, whatever ``http_proxy``/``HTTP_PROXY`` say (``urlopen`` sends
-loopback requests through them too, unless ``no_proxy`` names the address)."""
 _OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+_READ_CHUNK = 1 << 16  # bytes per read of a front end's answer
 
 
 class _GpuMemoryCollector(Collector):
@@ -228,10 +226,10 @@ class FrontEndsCollector(Collector):
         own: front end 0's registry.
         ports: the loopback metrics ports of front ends 1..N-1, in order.
         timeout_s: how long the other front ends' answers may take, all together: the endpoints are read in
-            parallel, and a scrape waits at most about this long however many hang or answer slowly (a read
-            still going then is left to end on its own, bounded per socket operation by the same timeout). A
-            front end that is late, fails, answers broken HTTP, or whose answer is not valid OpenMetrics, shows
-            as ``lutb_front_end_up{front_end="k"} 0`` and contributes no samples.
+            parallel, each read whole by one deadline (every socket operation waits at most until then), so a
+            scrape takes at most about this long however many front ends hang or answer slowly. A front end that
+            is late, fails, answers broken HTTP, or whose answer is not valid OpenMetrics, shows as
+            ``lutb_front_end_up{front_end="k"} 0`` and contributes no samples.
 
     The endpoints are read directly, never through a proxy of the environment, in OpenMetrics, the
     format that keeps every family's type (info, counter with its ``_created`` sample): the families
@@ -242,19 +240,43 @@ class FrontEndsCollector(Collector):
     def __init__(self, own: CollectorRegistry, ports: list[int], timeout_s: float = 2.0) -> None:
         self.own, self.ports, self.timeout_s = own, list(ports), timeout_s
 
-    def _read(self, port: int) -> list[Metric]:
-        """The families of the front end whose metrics listen on loopback ``port``; OSError if it does not answer,
-        ValueError if its answer is not OpenMetrics."""
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": _OPENMETRICS})
-        with _LOOPBACK.open(request, timeout=self.timeout_s) as response:
-            text = response.read().decode()
-        return list(parse_openmetrics(text))
+    def _read(self, port: int, deadline: float) -> list[Metric]:
+        """The families of the front end whose metrics listen on loopback ``port``, read whole by ``deadline``
+        (``time.monotonic()`` seconds); OSError if it does not answer in time (TimeoutError) or answers an HTTP error,
+        ValueError if its answer is not OpenMetrics. Each socket operation waits at most until the deadline, so the
+        read ends by then however the front end answers."""
+        def remaining() -> float:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"front end metrics on port {port} not read within {self.timeout_s:g} s")
+            return left
 
-    def _read_or_none(self, port: int) -> list[Metric] | None:
-        """:meth:`_read`, None for a front end that is down, hung, or answers anything but OpenMetrics over HTTP
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=remaining())  # loopback: no proxy to bypass
+        try:
+            conn.request("GET", "/metrics", headers={"Accept": _OPENMETRICS})
+            sock = conn.sock  # the response reads it after the connection lets go of it (an answer that closes)
+            sock.settimeout(remaining())
+            response = conn.getresponse()
+            if response.status != 200:
+                raise OSError(f"front end metrics on port {port} answered HTTP {response.status}")
+            body = bytearray()
+            while not response.isclosed():  # closed once the whole answer is read
+                sock.settimeout(remaining())
+                chunk = response.read1(_READ_CHUNK)  # what one read brings: a trickle cannot hold it past the deadline
+                if not chunk:
+                    break
+                body += chunk
+            if response.length:  # the front end hung up before its Content-Length was read
+                raise http.client.IncompleteRead(bytes(body), response.length)
+        finally:
+            conn.close()
+        return list(parse_openmetrics(body.decode()))
+
+    def _read_or_none(self, port: int, deadline: float) -> list[Metric] | None:
+        """:meth:`_read`, None for a front end that is down, late, or answers anything but OpenMetrics over HTTP
         (one dying mid-answer: ``http.client.IncompleteRead``, not an OSError)."""
         try:
-            return self._read(port)
+            return self._read(port, deadline)
         except (OSError, ValueError, http.client.HTTPException):
             return None
 
@@ -266,13 +288,9 @@ class FrontEndsCollector(Collector):
         up.add_metric(["0"], 1.0)
         answers: list[list[Metric] | None] = []
         if self.ports:  # in parallel, under one deadline: late front ends cost one timeout together, not one each
-            pool = ThreadPoolExecutor(max_workers=len(self.ports), thread_name_prefix="lutb-scrape")
-            try:
-                futures = [pool.submit(self._read_or_none, port) for port in self.ports]
-                done = wait(futures, timeout=self.timeout_s).done
-                answers = [f.result() if f in done else None for f in futures]
-            finally:
-                pool.shutdown(wait=False, cancel_futures=True)  # a late read ends at its own socket timeout
+            deadline = time.monotonic() + self.timeout_s
+            with ThreadPoolExecutor(max_workers=len(self.ports), thread_name_prefix="lutb-scrape") as pool:
+                answers = list(pool.map(lambda port: self._read_or_none(port, deadline), self.ports))
         for k, answer in enumerate(answers, 1):
             up.add_metric([str(k)], 0.0 if answer is None else 1.0)
             if answer is not None:
