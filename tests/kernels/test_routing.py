@@ -10,9 +10,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lutb_kernels.routing import max_padded_routes, moe_align_block_size
 
-# A capture fails on a host-to-device copy (``lift_fresh``: a tensor made from Python data, e.g. by `t[i] = 0`) and
-# on a device-to-host read (``_local_scalar_dense``: `.item()`, `int(t)`, a tensor used as a Python bool).
-HOST_OPS = {"lift_fresh", "_local_scalar_dense"}
+# A capture fails on a host-to-device copy (``lift_fresh``: a tensor made from Python data, e.g. by `t[i] = 0`), on a
+# device-to-host read (``_local_scalar_dense``: `.item()`, `int(t)`, a tensor used as a Python bool) and on an op
+# whose output size depends on the data, which reads it back on CUDA (on the CPU these dispatch no read of their own).
+# Indexing by a boolean mask is such an op too, but dispatches as plain ``index`` (as with integer indexes): it is
+# left to the GPU capture test.
+HOST_OPS = {"lift_fresh", "_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
+            "unique_consecutive", "repeat_interleave"}
 
 
 class HostTraffic(TorchDispatchMode):
@@ -35,7 +39,8 @@ def test_the_watch_sees_a_host_scalar_written_in() -> None:
     with HostTraffic() as watch:
         t[3] = 0
         _ = int(t.sum())
-    assert watch.seen == ["lift_fresh", "_local_scalar_dense"]
+        _ = torch.unique(t)  # its size is the data's
+    assert watch.seen == ["lift_fresh", "_local_scalar_dense", "_unique2"]
 
 
 # (tokens, top_k, experts, block_m, sharded): zero, odd and even sizes, no experts at all, a shard's expert map.

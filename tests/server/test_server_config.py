@@ -369,6 +369,10 @@ def test_warm_up_covers_the_largest_batch_the_worker_can_get(batch: int, per_req
                            backend=SimpleNamespace(name="packed", device=torch.device("cuda:0")))
     spec = worker_spec(plan, s)  # type: ignore[arg-type]
     assert (spec.warm_up_tokens, spec.max_batch_tokens) == (want, batch)
+    assert spec.spin_s == 0.0  # compute_spin_us's default: no poll
+    spun = ServerSettings(max_batch_tokens=batch, max_tokens_per_request=per_request, compute_worker="process",
+                          compute_spin_us=1500)
+    assert worker_spec(plan, spun).spin_s == pytest.approx(1.5e-3)  # type: ignore[arg-type]
 
 
 def test_a_backend_of_ones_own_by_import_path() -> None:
