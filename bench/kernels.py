@@ -1176,7 +1176,7 @@ def markdown(results: dict, targets: list[dict]) -> str:
     lines += ["", "| target | value | met |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['value']} | {'met' if t['met'] else 'NOT MET'} |" for t in targets]
     methods = {run[b]["method"] for sh in results["shapes"].values() for run in sh.get("runs", {}).values()
-               for b in BACKENDS if b in run and run[b]["method"] not in ("cuda-graph", "failed")}
+               for b in BACKENDS if b in run and not run[b]["method"].startswith(("cuda-graph", "failed"))}
     if methods:
         lines += ["", "Timing fallbacks: " + "; ".join(sorted(methods))]
     failed = failed_cells(results)
@@ -1259,7 +1259,8 @@ def short_table(results: dict, targets: list[dict]) -> str:
 
 
 def _uncaptured_cells(results: dict) -> list[str]:
-    """"shape T=t backend" of every timing whose CUDA graph capture failed: a capture-safe op that stopped being one."""
+    """"shape T=t backend" of every backend cell (the main table's) whose CUDA graph capture failed: a capture-safe op
+    that stopped being one."""
     return [f"{name} T={tokens} {b}" for name, sh in results["shapes"].items() for tokens, run in sh.get("runs", {}).items()
             for b in BACKENDS if "capture failed" in str(run.get(b, {}).get("method", ""))]
 

@@ -403,3 +403,17 @@ def test_a_capture_that_failed_is_named_in_the_short_table() -> None:
     table = bk.short_table(results, bk.evaluate_targets(results))
     assert "NOT IN A CUDA GRAPH (capture failed; timed eagerly by do_bench, launches included): mixtral-8x7b T=8192 emulated" in table
     assert "NOT IN A CUDA GRAPH" not in bk.short_table(_results(_all_met_runs()), [])
+
+
+def test_graph_timings_are_not_listed_as_fallbacks() -> None:
+    """results.md's "Timing fallbacks" names timings not made by graph replay; "cuda-graph x8 rotated routings" is one
+    made by it (it was listed, so a run with no fallback printed one)."""
+    runs = _all_met_runs()
+    for run in runs.values():
+        for b in bk.BACKENDS:
+            run[b]["method"] = "cuda-graph x8 rotated routings"
+    results = _results(runs)
+    assert "Timing fallbacks" not in bk.markdown(results, bk.evaluate_targets(results))
+    runs[1]["packed"]["method"] = "do_bench (graph capture failed: RuntimeError: x)"
+    results = _results(runs)
+    assert "Timing fallbacks: do_bench (graph capture failed: RuntimeError: x)" in bk.markdown(results, bk.evaluate_targets(results))
