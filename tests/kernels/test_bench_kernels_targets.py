@@ -266,7 +266,8 @@ def test_provenance_in_this_repo_and_without_git(tmp_path: Path, monkeypatch: py
         (repo / ".gitignore").write_text("/ab_new/\n")
         (repo / "bench" / "kernels.py").write_text("")
         (repo / "ab_new" / "bench" / "kernels.py").write_text("")
-        for cmd in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x"]):
+        for cmd in (["init", "-q"], ["add", "."],
+                    ["-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "commit", "-q", "-m", "x"]):
             subprocess.run(["git", "-C", str(repo), *cmd], check=True, capture_output=True)
         head, dirty = bk.git_state(repo / "bench")
         assert head is not None and len(head) == 40 and dirty is False
@@ -279,6 +280,30 @@ def test_provenance_in_this_repo_and_without_git(tmp_path: Path, monkeypatch: py
     prov = bk.provenance()
     assert prov["git_head"] is None and prov["git_dirty"] is None and prov["argv"] == sys.argv
     json.dumps(prov)
+
+
+def test_an_archived_copy_names_its_commit(tmp_path: Path) -> None:
+    """`git archive` writes the commit into bench/ARCHIVED_COMMIT (.gitattributes export-subst), which the provenance
+    of a run from that copy reads back; a checkout's file holds the placeholder, which names no commit."""
+    repo_state = load_bench("repo_state.py")
+    archived_commit = repo_state.archived_commit
+    assert archived_commit(repo_state.ARCHIVED_COMMIT) is None or not (ROOT / ".git").exists()  # this checkout: the placeholder
+    assert archived_commit(tmp_path / "missing") is None
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", "HEAD", "bench/ARCHIVED_COMMIT"],
+                            capture_output=True, text=True).stdout.strip()
+    if not listed:
+        pytest.skip("HEAD predates bench/ARCHIVED_COMMIT")
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "HEAD", "bench/ARCHIVED_COMMIT"],
+                             capture_output=True, check=True).stdout
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(tmp_path, filter="data")
+    assert archived_commit(tmp_path / "bench" / "ARCHIVED_COMMIT") == head
 
 
 def test_settings_of() -> None:
