@@ -416,12 +416,8 @@ class _Inbox:
         buffered = [c for c in self.open if c.buffered]  # a whole message in already: select would not report it
         if buffered or self.ahead:
             readable = buffered + [c for c in select.select(self.waiting + self.open, [], [], 0)[0] if c not in buffered]
-        elif (readable := self._poll()):
-            pass
-        elif len(self.open) == 1 and not self.waiting:
-            readable = list(self.open)  # a lone serving process: its socket, blocking, without a select
         else:
-            readable = select.select(self.waiting + self.open, [], [])[0]
+            readable = self._poll() or self._wait()
         for c in readable:
             if c in self.waiting:
                 self._handshake(c)
@@ -440,6 +436,12 @@ class _Inbox:
             if readable:
                 return readable
         return []
+
+    def _wait(self) -> list[_Connection]:
+        """The connections to read, waiting in the kernel until one has something."""
+        if len(self.open) == 1 and not self.waiting:
+            return list(self.open)  # a lone serving process: its socket, read blocking, without a select
+        return select.select(self.waiting + self.open, [], [])[0]
 
     def read_arrived(self) -> None:
         """While a call runs on the device: read the batches that have arrived (never waits for one)."""
