@@ -1092,6 +1092,9 @@ def write_report(out: Path, args: argparse.Namespace, infos: dict[str, Any], row
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "cpus": os.cpu_count()}
     settings = {k: v for k, v in vars(args).items() if k not in ("child", "out")}
     settings["work_dir"] = str(settings["work_dir"])
+    # server settings this process's environment hands the server (the bench sets the others itself): an A/B's
+    # --new-env LUTB_X=... run is told apart from its pair only by these
+    settings["server_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("LUTB_")}
     report = {"provenance": provenance(), "settings": settings, "environment": env, "servers": infos,
               "rows": [asdict(r) for r in rows], "seconds": round(time.perf_counter() - began, 1)}
     (out / "serving.json").write_text(json.dumps(_json_safe(report), indent=2, default=str, allow_nan=False))

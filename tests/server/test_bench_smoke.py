@@ -17,9 +17,10 @@ from bench_scripts import load_bench
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_bench(script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run ``bench/<script>`` with the source tree importable; fail with its output tails when it fails."""
-    env = dict(os.environ)
+def _run_bench(script: str, args: list[str], timeout: float, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``bench/<script>`` with the source tree importable (and ``extra_env``); fail with its output tails when it
+    fails."""
+    env = {**os.environ, **(extra_env or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / d) for d in ("kernels", "client", "server")] + [env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -97,12 +98,13 @@ def test_serving_bench_smoke_on_a_compute_process(tmp_path: Path) -> None:
     _run_bench("serving.py", ["--smoke", "--out", str(out), "--concurrency", "2", "--tokens", "4", "--wires", "bf16",
                               "--apis", "stream", "--duration-s", "0.2", "--warmup-s", "0.05", "--compute-worker", "process",
                               "--front-ends", "2"],
-               timeout=120)
+               timeout=120, extra_env={"LUTB_COMPUTE_SPIN_US": "500"})  # the compute process polls between calls
     report = json.loads((out / "serving.json").read_text())
     (row,) = report["rows"]
     assert row["server"]["requests"] > 0 and not row["server"]["errors"]
     assert row["echo"]["requests"] > 0 and not row["echo"]["errors"]
     assert report["settings"]["compute_worker"] == "process" and report["settings"]["echo_procs"] == 2
+    assert report["settings"]["server_env"]["LUTB_COMPUTE_SPIN_US"] == "500"  # what the environment set is recorded
     for i in range(2):
         assert "echo server ready" in (out / "logs" / f"echo-{i}.log").read_text()
     # the CPU meter follows the server's children: the root (front end 0), front end 1 and the compute process
