@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
+from lutb_kernels.reference import rel_l2
 from repo_state import git_state
 
 SHAPES = {
@@ -369,12 +370,6 @@ def reference_output(w13_tiles: torch.Tensor, w2_tiles: torch.Tensor, x: torch.T
     return out
 
 
-def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``|got - want| / |want|`` in float64 (NaN when either holds a NaN)."""
-    got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
-
-
 def correctness_record(outputs: dict[str, torch.Tensor], want: torch.Tensor, tol: float = CHECK_TOL) -> dict:
     """``{"<name>_rel_l2": ..., "<name>_nonfinite": n, "ok": every output finite and within ``tol`` of ``want``}``,
     plus ``packed_vs_emulated_rel_l2`` where both are given."""
@@ -489,7 +484,7 @@ def prefill_paths(packed, x: torch.Tensor, rot: list, weights: torch.Tensor) -> 
         outs.append(variant.forward_unchecked(x, rot[0], weights).float())
         times[label], _ = time_graph_rot([lambda r=r, v=variant: v.forward_unchecked(x, r, weights) for r in rot])
     times["default"] = "dense" if packed.uses_dense_weights(rot[0].numel()) else "in_kernel"
-    times["dense_vs_in_kernel_rel_l2"] = float((outs[1] - outs[0]).norm() / outs[0].norm())
+    times["dense_vs_in_kernel_rel_l2"] = rel_l2(outs[1], outs[0])
     return times
 
 

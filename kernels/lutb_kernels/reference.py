@@ -144,3 +144,10 @@ def reference_moe_forward(
     if output_mode == "route_major":
         return route_out.to(d)
     return route_out.sum(dim=1).to(d)  # step 7
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Spec section 6's agreement measure: ``||got - want|| / ||want||`` over all elements, in float64 (NaN when either
+    holds a NaN; ``want`` all zeros divides by 1e-30, so any difference is huge)."""
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))

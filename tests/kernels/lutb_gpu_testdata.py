@@ -46,8 +46,3 @@ def make_batch(tokens: int, top_k: int, num_experts: int, hidden: int, dtype: to
     ids = scores.topk(top_k, dim=1).indices.to(torch.int32)
     weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=1)
     return x.to(device), ids.to(device), weights.to(device)
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))

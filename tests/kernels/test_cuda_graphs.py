@@ -18,6 +18,7 @@ from lutb_kernels.experts.graphs import (
     token_buckets,
 )
 from lutb_kernels.experts.reference import ReferenceExperts
+from lutb_kernels.reference import rel_l2
 from lutb_kernels.tiles import TILE, pack_tiles
 
 # ----------------------------------------------------------------------------- CPU fakes
@@ -397,11 +398,6 @@ def _gpu_layer(h: int, i: int, num_experts: int, held: list[int], dtype: str, se
                              torch.tensor(held, dtype=torch.int32))
 
 
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _padded(x, ids, w, bucket: int, pad: int):  # noqa: ANN001, ANN202
     t, k = ids.shape
     xp = torch.zeros((bucket, x.shape[1]), dtype=x.dtype, device=x.device)
@@ -461,12 +457,12 @@ def test_graph_replay_matches_eager(backend: str, held: list[int], k: int, mode:
         # for each chunk (100 tokens: 64 + 36 in the bucket of 64), concatenated.
         runs = [_eager_twin(inner, wrapper, x, ids, w, on_input, mode) for _ in range(3)]
         unpadded = inner.forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
-        assert _rel_l2(got, unpadded) <= 1e-2, tokens
+        assert rel_l2(got, unpadded) <= 1e-2, tokens
         if all(torch.equal(runs[0], r) for r in runs[1:]):
             assert torch.equal(got, runs[0]), (backend, tokens)
         else:  # split-K float32 atomics: eager differs from eager in the last bit
             nondeterministic.append(tokens)
-            assert _rel_l2(got, runs[0]) <= 1e-2
+            assert rel_l2(got, runs[0]) <= 1e-2
     if nondeterministic:
         pytest.xfail(f"{backend}: eager runs differ from each other at T={nondeterministic} (atomic split-K "
                      "accumulation), so graph-vs-eager bit-exactness cannot hold there; within tolerance")
@@ -553,9 +549,9 @@ def test_layers_sharing_buffers_replay_their_own_graphs() -> None:
             got = wrappers[layer].forward_unchecked(x, ids, w).clone()
         torch.cuda.synchronize()
         twin = _eager_twin(layers[layer], wrappers[layer], x, ids, w, False, "combined")
-        assert torch.equal(got, twin) or _rel_l2(got, twin) <= 1e-2, (layer, tokens)  # bit-equal unless split-K atomics
-        assert _rel_l2(got, layers[layer].forward(x, ids, w)) <= 1e-2, (layer, tokens)
-        assert _rel_l2(got, layers[1 - layer].forward(x, ids, w)) > 0.1  # not the other layer's result
+        assert torch.equal(got, twin) or rel_l2(got, twin) <= 1e-2, (layer, tokens)  # bit-equal unless split-K atomics
+        assert rel_l2(got, layers[layer].forward(x, ids, w)) <= 1e-2, (layer, tokens)
+        assert rel_l2(got, layers[1 - layer].forward(x, ids, w)) > 0.1  # not the other layer's result
 
 
 @pytest.mark.gpu
@@ -607,4 +603,4 @@ def test_pdl_changes_no_bit(monkeypatch: pytest.MonkeyPatch, backend: str, held:
         if backend == "packed":  # deterministic split-K: bit for bit
             assert torch.equal(off, on)
         else:  # the dense grouped GEMM's split-K adds with float32 atomics: last bits may differ
-            assert _rel_l2(on, off) <= 1e-3
+            assert rel_l2(on, off) <= 1e-3

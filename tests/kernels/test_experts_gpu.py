@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lutb_gpu_testdata import make_batch, make_layer, rel_l2
+from lutb_gpu_testdata import make_batch, make_layer
 
 from lutb_kernels.checkpoint import CheckpointConfig
 from lutb_kernels.experts.reference import ReferenceExperts
+from lutb_kernels.reference import rel_l2
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 2e-3}

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from lutb_gpu_testdata import rel_l2
 
 from lutb_kernels.lut_b_gemm import LutBGemmConfig, lut_b_moe_gemm, lut_b_moe_gemm_reference, random_tiles
+from lutb_kernels.reference import rel_l2
 from lutb_kernels.routing import moe_align_block_size
 from lutb_kernels.tiles import to_kernel_layout, tiles_to_dense
 

@@ -191,3 +191,16 @@ def test_moe_align_block_size_refuses_a_bad_held_out() -> None:
     for bad in (torch.zeros(3, 2, dtype=torch.int8), torch.zeros(5, dtype=torch.bool), torch.zeros(2, 3, dtype=torch.bool).t()):
         with pytest.raises(ValueError, match="held_out"):
             moe_align_block_size(ids, 4, 2, held_out=bad)
+
+
+def test_rel_l2() -> None:
+    """Spec section 6's measure, shared by the tests and bench/kernels.py's correctness gate."""
+    import math
+
+    from lutb_kernels.reference import rel_l2
+
+    want = torch.tensor([[3.0, 4.0]], dtype=torch.bfloat16)
+    assert rel_l2(want, want) == 0.0
+    assert rel_l2(torch.tensor([[3.0, 4.5]]), want) == pytest.approx(0.1)  # |(0, 0.5)| / |(3, 4)|
+    assert math.isnan(rel_l2(torch.tensor([[float("nan"), 4.0]]), want))
+    assert rel_l2(torch.ones(2), torch.zeros(2)) > 1e20  # a zero reference: any difference is huge, not a division error

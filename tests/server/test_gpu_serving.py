@@ -16,15 +16,11 @@ from lutb_client import ExpertClient
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_kernels.experts.graphs import CudaGraphExperts, GraphKey
 from lutb_kernels.experts.reference import ReferenceExperts
+from lutb_kernels.reference import rel_l2
 from lutb_server.testing import ServerThread, make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 H, E = 256, 16
-
-
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _batch(tokens: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,7 +73,7 @@ def test_outputs_match_reference_and_eager(servers: tuple[ServerThread, ServerTh
         out_g, out_e = g.forward(0, x, ids, w, output_mode=mode), e.forward(0, x, ids, w, output_mode=mode)
     want = reference.forward(x.cuda(), ids.cuda(), w.cuda(), output_mode=mode).cpu()
     assert out_g.shape == want.shape == out_e.shape and not out_g.isnan().any()
-    assert _rel_l2(out_g, want) <= 1e-2 and _rel_l2(out_e, want) <= 1e-2
+    assert rel_l2(out_g, want) <= 1e-2 and rel_l2(out_e, want) <= 1e-2
     experts = graphs.server.scheduler.worker._experts[0]
     if tokens <= 64:
         assert experts.graphs[experts.key_for(tokens, k, False, mode)]  # rarer variants are captured on first use
@@ -107,7 +103,7 @@ def test_pinned_staging_and_pooling(servers: tuple[ServerThread, ServerThread], 
     assert len(results) == 32
     for i, out, _ in results:
         x, ids, w = batches[i]
-        assert _rel_l2(out, reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2
+        assert rel_l2(out, reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2
     worker = graphs.server.scheduler.worker
     assert all(buf.is_pinned() for buf in worker._host._bufs.values())
     assert worker._dev.device.type == "cuda"
@@ -123,16 +119,16 @@ def test_mxfp8_wire_on_gpu(servers: tuple[ServerThread, ServerThread], reference
         got, plain = mx.forward(0, x, ids, w), native.forward(0, x, ids, w)
         got_dev = mx.forward(0, x.cuda(), ids.cuda(), w.cuda())  # quantized on the GPU by the client
     assert replays() >= before + 2  # dequantized by the rows' graphs
-    assert torch.equal(got, got_dev) or _rel_l2(got, got_dev) <= 1e-2
+    assert torch.equal(got, got_dev) or rel_l2(got, got_dev) <= 1e-2
     # Equal inputs after the server's dequantization; bit-equal unless the kernels' split-K atomics reorder.
-    assert _rel_l2(got, plain) <= 1e-2
-    assert _rel_l2(got, reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2
+    assert rel_l2(got, plain) <= 1e-2
+    assert rel_l2(got, reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2
     for tokens in (5, 100, 600):  # one graph, chunks of graphs, eager: as the server without graphs computes it
         x, ids, w = _batch(tokens, 4, seed=tokens + 5)
         with ExpertClient(graphs.address, wire="mxfp8") as g, ExpertClient(eager.address, wire="mxfp8") as e:
             in_graphs, eagerly = g.forward(0, x, ids, w), e.forward(0, x, ids, w)
-        assert torch.equal(in_graphs, eagerly) or _rel_l2(in_graphs, eagerly) <= 1e-2, tokens
-        assert _rel_l2(in_graphs, reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2, tokens
+        assert torch.equal(in_graphs, eagerly) or rel_l2(in_graphs, eagerly) <= 1e-2, tokens
+        assert rel_l2(in_graphs, reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2, tokens
 
 
 @pytest.mark.parametrize("backend", ["packed", "emulated"])
@@ -147,11 +143,11 @@ def test_compute_process_serves_like_the_thread(checkpoint: Path, reference: Ref
                 out_p, out_t = p.forward(0, x, ids, w), t.forward(0, x, ids, w)
             want = reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()
             assert torch.equal(out_p, out_t), (backend, tokens)
-            assert _rel_l2(out_p, want) <= 1e-2
+            assert rel_l2(out_p, want) <= 1e-2
             with ExpertClient(process.address, wire="mxfp8") as p, ExpertClient(thread.address, wire="mxfp8") as t:
                 mx_p, mx_t = p.forward(0, x, ids, w), t.forward(0, x, ids, w)  # carried as sent to the child's device
             assert torch.equal(mx_p, mx_t), (backend, tokens, "mxfp8")
-            assert _rel_l2(mx_p, want) <= 1e-2
+            assert rel_l2(mx_p, want) <= 1e-2
 
 
 def test_front_ends_share_one_compute_process_on_the_gpu(checkpoint: Path, reference: ReferenceExperts) -> None:
@@ -171,7 +167,7 @@ def test_front_ends_share_one_compute_process_on_the_gpu(checkpoint: Path, refer
         for seed in range(8):  # own connection each: the kernel spreads them over the front ends
             x, ids, w = _batch(1 + 7 * seed, 4, seed=seed + 500)
             with ExpertClient(serving.address, channel_options=[("grpc.use_local_subchannel_pool", 1)]) as client:
-                assert _rel_l2(client.forward(0, x, ids, w), reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2
+                assert rel_l2(client.forward(0, x, ids, w), reference.forward(x.cuda(), ids.cuda(), w.cuda()).cpu()) <= 1e-2
         assert sum("page-locked a serving process's arena" in line for line in serving.lines) == 2  # outputs by DMA
         compute = int(next(m for m in (re.search(r"compute process (\d+) ready", line) for line in serving.lines) if m).group(1))
         front_ends = [int(p) for p in re.search(r"pids \[([\d, ]+)\]", next(

@@ -21,6 +21,7 @@ from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_kernels.experts.reference import ReferenceExperts
+from lutb_kernels.reference import rel_l2
 from lutb_server.app import ExpertServer, load_engine, plan_engine
 from lutb_server.servicer import ExpertServicer, MalformedRequest, add_to_server
 from lutb_server.settings import ServerSettings
@@ -36,10 +37,6 @@ def _batch(tokens: int, k: int, seed: int):
     x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
     ids = torch.rand(tokens, 8, generator=gen).argsort(dim=1)[:, :k].to(torch.int32)
     return x, ids, torch.rand(tokens, k, generator=gen)
-
-
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _concurrently(fns):
@@ -82,7 +79,7 @@ def test_concurrent_requests_are_pooled_and_match_unpooled(pooling_server: Serve
         assert not isinstance(result, Exception), result
         assert result.timing.batch_tokens <= sum(b[0].shape[0] for b in batches)
         alone = local.forward(*batch)
-        assert _rel_l2(result.output, alone) <= 1e-2
+        assert rel_l2(result.output, alone) <= 1e-2
         assert not torch.isnan(result.output).any()
     assert max(r.timing.batch_tokens - b[0].shape[0] for r, b in zip(results, batches)) > 0, "nothing was pooled"
     assert all(r.timing.queue_us > 0 and r.timing.compute_us > 0 and r.timing.handoff_us >= 0 for r in results)
@@ -107,7 +104,7 @@ def test_bad_requests_do_not_disturb_their_pool(pooling_server: ServerThread, ti
     for result, batch in zip(results[:3], good):
         assert not isinstance(result, Exception), result
         assert result.timing.batch_tokens <= 24  # only good requests were pooled
-        assert _rel_l2(result.output, local.forward(*batch)) <= 1e-2
+        assert rel_l2(result.output, local.forward(*batch)) <= 1e-2
     assert max(r.timing.batch_tokens for r in results[:3]) > 8, "nothing was pooled"
     for bad, field in zip(results[3:], ("hidden_states", "topk_ids")):
         assert isinstance(bad, ExpertServiceError) and bad.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lutb_gpu_testdata import make_batch, make_layer, rel_l2
+from lutb_gpu_testdata import make_batch, make_layer
 
 from lutb_kernels.checkpoint import CheckpointConfig
 from lutb_kernels.errors import NonFiniteInputError
@@ -13,6 +13,7 @@ from lutb_kernels.experts.packed import LutBPackedExperts
 from lutb_kernels.experts.reference import ReferenceExperts
 from lutb_kernels.experts.sm107 import NATIVE_OP_SCHEMA, LutBSm107Experts
 from lutb_kernels.lut_b_gemm import lut_b_moe_gemm_reference
+from lutb_kernels.reference import rel_l2
 
 TOL = {torch.float32: 2e-3, torch.float16: 1e-2}
 BACKENDS = {"packed": LutBPackedExperts, "packed_dense": LutBPackedExperts, "emulated": LutBEmulationTritonExperts}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lutb_gpu_testdata import rel_l2
 
 from lutb_kernels import mxfp8_triton as mt
 from lutb_kernels.grouped_gemm import (
@@ -15,6 +14,7 @@ from lutb_kernels.grouped_gemm import (
     moe_combine_reference,
 )
 from lutb_kernels.lut_b_gemm import LutBGemmConfig, lut_b_moe_gemm, lut_b_moe_gemm_reference, random_tiles
+from lutb_kernels.reference import rel_l2
 from lutb_kernels.routing import moe_align_block_size
 from lutb_kernels.tiles import to_kernel_layout
 
