@@ -114,7 +114,8 @@ def failed_cells(results: dict) -> list[dict]:
 
 
 def provenance(repo: Path | None = None, argv: list[str] | None = None) -> dict:
-    """When (UTC, ISO 8601), from which commit (dirty: tracked files changed; None without git), with which argv."""
+    """When (UTC, ISO 8601), from which commit (dirty: tracked files changed; :func:`repo_state.git_state`: a
+    ``git archive`` copy gives its archived commit and None), with which argv."""
     repo = Path(__file__).resolve().parent if repo is None else repo
     head, dirty = git_state(repo)
     try:

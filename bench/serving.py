@@ -1067,7 +1067,7 @@ def busy_table(rows: list[Row]) -> str:
 
 def provenance() -> dict[str, Any]:
     """When and from what a report was made: UTC date, the repository's commit and whether its tree had changes
-    (None for each where git or the repository is missing: a ``git archive`` copy), and the command line."""
+    (:func:`repo_state.git_state`: a ``git archive`` copy gives its archived commit and None), and the command line."""
     commit, dirty = git_state(Path(__file__).resolve().parent)
     return {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit, "dirty": dirty,
             "argv": [sys.executable, *sys.argv]}
