@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Serving benchmark: end-to-end latency and throughput of one expert server over loopback gRPC.
 
-For each model shape (one MoE layer of random LUT-B tiles, written once as a checkpoint),
+For each model shape (one MoE layer of random LUT-B tiles, or ``--layers`` of them, written once as a checkpoint),
 wire format (``bf16``: hidden states in the model dtype; ``mxfp8``: quantized by the client),
 tokens per request and concurrency, it measures, in one run and on one machine:
 
@@ -17,6 +17,13 @@ tokens per request and concurrency, it measures, in one run and on one machine:
   request and response sizes with the same API (unary, or one stream per caller) at the same
   concurrency, on ``--echo-procs`` processes sharing one port (default: as many as the server's
   ``--front-ends``): the transport floor, and at high concurrency the transport's own ceiling.
+
+``--layers N`` (default 1): each shape's checkpoint holds N layers of their own random tiles, and the load spans
+them as a deployment's does: each caller sends layer 0, 1, .., N-1, 0, .. in turn (an attention node's decode steps),
+callers starting at different layers, so the server's batches (one layer each) form from about C/N callers. The
+in-process baseline stays one layer (layer 0) at the formed batch size. The server captures its CUDA graphs per
+layer at start-up, so start-up takes longer (the capture about N times as long; the in-process baseline's worker
+captures every layer's too).
 
 Targets (shown, not asserted): concurrency 1 and 16 tokens: server p50 <= in-process + echo
 p50 + 150 us; concurrency 64: server tokens/s >= 80% of in-process tokens/s at the formed
@@ -154,34 +161,46 @@ class CpuMeter:
 # ----------------------------------------------------------------------------- checkpoint
 
 
-def make_checkpoint(root: Path, shape_name: str, *, dtype: str, scale_mode: str, device: str, held: int | None = None) -> Path:
-    """One layer (layer 0) of random valid tiles, generated on ``device`` (no quantizer); cached under ``root``.
+def make_checkpoint(root: Path, shape_name: str, *, dtype: str, scale_mode: str, device: str, held: int | None = None,
+                    layers: int = 1) -> Path:
+    """Layers ``0 .. layers - 1`` of random valid tiles, generated on ``device`` (no quantizer); cached under ``root``.
 
     ``held``: a shard holding experts ``0 .. held - 1`` of the shape's experts (default: all of them).
+    ``layers``: MoE layers in the checkpoint, each of its own random tiles (drawn one after another from one seeded
+    generator, so layer 0 is the single-layer checkpoint's layer 0), written and freed a layer at a time. The cache
+    name gains ``-L{layers}`` when ``layers > 1`` (single-layer names are unchanged).
     """
     import torch
 
-    from lutb_kernels.checkpoint import CheckpointConfig, LayerWeights, write_checkpoint
+    from lutb_kernels.checkpoint import CheckpointConfig, CheckpointWriter, LayerWeights
     from lutb_kernels.lut_b_gemm import random_tiles
 
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
     shape = SHAPES[shape_name]
     e = shape["experts"] if held is None else held
-    path = root / (f"{shape_name}-{dtype}-{scale_mode}" + ("" if held is None else f"-held{held}"))
+    path = root / (f"{shape_name}-{dtype}-{scale_mode}" + ("" if held is None else f"-held{held}")
+                   + ("" if layers == 1 else f"-L{layers}"))
     if any(path.glob("*.safetensors")):
         return path
     config = CheckpointConfig(shape["hidden"], shape["intermediate"], shape["experts"], "silu", dtype, scale_mode)
     gen = torch.Generator(device=device).manual_seed(0)
     start = time.perf_counter()
-    w13 = random_tiles(config.w13_tiles_shape(e), k=shape["hidden"], device=device, generator=gen).cpu()
-    w2 = random_tiles(config.w2_tiles_shape(e), k=shape["intermediate"], device=device, generator=gen).cpu()
-    if device == "cuda":
-        torch.cuda.empty_cache()  # the server process needs the memory, not this one
     tmp = root / f".tmp-{path.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    write_checkpoint(tmp, config, {0: LayerWeights(w13, w2, torch.arange(e, dtype=torch.int32))})
+    written = 0
+    with CheckpointWriter(tmp, config) as writer:
+        for layer in range(layers):
+            w13 = random_tiles(config.w13_tiles_shape(e), k=shape["hidden"], device=device, generator=gen).cpu()
+            w2 = random_tiles(config.w2_tiles_shape(e), k=shape["intermediate"], device=device, generator=gen).cpu()
+            writer.write_layer(layer, LayerWeights(w13, w2, torch.arange(e, dtype=torch.int32)))
+            written += w13.numel() + w2.numel()
+            del w13, w2
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the server process needs the memory, not this one
     os.rename(tmp, path)
-    print(f"[bench] wrote checkpoint {path} ({(w13.numel() + w2.numel()) / 2**20:.0f} MiB) in {time.perf_counter() - start:.1f}s",
-          flush=True)
+    print(f"[bench] wrote checkpoint {path} ({layers} layer(s), {written / 2**20:.0f} MiB) in "
+          f"{time.perf_counter() - start:.1f}s", flush=True)
     return path
 
 
@@ -205,7 +224,11 @@ def prepared_requests(engine: Any, shape: dict[str, int], tokens: int, gen: Any,
 
 @dataclass
 class CellRequests:
-    """The distinct requests of one (shape, wire, tokens) cell: tensors for in-process, bytes for the wire."""
+    """The distinct requests of one (shape, wire, tokens) cell: tensors for in-process, bytes for the wire.
+
+    ``payloads[p]``, ``tensors[p]`` and ``mx[p]`` are one request; ``payloads[p]`` targets layer ``p % layers``
+    (:func:`make_requests`).
+    """
 
     tokens: int
     top_k: int
@@ -215,24 +238,37 @@ class CellRequests:
     mx: list[tuple[Any, Any] | None]  # (q, scales) for the mxfp8 wire
 
 
-def make_requests(shape: dict[str, int], tokens: int, wire: str, *, dtype: Any, scale_mode: str, seed: int) -> CellRequests:
+def make_requests(shape: dict[str, int], tokens: int, wire: str, *, dtype: Any, scale_mode: str, seed: int,
+                  layers: int = 1) -> CellRequests:
+    """``DISTINCT_REQUESTS * layers`` serialized ``ForwardRequest`` payloads of ``tokens`` tokens: normal hidden
+    states, random routing at the shape's top-k, softmax weights; request ids ``1 ..``.
+
+    Payload ``p`` targets layer ``p % layers``, so ``DISTINCT_REQUESTS`` payloads per layer. A load-generator caller
+    sends ``payloads[i % len(payloads)]`` for ``i = caller index, caller index + 1, ...`` (:func:`_run_load`):
+    since ``layers`` divides ``len(payloads)``, each caller walks the layers in order, 0, 1, .., layers - 1, 0, ..,
+    as an attention node does over a decode step, and callers start at different layers (caller ``c`` at
+    ``c % layers``). With ``layers=1`` the payloads are those of before the option (same seed, same draws).
+    """
     import torch
 
     from lutb_client.client import build_request
     from lutb_kernels.mxfp8 import mxfp8_quantize
 
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
     gen = torch.Generator().manual_seed(seed)
     payloads, tensors, mx = [], [], []
-    for i in range(DISTINCT_REQUESTS):
+    for i in range(DISTINCT_REQUESTS * layers):
+        layer = i % layers
         x = torch.randn(tokens, shape["hidden"], generator=gen).to(dtype)
         ids = torch.rand(tokens, shape["experts"], generator=gen).topk(shape["top_k"], dim=1).indices.to(torch.int32)
         w = torch.softmax(torch.randn(tokens, shape["top_k"], generator=gen), dim=1)
         if wire == "mxfp8":
             q, s = mxfp8_quantize(x, scale_mode)  # type: ignore[arg-type]
-            request = build_request(0, q, ids, w, request_id=i + 1, hidden_scales=s)
+            request = build_request(layer, q, ids, w, request_id=i + 1, hidden_scales=s)
             mx.append((q, s))
         else:
-            request = build_request(0, x, ids, w, request_id=i + 1)
+            request = build_request(layer, x, ids, w, request_id=i + 1)
             mx.append(None)
         payloads.append(request.SerializeToString())
         tensors.append((x, ids, w))
@@ -311,6 +347,8 @@ async def _run_load(spec: dict[str, Any]) -> dict[str, Any]:
                 now = time.perf_counter()
                 if now >= t_end:
                     break
+                # callers' indices run 0 .. C-1 over all load processes (first_index): with make_requests' payloads
+                # of several layers, caller `index` sends layer (index + k) % layers as its k-th request
                 payload = payloads[i % len(payloads)]
                 i += 1
                 t0 = time.perf_counter()
@@ -796,6 +834,9 @@ def inprocess_times(ckpt: Path, args: argparse.Namespace, cells: list[tuple[Cell
         if key in results:
             continue
         count = max(1, round(formed / reqs.tokens))
+        # layer 0 only, on the tensors of every layer's payloads: the server pools requests per layer (a batch holds
+        # one layer's requests; `formed` is the size of such a batch) and every layer has the same shape, so a batch
+        # of layer 0 costs what one of any layer does
         prepared = []
         for i in range(count):
             x, ids, w = reqs.tensors[i % len(reqs.tensors)]
@@ -844,7 +885,8 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
     shape = SHAPES[shape_name]
     args.shape_name = shape_name
     gen_device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    ckpt = make_checkpoint(Path(args.work_dir), shape_name, dtype=args.dtype, scale_mode="rceil", device=gen_device)
+    ckpt = make_checkpoint(Path(args.work_dir), shape_name, dtype=args.dtype, scale_mode="rceil", device=gen_device,
+                           layers=args.layers)
     port = _free_port()
     address = f"127.0.0.1:{port}"
     config: dict[str, Any] = {
@@ -868,7 +910,8 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         model = _wait_serving(address, server, args.start_timeout_s)
         info = {"backend": model.backend, "backend_reason": model.backend_reason, "device": model.device,
                 "startup_s": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt)}
-        print(f"[bench] {shape_name}: server up in {info['startup_s']}s, backend {model.backend} on {model.device}", flush=True)
+        print(f"[bench] {shape_name}: server up in {info['startup_s']}s, backend {model.backend} on {model.device}, "
+              f"{args.layers} layer(s)", flush=True)
         if profiler is not None:
             profiler.attach(server.pid)
         meter = CpuMeter(server.pid)
@@ -876,7 +919,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         for wire in args.wires:
             for tokens in args.tokens:
                 reqs = requests[(wire, tokens)] = make_requests(shape, tokens, wire, dtype=dtype, scale_mode="rceil",
-                                                                 seed=tokens)
+                                                                 seed=tokens, layers=args.layers)
                 for concurrency in args.concurrency:
                     for api in args.apis:
                         meter.start()
@@ -1099,7 +1142,7 @@ def write_report(out: Path, args: argparse.Namespace, infos: dict[str, Any], row
               "rows": [asdict(r) for r in rows], "seconds": round(time.perf_counter() - began, 1)}
     (out / "serving.json").write_text(json.dumps(_json_safe(report), indent=2, default=str, allow_nan=False))
     table = short_table(rows)
-    md = [f"# Serving benchmark ({report['provenance']['date_utc']})", "",
+    md = [f"# Serving benchmark ({report['provenance']['date_utc']}, {args.layers} MoE layer(s) per shape)", "",
           f"Provenance: {json.dumps(report['provenance'])}", "",
           f"Environment: {json.dumps(env)}", "",
           f"Settings: {json.dumps(settings, default=str)}", ""]
@@ -1107,7 +1150,8 @@ def write_report(out: Path, args: argparse.Namespace, infos: dict[str, Any], row
         md += [f"## {name}", "", f"```\n{json.dumps(info, indent=2)}\n```", ""]
     md += ["## Results", "", "p50/p99: end-to-end latency of one request as the load generator sees it (api unary: a Forward call; "
            "stream: a message on the caller's open ForwardStream, one in flight); batch: median "
-           "`timing.batch_tokens`; in-proc: the same experts and compute worker in-process on a batch of that size; "
+           "`timing.batch_tokens`; in-proc: the same experts and compute worker in-process on a batch of that size "
+           "(of layer 0; the server's batches hold one layer's requests each); "
            "echo: a bare gRPC echo of the same payload sizes, API and concurrency, on as many processes as the server "
            f"has front ends (--echo-procs). Targets: C=1, T=16: p50 <= in-proc + echo + {TARGET_SLACK_US:.0f} us; "
            f"C=64: tok/s >= {TARGET_THROUGHPUT:.0%} of in-proc tok/s (\"above the echo's tok/s\": the bare transport "
@@ -1133,6 +1177,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--tokens", default="1,16,128", help="tokens per request")
+    p.add_argument("--layers", type=int, default=1,
+                   help="MoE layers in each shape's checkpoint; each caller sends layer 0, 1, .., N-1, 0, .. in turn, "
+                        "callers starting at different layers (see the module docstring)")
     p.add_argument("--wires", default="bf16,mxfp8", help="bf16 (model dtype) and/or mxfp8")
     p.add_argument("--apis", default="unary,stream",
                    help="unary (one Forward per request) and/or stream (one ForwardStream per caller, one request in flight)")
@@ -1190,6 +1237,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.work_dir = str(args.out / "checkpoints")
     if args.echo_procs < 0:
         p.error("--echo-procs must be >= 0")
+    if args.layers < 1:
+        p.error("--layers must be >= 1")
     args.echo_procs = args.echo_procs or args.front_ends
     return args
 
