@@ -32,6 +32,7 @@ from serving import SHAPES, make_checkpoint  # noqa: E402
 
 LAYERS = 8
 DISTINCT = 8  # distinct routings per layer ("distinct" mode)
+GPU_CYCLES_PER_S = 1.7e9  # the "gpu" idle mode's spin kernel: cycles per second of gap (about an H100/H200's SM clock)
 
 
 def _batches(engine: Any, shape: dict[str, int], tokens: int, layers: int, seed: int) -> dict[int, list[Any]]:
@@ -50,10 +51,15 @@ def _batches(engine: Any, shape: dict[str, int], tokens: int, layers: int, seed:
     return out
 
 
-def _time_calls(worker: Any, sequence: list[Any], seconds: float, gap_s: float, spin: bool) -> dict[str, float]:
+def _time_calls(worker: Any, sequence: list[Any], seconds: float, gap_s: float, mode: str) -> dict[str, float]:
     """Median and p90 microseconds of ``worker.run([request])`` over ``sequence`` in turn for ``seconds``, idle
-    ``gap_s`` between calls (0: back to back): asleep in the kernel, or with ``spin`` polling the clock (the CPU stays
-    busy, so only the GPU's side of an idle gap remains)."""
+    ``gap_s`` between calls (0: back to back). ``mode``: ``sleep`` (the thread sleeps in the kernel), ``spin`` (it
+    polls the clock: the CPU stays busy, so only the GPU's side of an idle gap remains) or ``gpu`` (it sleeps while
+    a one-block spin kernel, ``torch.cuda._sleep``, keeps the GPU busy on a stream of its own for the gap: only the
+    CPU's side remains)."""
+    import torch
+
+    side = torch.cuda.Stream() if mode == "gpu" else None
     for request in sequence[:4]:
         worker.run([request])
     times: list[float] = []
@@ -64,11 +70,14 @@ def _time_calls(worker: Any, sequence: list[Any], seconds: float, gap_s: float, 
         worker.run([sequence[i % len(sequence)]])
         times.append(time.perf_counter() - start)
         i += 1
-        if gap_s and spin:
+        if gap_s and mode == "spin":
             until = time.perf_counter() + gap_s
             while time.perf_counter() < until:
                 pass
         elif gap_s:
+            if side is not None:
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(int(gap_s * GPU_CYCLES_PER_S))
             time.sleep(gap_s)
     times.sort()
     return {"p50_us": statistics.median(times) * 1e6, "p90_us": times[int(0.9 * (len(times) - 1))] * 1e6,
@@ -82,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     p.add_argument("--tokens", default="1,16")
     p.add_argument("--gaps-us", default="0,500", help="idle time between calls")
-    p.add_argument("--gap-modes", default="sleep", help="sleep and/or spin: how the caller idles between calls")
+    p.add_argument("--gap-modes", default="sleep", help="sleep, spin and/or gpu: how the caller idles between calls "
+                   "(see _time_calls)")
     p.add_argument("--layer-counts", default="1,2,4,8", help="how many layers the calls cycle over")
     p.add_argument("--seconds", type=float, default=0.4, help="per measurement")
     p.add_argument("--graphs", default="512,0", help="cuda_graph_max_tokens values to compare (0: eager)")
@@ -125,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                                     for i in range(n * DISTINCT)]
                         row = {"graphs": graphs, "tokens": tokens, "gap_us": gap_us, "gap_mode": mode if gap_us else "-",
                                "layers": n, "routing": routing,
-                               **_time_calls(worker, sequence, args.seconds, gap_us / 1e6, mode == "spin")}
+                               **_time_calls(worker, sequence, args.seconds, gap_us / 1e6, mode)}
                         rows.append(row)
                         print(f"[layer_switch] {row}", flush=True)
         del worker
