@@ -148,8 +148,6 @@ def arena_bytes(plan: EnginePlan, settings: ServerSettings) -> int:
     Each batch takes one unbroken span of the ring (:class:`~lutb_server.shared_arena.SharedArena`). With N batches
     in flight, N - 1 of them may hold spans anywhere when the next full one comes, so the ring needs one full batch
     of room beyond N to always find it contiguous space (with N = 1 the ring is empty then and the spare is unused).
-    ``batches_in_flight`` counts per pool key, so batches of other layers may hold spans too; at decode they are
-    small (tens to hundreds of tokens against ``max_batch_tokens``), and one that finds no room goes inline.
     """
     config = plan.checkpoint.config
     per_token = 2 * config.hidden_size * config.torch_dtype.itemsize + 8 * max(settings.cuda_graph_top_k, 8)

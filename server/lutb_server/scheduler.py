@@ -1,22 +1,15 @@
 """The batching scheduler: pools concurrent requests into experts calls run off the event loop.
 
-Requests arrive validated (:class:`~lutb_server.engine.PreparedRequest`). A batch is
-every waiting request of one :attr:`~lutb_server.engine.PreparedRequest.pool_key` (layer,
-top-k, weighting, output mode), oldest first, up to ``max_batch_tokens`` (a larger request
-runs alone), concatenated along the token axis into one experts call, the output split
-back. The scheduler keeps up to ``batches_in_flight`` batches (default one) *of each pool
-key* on the compute worker (:class:`~lutb_server.worker.ComputeWorker`: staging buffers,
-device copies, CUDA graphs) and hands over the key's next batch the moment one of them is
-done (continuous batching). While a call runs, new requests of its key queue up and form
-its next batch, which goes to the worker before the finished batch's results are handed
-out. Keys go in the order of their oldest waiting request.
-
-The limit is per pool key because a deployment's traffic spans many layers: an attention
-node sends layer 0, 1, ... of each decode step, and callers are at different layers at
-any moment. Requests of one key gain from waiting for its running call (they pool into
-one larger batch); requests of another key gain nothing from it, so they go to the worker
-at once (where it merges them with other front ends' batches of their key, and runs the
-calls back to back) instead of each key's batch waiting for a round trip of the others.
+Requests arrive validated (:class:`~lutb_server.engine.PreparedRequest`). The
+scheduler keeps up to ``batches_in_flight`` batches (default one) on the compute worker
+(:class:`~lutb_server.worker.ComputeWorker`: staging buffers, device copies, CUDA
+graphs) and takes the next one the moment one of them is done (continuous batching):
+every waiting request with the oldest one's
+:attr:`~lutb_server.engine.PreparedRequest.pool_key` (layer, top-k, weighting, output
+mode), oldest first, up to ``max_batch_tokens`` (a larger request runs alone),
+concatenated along the token axis into one experts call, the output split back. While
+a call runs, new requests queue up and form the next batch, which goes to the worker
+before the finished batch's results are handed out.
 
 Dispatching is event-driven on the event loop, without a dispatcher task: a request that
 finds the worker idle is handed to it from :meth:`BatchScheduler.submit` itself, and the
@@ -24,15 +17,16 @@ worker's done-callback schedules the batch's completion on the loop directly. A 
 request thus costs one thread hop to the worker and one back, and no extra turns of the
 event loop (each turn, with the wake-up of a task, measured 10-25 us on the CPU sandbox).
 
-``batches_in_flight`` > 1 hands a key's next batch over while earlier ones of that key still
-compute: a compute process that merges several front ends' batches then finds it waiting at
-the start of its next call, instead of receiving it only after this front end has had its answer.
+``batches_in_flight`` > 1 hands the next batch over while earlier ones still compute: a
+compute process that merges several front ends' batches then finds it waiting at the start
+of its next call, instead of receiving it only after this front end has had its answer.
 
-``max_wait_us`` (default 0): when the worker has room for a key's batch, how long its oldest request may
-wait for company (from its arrival; cut short once a full batch of its key is queued, and never outlasting the
-deadline of a queued request of its key: it goes :data:`POOLING_DEADLINE_MARGIN_S` before the earliest of them, so a
-request is not held behind a wait for company until it expires; requests of other keys do not wait behind it). Under
-load the worker is busy and requests pool while they wait for it anyway, so a wait only adds
+``max_wait_us`` (default 0): when the worker has room for a batch, how long the oldest request may
+wait for company (from its arrival; cut short once a full batch is queued, and never outlasting the deadline of any
+queued request, whether it would join that batch or not (another pool key: its batch goes after this one): it goes
+:data:`POOLING_DEADLINE_MARGIN_S` before the earliest of them, so a request is not held behind a wait for company
+until it expires). Under load
+the worker is busy and requests pool while they wait for it anyway, so a wait only adds
 latency to lone requests; it can help bursty open-loop traffic whose requests arrive
 microseconds apart.
 
@@ -113,8 +107,6 @@ class _Item:
     request: PreparedRequest
     deadline: float | None  # time.monotonic() seconds
     future: asyncio.Future[ForwardResult]
-    key: tuple
-    """``request.pool_key``, read once (the queue's scans compare it)."""
     enqueued: float = field(default_factory=time.monotonic)
 
 
@@ -123,8 +115,6 @@ class _Running:
     """The batch on the compute worker: its requests, when it started, the worker's future (and a rerun task)."""
 
     batch: list[_Item]
-    key: tuple
-    """Its requests' :attr:`~lutb_server.engine.PreparedRequest.pool_key`."""
     started: float  # time.monotonic()
     job: Future[BatchOutput]
     rerun: asyncio.Task[None] | None = None
@@ -136,8 +126,8 @@ that has to exit (killed after this, so that a stuck child cannot hold the serve
 
 
 POOLING_DEADLINE_MARGIN_S = 0.005
-"""How long before the earliest deadline among the queued requests of its pool key the oldest one's wait for company
-(``max_wait_us``) ends at the latest. The wait's timer fires late by up to the event loop's lag (epoll rounds its timeout up to the
+"""How long before the earliest deadline among the queued requests the oldest one's wait for company (``max_wait_us``)
+ends at the latest. The wait's timer fires late by up to the event loop's lag (epoll rounds its timeout up to the
 millisecond; on the 2-CPU sandbox at most 0.7 ms on uvloop idle, 3.1-4.7 ms with both CPUs taken:
 bench/results/2026-12-07-timer-lag-cpu.md), and a batch it carried past a deadline would
 drop that request instead of computing it; :data:`~lutb_server.errors.DEADLINE_SLACK_S` (1 ms) is too little for
@@ -150,15 +140,15 @@ class BatchScheduler:
     Args:
         engine: runs one (pooled) experts call, blocking.
         max_batch_tokens: most tokens per pooled call.
-        max_wait_us: how long a pool key's oldest request waits for company when the worker has room for that key
-            (0: never); the batch goes earlier, :data:`POOLING_DEADLINE_MARGIN_S` before the earliest deadline among
-            the queued requests of its key, where that is sooner.
+        max_wait_us: how long the oldest request waits for company when the worker has room (0: never); the batch
+            goes earlier, :data:`POOLING_DEADLINE_MARGIN_S` before the earliest deadline among the queued requests
+            (its own or not), where that is sooner.
         max_queue_requests: most requests waiting (not yet in a batch).
         metrics: where to record queue wait, compute, batch sizes; none if None.
         backend_name: the ``backend`` label of those metrics.
         worker: runs the batches (a :class:`~lutb_server.worker.BatchWorker`); default ``ComputeWorker(engine)``
             (started and closed with the scheduler).
-        batches_in_flight: most batches of one pool key handed to the worker and not yet answered (>= 1).
+        batches_in_flight: most batches handed to the worker and not yet answered (>= 1).
     """
 
     def __init__(
@@ -186,8 +176,7 @@ class BatchScheduler:
         self._pending: deque[_Item] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running: list[_Running] = []  # batches on the worker (or being rerun request by request), oldest first
-        self._in_flight: dict[tuple, int] = {}  # pool key -> its batches in _running (keys with none left out)
-        self._timer: asyncio.TimerHandle | None = None  # the earliest end of a pooling wait (max_wait_us > 0)
+        self._timer: asyncio.TimerHandle | None = None  # pooling wait (max_wait_us > 0) of the oldest request
         self._timer_due = 0.0
         self._closed = False
         self._by_layer: dict[int, _LayerMetrics] = {}
@@ -206,7 +195,6 @@ class BatchScheduler:
         self._closed = True
         self._cancel_timer()
         running, self._running = self._running, []
-        self._in_flight.clear()
         for batch in running:  # their results are not awaited any more
             for item in batch.batch:
                 _fail(item, Unavailable("server is shutting down; request not answered"))
@@ -231,8 +219,8 @@ class BatchScheduler:
     async def submit(self, request: PreparedRequest, *, deadline: float | None = None) -> ForwardResult:
         """Queue ``request`` and wait for its result.
 
-        With room on the worker for its pool key (and no pooling wait) the request goes to the
-        worker from here, on the caller's own task: no wake-up of a dispatcher in between.
+        With room on the worker (and no pooling wait) the request goes to the worker from
+        here, on the caller's own task: no wake-up of a dispatcher in between.
 
         Args:
             deadline: ``time.monotonic()`` time after which the request is not worth computing.
@@ -252,10 +240,10 @@ class BatchScheduler:
             raise QueueFull(
                 f"queue full: {len(self._pending)} requests waiting (max_queue_requests = {self.max_queue_requests}); retry later"
             )
-        item = _Item(request, deadline, self._loop.create_future(), request.pool_key)
+        item = _Item(request, deadline, self._loop.create_future())
         self._pending.append(item)
         self._set_depth()
-        if self._in_flight.get(item.key, 0) < self.batches_in_flight:
+        if len(self._running) < self.batches_in_flight:
             self._dispatch()
         try:
             return await item.future
@@ -265,60 +253,46 @@ class BatchScheduler:
 
     # -- dispatching -----------------------------------------------------------------------
     #
-    # Event-driven, on the loop thread, with up to batches_in_flight batches of each pool key on the worker: a batch
-    # starts when a request arrives while its key has room (from submit), when the worker finishes one of its key
-    # (_on_done), or when its oldest request's pooling wait ends (the timer). The worker's done-callback schedules
+    # Event-driven, on the loop thread, with up to batches_in_flight batches on the worker: a batch
+    # starts when a request arrives while the worker has room (from submit), when the worker finishes
+    # one (_on_done), or when the oldest request's pooling wait ends (the timer). The worker's done-callback schedules
     # _on_done on the loop directly (one thread hop back per batch, no dispatcher task to wake).
 
     def _dispatch(self) -> None:
-        """Hand the worker every batch that is due and whose pool key has room, keys in the order of their oldest
-        request; arm the timer for the earliest end of the pooling waits of the keys whose batch is not due yet."""
-        if self._closed:
-            return
+        """Start batches while the worker has room and one is due; arm the timer for the oldest request's wait if it is not."""
+        while len(self._running) < self.batches_in_flight and not self._closed and self._start_batch():
+            pass
+
+    def _start_batch(self) -> bool:
+        """Hand the next batch to the worker if one is due (True), else arm the timer for the oldest request's wait."""
         self._drop_dead()
-        waiting: dict[tuple, float] = {}  # pool key -> when its oldest request's wait for company ends
-        while (head := self._next_head(waiting)) is not None:
-            due = head.enqueued + self.max_wait_s
-            if due > time.monotonic():  # (never with max_wait_us = 0: no scan of the queue)
-                due, full = self._wait_end(head, due)
-                if not full and due > time.monotonic():
-                    waiting[head.key] = due
-                    continue
-            self._start_batch(self._take_batch(head.key))
-        self._arm_timer(min(waiting.values(), default=None))
-
-    def _next_head(self, skip: dict[tuple, float]) -> _Item | None:
-        """The oldest waiting request whose pool key has room on the worker and is not in ``skip``."""
-        if not self._in_flight and not skip:
-            return self._pending[0] if self._pending else None
-        in_flight, most = self._in_flight, self.batches_in_flight
-        for item in self._pending:
-            if in_flight.get(item.key, 0) < most and item.key not in skip:
-                return item
-        return None
-
-    def _arm_timer(self, due: float | None) -> None:
-        """Call :meth:`_dispatch` at ``due`` (``time.monotonic()`` seconds; None: never)."""
-        if due is None:
+        if not self._pending:
             self._cancel_timer()
-        elif self._timer is None or self._timer_due != due:  # a new oldest request, or an earlier deadline
-            self._cancel_timer()
-            assert self._loop is not None
-            self._timer_due = due
-            self._timer = self._loop.call_later(max(0.0, due - time.monotonic()), self._on_timer)
-
-    def _start_batch(self, batch: list[_Item]) -> None:
-        """Hand ``batch`` (requests of one pool key) to the worker; fail its requests if the worker is gone."""
+            return False
+        head = self._pending[0]
+        due = head.enqueued + self.max_wait_s
+        if due > time.monotonic():  # (never with max_wait_us = 0: no scan of the queue)
+            due, full = self._wait_end(head, due)
+            if not full and due > time.monotonic():
+                if self._timer is None or self._timer_due != due:  # a new oldest request, or an earlier deadline
+                    self._cancel_timer()
+                    assert self._loop is not None
+                    self._timer_due = due
+                    self._timer = self._loop.call_later(max(0.0, due - time.monotonic()), self._on_timer)
+                return False
+        self._cancel_timer()
+        batch = self._take_batch()
+        if not batch:
+            return False
         started = time.monotonic()  # the hand-over (a compute process's copies and message) counts as hand-off, not queue
         try:
             job = self.worker.submit([i.request for i in batch])
         except Exception as exc:  # noqa: BLE001 - the worker is gone (closing): nothing will compute these
             for item in batch:
                 _fail(item, Unavailable(f"compute worker unavailable ({exc}); request not computed"))
-            return
-        running = _Running(batch, batch[0].key, started, job)
+            return True
+        running = _Running(batch, started, job)
         self._running.append(running)
-        self._in_flight[running.key] = self._in_flight.get(running.key, 0) + 1
         loop = self._loop
         assert loop is not None
 
@@ -332,13 +306,7 @@ class BatchScheduler:
                 pass
 
         job.add_done_callback(done)
-
-    def _retire(self, running: _Running) -> None:
-        """``running`` is answered (or failed): its key's room on the worker is free again."""
-        self._running.remove(running)
-        left = self._in_flight.pop(running.key) - 1
-        if left:
-            self._in_flight[running.key] = left
+        return True
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -362,7 +330,7 @@ class BatchScheduler:
                 assert self._loop is not None
                 running.rerun = self._loop.create_task(self._rerun_alone(running, exc), name="lutb-rerun")
                 return
-            self._retire(running)
+            self._running.remove(running)
             self._dispatch()  # the device must not idle while this batch's results are handed out
             self._complete(batch, running.started, returned, result)
         except Exception:  # pragma: no cover - a scheduler bug must not stop serving
@@ -370,27 +338,25 @@ class BatchScheduler:
             for item in batch:
                 _fail(item, RuntimeError("scheduler dispatch failed"))
             if running in self._running:
-                self._retire(running)
+                self._running.remove(running)
             self._dispatch()
 
     def _wait_end(self, head: _Item, due: float) -> tuple[float, bool]:
-        """When the pooling wait of ``head`` (its pool key's oldest request) ends, and whether a full batch of its key
-        is queued already.
+        """When the pooling wait of ``head`` (the oldest request) ends, and whether a full batch is queued already.
 
         The wait ends at ``due`` (its arrival + ``max_wait_us``) or earlier, :data:`POOLING_DEADLINE_MARGIN_S`
-        before the earliest deadline among the queued requests of its key: those that would join its batch, and those
-        with no room left in it, whose batch can only go after it (they make it full, and it goes at once). Waiting for
-        company thus never holds a request until its deadline while the worker has room; requests of other keys do
-        not wait behind it. Full: the queued requests of its key hold ``max_batch_tokens`` tokens or more.
+        before the earliest deadline among all queued requests: those that would join its batch, and those of
+        another pool key, whose batches can only go after it (one of its key with no room left in the batch makes
+        it full). Waiting for company thus never holds a request until its deadline while the worker has room.
+        Full: the queued requests of its pool key hold ``max_batch_tokens`` tokens or more.
         """
-        key = head.key
+        key = head.request.pool_key
         pooled = 0
-        for item in self._pending:
-            if item.key != key:
-                continue
+        for item in self._pending:  # head first
             if item.deadline is not None and item.deadline - POOLING_DEADLINE_MARGIN_S < due:
                 due = item.deadline - POOLING_DEADLINE_MARGIN_S
-            pooled += item.request.tokens
+            if item.request.pool_key == key:
+                pooled += item.request.tokens
         return due, pooled >= self.max_batch_tokens
 
     def _withdraw(self, item: _Item) -> None:
@@ -425,14 +391,14 @@ class BatchScheduler:
         self._pending = keep
         self._set_depth()
 
-    def _take_batch(self, key: tuple) -> list[_Item]:
-        """Take the oldest waiting request of pool key ``key`` out of the queue, with the later ones of its key that fit
-        within ``max_batch_tokens`` (oldest first)."""
-        batch: list[_Item] = []
-        tokens = 0
+    def _take_batch(self) -> list[_Item]:
+        if not self._pending:
+            return []
+        head = self._pending.popleft()
+        batch, tokens, key = [head], head.request.tokens, head.request.pool_key
         rest: deque[_Item] = deque()
         for item in self._pending:
-            if item.key == key and (not batch or tokens + item.request.tokens <= self.max_batch_tokens):
+            if item.request.pool_key == key and tokens + item.request.tokens <= self.max_batch_tokens:
                 batch.append(item)
                 tokens += item.request.tokens
             else:
@@ -470,7 +436,7 @@ class BatchScheduler:
                                       handoff_s, wait_s)
         finally:
             if running in self._running:
-                self._retire(running)
+                self._running.remove(running)
                 self._dispatch()
 
     def _complete(self, batch: list[_Item], started: float, returned: float, result: BatchOutput) -> None:

@@ -58,9 +58,8 @@ class ServerSettings(BaseSettings):
         "(0: never; under load requests pool while the worker is busy anyway)"
     )
     batches_in_flight: int = Field(
-        1, ge=1, le=64, description="most batches of one pool key (layer, top-k, weighting, output mode) a serving "
-        "process has handed to the compute worker and not had answered (batches of other keys go regardless); above 1 "
-        "the key's next batch goes over while earlier ones compute (a compute process merging several front ends' "
+        1, ge=1, le=64, description="most batches a serving process has handed to the compute worker and not had answered; "
+        "above 1 the next batch goes over while earlier ones compute (a compute process merging several front ends' "
         "batches then finds it there when its next call starts); each front end's shared arena holds N + 1 full batches",
     )
     max_queue_requests: int = Field(
