@@ -125,6 +125,25 @@ def test_worker_pacing_bench_smoke(tmp_path: Path) -> None:
     assert all(r["calls"] >= 1 and 0 < r["compute_us"] <= r["round_trip_us"] for r in rows)
 
 
+def test_layer_switch_bench_smoke(tmp_path: Path) -> None:
+    """bench/layer_switch.py on the CPU (reference backend, no graphs): one row per (T, gap, idle mode, layers, routing),
+    sleep and spin only where there is a gap, and the table's last column the last layer count over the first."""
+    out = tmp_path / "out"
+    proc = _run_bench("layer_switch.py", ["--smoke", "--out", str(out), "--work-dir", str(tmp_path / "ckpt"),
+                                          "--tokens", "2", "--gaps-us", "0,100", "--gap-modes", "sleep,spin",
+                                          "--layer-counts", "1,2", "--seconds", "0.01"], timeout=180)
+    report = json.loads((out / "layer_switch.json").read_text())
+    cells = [(r["gap_us"], r["gap_mode"], r["layers"], r["routing"]) for r in report["rows"]]
+    assert cells == [(0, "-", 1, "one"), (0, "-", 1, "distinct"), (0, "-", 2, "one"), (0, "-", 2, "distinct"),
+                     (100, "sleep", 1, "one"), (100, "sleep", 1, "distinct"), (100, "sleep", 2, "one"),
+                     (100, "sleep", 2, "distinct"), (100, "spin", 1, "one"), (100, "spin", 1, "distinct"),
+                     (100, "spin", 2, "one"), (100, "spin", 2, "distinct")]
+    assert all(r["graphs"] == 0 and r["tokens"] == 2 and r["calls"] >= 20 and r["p50_us"] > 0 for r in report["rows"])
+    last = {(r["layers"], r["routing"]): r["p50_us"] for r in report["rows"] if r["gap_mode"] == "spin"}
+    assert proc.stdout.rstrip().splitlines()[-1] == (
+        f"| 0 | 2 | 100 | spin | one | {last[(1, 'one')]:.0f} | {last[(2, 'one')]:.0f} | {last[(2, 'one')] / last[(1, 'one')]:.2f} |")
+
+
 def test_graph_limit_bench_smoke(tmp_path: Path) -> None:
     """bench/graph_limit.py on the CPU (no graphs: every run eager): one row per (limit, size), split runs as cut."""
     out = tmp_path / "out"
