@@ -483,7 +483,8 @@ def prefill_paths(packed, x: torch.Tensor, rot: list, weights: torch.Tensor) -> 
         variant.dense_from_rows_per_expert = rows
         variant.dense_scratch_bytes = 1 << 62  # "dense" even where the default's scratch limit says no
         outs.append(variant.forward_unchecked(x, rot[0], weights).float())
-        times[label], _ = time_graph_rot([lambda r=r, v=variant: v.forward_unchecked(x, r, weights) for r in rot])
+        times[label], times[f"{label}_method"] = time_graph_rot(
+            [lambda r=r, v=variant: v.forward_unchecked(x, r, weights) for r in rot])
     times["default"] = "dense" if packed.uses_dense_weights(rot[0].numel()) else "in_kernel"
     times["dense_vs_in_kernel_rel_l2"] = rel_l2(outs[1], outs[0])
     return times
@@ -829,6 +830,7 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
                     us, method = float("nan"), f"{type(exc).__name__}: {str(exc)[:80]}"
                     log(f"  stage {sname} failed: {method}")
                 rec["stages_us"][sname] = us
+                rec.setdefault("stages_method", {})[sname] = method
             try:  # the Triton routing must equal the torch one before its time means anything
                 same = all(all(torch.equal(a, b) for a, b in zip(
                     moe_align_block_size_triton(d["ids"], block, experts, expert_map=emap), d["routing"])) for d in st)
@@ -874,11 +876,12 @@ def breakdown(results: dict, shapes: list[str], only: tuple[str, ...] = ()) -> N
                 for cname, cfg in cands.items():
                     try:
                         kl = "checkpoint layout" not in cname
-                        us, _ = time_graph_rot([lambda d=d, cfg=cfg, kl=kl: gfn(d, cfg, kl) for d in st])
+                        us, method = time_graph_rot([lambda d=d, cfg=cfg, kl=kl: gfn(d, cfg, kl) for d in st])
                     except Exception as exc:  # noqa: BLE001
                         log(f"  {gname} {cname}: {type(exc).__name__}: {str(exc)[:100]}")
                         continue
-                    rec["gemm_configs"][f"{gname} {cname}"] = {"us": us, "TBps": tb / us / 1e6, "config": str(cfg)}
+                    rec["gemm_configs"][f"{gname} {cname}"] = {"us": us, "TBps": tb / us / 1e6, "config": str(cfg),
+                                                               "method": method}
             out[f"{name} T={tokens}"] = rec
             log(f"[breakdown] {name} T={tokens} block={block} touched={te:.1f} experts: " +
                 ", ".join(f"{k}={v:.1f}" for k, v in rec["stages_us"].items()) +
@@ -1052,16 +1055,19 @@ def tune(results: dict, quick: bool, out_dir: Path, budget_s: float = 1e9) -> No
                 base = default_config(tokens * top_k, n, k, experts, block, torch.device("cuda"))
                 cands = [base] + [c for c in tune_candidates(block, tokens) if c != base]
                 res = []
+                eager: list[str] = []  # candidates timed without a graph (its capture failed), with why
                 for cfg in cands:
                     try:
                         fns = [lambda rt=rt, cfg=cfg: lut_b_moe_gemm(q, None, w, outt, tw, *rt, tk, block_m=block,
                                                                       a_k_order="decoder", config=cfg, kernel_layout=True)
                                for rt in routings]
-                        us, _ = time_graph_rot(fns, calls=8 if tokens >= 2048 else 24, rounds=3)
+                        us, method = time_graph_rot(fns, calls=8 if tokens >= 2048 else 24, rounds=3)
                     except Exception as exc:  # noqa: BLE001
                         log(f"  tune {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
                         continue
                     res.append((us, cfg))
+                    if not method.startswith("cuda-graph"):
+                        eager.append(f"{cfg}: {method}")
                 res.sort(key=lambda t: t[0])
                 base_us = next((us for us, c in res if c == base), float("nan"))
                 best_us, best = res[0]
@@ -1071,6 +1077,8 @@ def tune(results: dict, quick: bool, out_dir: Path, budget_s: float = 1e9) -> No
                                                                       "tile_loop", "prefetch", "swap_ab", "maxnreg")},
                        "best_TBps": te * per_expert / best_us / 1e6 if tokens <= 128 else None,
                        "top": [(round(us, 2), str(c)) for us, c in res[:5]]}
+                if eager:
+                    rec["not_in_a_graph"] = eager
                 recs.append(rec)
                 log(f"[tune] {name} {which} T={tokens} block={block}: default {base_us:.1f} us; best {best_us:.1f} us "
                     f"{best}" + (f" ({rec['best_TBps']:.2f} TB/s)" if rec["best_TBps"] else ""))
@@ -1255,10 +1263,24 @@ def short_table(results: dict, targets: list[dict]) -> str:
 
 
 def _uncaptured_cells(results: dict) -> list[str]:
-    """"shape T=t backend" of every backend cell (the main table's) whose CUDA graph capture failed: a capture-safe op
-    that stopped being one."""
-    return [f"{name} T={tokens} {b}" for name, sh in results["shapes"].items() for tokens, run in sh.get("runs", {}).items()
-            for b in BACKENDS if "capture failed" in str(run.get(b, {}).get("method", ""))]
+    """Every timing whose CUDA graph capture failed (a capture-safe op that stopped being one), from the timing
+    methods ``results`` records: "shape T=t backend" for a cell of the main table, else the path of keys to the method
+    (a packed-path timing, a breakdown stage or GEMM config, an A/B, a tune record)."""
+    found: list[str] = []
+
+    def walk(node: object, path: tuple[str, ...]) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, (*path, str(key)))
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, (*path, str(i)))
+        elif isinstance(node, str) and "capture failed" in node:
+            main = len(path) == 6 and path[0] == "shapes" and path[2] == "runs" and path[4] in BACKENDS
+            found.append(f"{path[1]} T={path[3]} {path[4]}" if main else "/".join(path))
+
+    walk(results, ())
+    return found
 
 
 def run_failed(results: dict) -> bool:

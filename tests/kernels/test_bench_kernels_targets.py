@@ -430,6 +430,27 @@ def test_a_capture_that_failed_is_named_in_the_short_table() -> None:
     assert "NOT IN A CUDA GRAPH" not in bk.short_table(_results(_all_met_runs()), [])
 
 
+def test_a_capture_that_failed_outside_the_main_table_is_named_too() -> None:
+    """The breakdown's stages and GEMM configs, the packed-path timings, the A/Bs and the tune records keep their
+    timing method too, so a capture that failed there is named (by the path to it) beside the main table's cells."""
+    failed = "do_bench (graph capture failed: RuntimeError: x)"
+    graph = "cuda-graph x8 rotated routings"
+    runs = _all_met_runs()
+    runs[1]["packed_paths"] = {"in_kernel": 1.0, "in_kernel_method": graph, "dense": 2.0, "dense_method": failed}
+    runs[32]["ab"] = {"pdl": {"on": [1.0], "off": [1.0], "method": failed}}
+    results = _results(runs)
+    results["breakdown"] = {"deepseek-v3 T=1": {"stages_us": {"gemm1": 3.0}, "stages_method": {"gemm1": failed, "combine": graph},
+                                                "gemm_configs": {"gemm2 default": {"us": 1.0, "method": failed}}}}
+    results["tune"] = [{"shape": "mixtral-8x7b", "not_in_a_graph": [f"cfg(block_m=16): {failed}"]}]
+    shape = next(iter(results["shapes"]))
+    assert bk._uncaptured_cells(results) == [
+        f"shapes/{shape}/runs/1/packed_paths/dense_method", f"shapes/{shape}/runs/32/ab/pdl/method",
+        "breakdown/deepseek-v3 T=1/stages_method/gemm1", "breakdown/deepseek-v3 T=1/gemm_configs/gemm2 default/method",
+        "tune/0/not_in_a_graph/0"]
+    runs[8192]["emulated"]["method"] = failed
+    assert f"{shape} T=8192 emulated" in bk._uncaptured_cells(results)
+
+
 def test_graph_timings_are_not_listed_as_fallbacks() -> None:
     """results.md's "Timing fallbacks" names timings not made by graph replay; "cuda-graph x8 rotated routings" is one
     made by it (it was listed, so a run with no fallback printed one)."""
