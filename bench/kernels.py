@@ -1253,9 +1253,7 @@ def short_table(results: dict, targets: list[dict]) -> str:
             lines.append(f"  correctness FAILED {name}: {why} (its performance targets count as not met)")
     failed = failed_cells(results)
     lines += [f"  FAILED cell {_where(f)}: {f['error']}" for f in failed]
-    uncaptured = _uncaptured_cells(results)
-    if uncaptured:
-        lines.append(f"  NOT IN A CUDA GRAPH (capture failed; timed eagerly by do_bench, launches included): {', '.join(uncaptured)}")
+    lines += _uncaptured_line(results)
     met = sum(t["met"] for t in targets)
     lines.append(f"targets met: {met}/{len(targets)}" + (f"; {len(failed)} failed cell(s)" if failed else ""))
     lines += [f"  NOT MET: {t['target']} ({t['value']})" for t in targets if not t["met"]]
@@ -1264,8 +1262,10 @@ def short_table(results: dict, targets: list[dict]) -> str:
 
 def _uncaptured_cells(results: dict) -> list[str]:
     """Every timing whose CUDA graph capture failed (a capture-safe op that stopped being one), from the timing
-    methods ``results`` records: "shape T=t backend" for a cell of the main table, else the path of keys to the method
-    (a packed-path timing, a breakdown stage or GEMM config, an A/B, a tune record)."""
+    methods ``results`` records (a ``method`` or ``*_method`` key, a breakdown's ``stages_method``, a tune record's
+    ``not_in_a_graph``; an ``error`` that mentions a capture is not one): "shape T=t backend" for a cell of the main
+    table, "tune shape gemm T=t config" for a tune candidate, else the path of keys to the method (a packed-path
+    timing, a breakdown stage or GEMM config, an A/B)."""
     found: list[str] = []
 
     def walk(node: object, path: tuple[str, ...]) -> None:
@@ -1275,12 +1275,30 @@ def _uncaptured_cells(results: dict) -> list[str]:
         elif isinstance(node, list):
             for i, value in enumerate(node):
                 walk(value, (*path, str(i)))
-        elif isinstance(node, str) and "capture failed" in node:
-            main = len(path) == 6 and path[0] == "shapes" and path[2] == "runs" and path[4] in BACKENDS
-            found.append(f"{path[1]} T={path[3]} {path[4]}" if main else "/".join(path))
+        elif isinstance(node, str) and "capture failed" in node and _is_timing_method(path):
+            if len(path) == 6 and path[0] == "shapes" and path[2] == "runs" and path[4] in BACKENDS:
+                found.append(f"{path[1]} T={path[3]} {path[4]}")
+            elif path[0] == "tune" and len(path) == 4:
+                rec = results["tune"][int(path[1])]
+                found.append(f"tune {rec.get('shape')} {rec.get('gemm')} T={rec.get('tokens')} {node.split(': ', 1)[0]}")
+            else:
+                found.append("/".join(path))
 
     walk(results, ())
     return found
+
+
+def _is_timing_method(path: tuple[str, ...]) -> bool:
+    """Whether the string at ``path`` of the results is a timing method (see :func:`_uncaptured_cells`)."""
+    return (path[-1] == "method" or path[-1].endswith("_method")
+            or (len(path) >= 2 and path[-2] == "stages_method") or (len(path) >= 2 and path[-2] == "not_in_a_graph"))
+
+
+def _uncaptured_line(results: dict) -> list[str]:
+    """The short table's line naming every timing that is not a graph replay because its capture failed (none: [])."""
+    uncaptured = _uncaptured_cells(results)
+    return [f"  NOT IN A CUDA GRAPH (capture failed; timed eagerly by do_bench, launches included): {', '.join(uncaptured)}"
+            ] if uncaptured else []
 
 
 def run_failed(results: dict) -> bool:
@@ -1346,6 +1364,8 @@ def main() -> int:
             print(breakdown_table(results))
         else:
             print(tune_table(results))
+        for line in _uncaptured_line(results):
+            print(line)
         return 0
     for name in args.shapes:
         _, error = guarded(f"[{name}]", lambda: bench_shape(name, tokens, results))

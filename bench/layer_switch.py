@@ -32,7 +32,11 @@ from serving import SHAPES, make_checkpoint  # noqa: E402
 
 LAYERS = 8
 DISTINCT = 8  # distinct routings per layer ("distinct" mode)
-GPU_CYCLES_PER_S = 1.7e9  # the "gpu" idle mode's spin kernel: cycles per second of gap (about an H100/H200's SM clock)
+GPU_CYCLES_PER_S = 2.1e9
+"""The ``gpu`` idle mode's spin kernel: cycles per second of gap, above an H100's or H200's top SM clock (1.98 GHz) so
+that the kernel outlasts the gap (a slower clock makes it run into the next call, on one SM). Until 2026-12-07's
+call 3 (bench/results/2026-12-07-layer-switch-h100.md) it was 1.7e9: the kernel ended ~14% of a gap early."""
+GAP_MODES = ("sleep", "spin", "gpu")
 
 
 def _batches(engine: Any, shape: dict[str, int], tokens: int, layers: int, seed: int) -> dict[int, list[Any]]:
@@ -59,8 +63,8 @@ def _time_calls(worker: Any, sequence: list[Any], seconds: float, gap_s: float, 
     CPU's side remains)."""
     import torch
 
-    side = torch.cuda.Stream() if mode == "gpu" else None
-    for request in sequence[:4]:
+    side = torch.cuda.Stream() if mode == "gpu" and gap_s else None
+    for request in sequence:  # every layer and routing of the cell once, so that none is timed cold
         worker.run([request])
     times: list[float] = []
     i = 0
@@ -79,6 +83,8 @@ def _time_calls(worker: Any, sequence: list[Any], seconds: float, gap_s: float, 
                 with torch.cuda.stream(side):
                     torch.cuda._sleep(int(gap_s * GPU_CYCLES_PER_S))
             time.sleep(gap_s)
+    if side is not None:
+        side.synchronize()  # the last spin kernel must not run into the next cell
     times.sort()
     return {"p50_us": statistics.median(times) * 1e6, "p90_us": times[int(0.9 * (len(times) - 1))] * 1e6,
             "calls": len(times)}
@@ -98,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graphs", default="512,0", help="cuda_graph_max_tokens values to compare (0: eager)")
     p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
     args = p.parse_args(argv)
+    modes = args.gap_modes.split(",")
+    if any(m not in GAP_MODES for m in modes):
+        p.error(f"--gap-modes: each of {', '.join(GAP_MODES)}")
+    counts = [int(c) for c in args.layer_counts.split(",")]
+    if any(not 1 <= n <= LAYERS for n in counts):
+        p.error(f"--layer-counts: each from 1 to {LAYERS} (the checkpoint's layers)")
 
     import torch
 
@@ -110,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     shape_name = "smoke" if args.smoke else args.shape
     shape = SHAPES[shape_name]
     device = resolve_device("cpu" if args.smoke else "auto")
+    if "gpu" in modes and device.type != "cuda":
+        p.error(f"--gap-modes gpu needs a CUDA device (this run's: {device})")
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work_dir or args.out / "checkpoints"
     ckpt = make_checkpoint(Path(work), shape_name, dtype="bfloat16", scale_mode="rceil", device=device.type,
@@ -125,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         worker.capture_graphs()
         for tokens in [int(t) for t in args.tokens.split(",")]:
             batches = _batches(engine, shape, tokens, LAYERS, seed=tokens)
-            for gap_us, mode in [(int(g), m) for g in args.gaps_us.split(",") for m in args.gap_modes.split(",")]:
-                if gap_us == 0 and mode != args.gap_modes.split(",")[0]:
+            for gap_us, mode in [(int(g), m) for g in args.gaps_us.split(",") for m in modes]:
+                if gap_us == 0 and mode != modes[0]:
                     continue  # no gap: nothing to idle in
-                for n in [int(c) for c in args.layer_counts.split(",")]:
+                for n in counts:
                     for routing in ("one", "distinct"):
                         # layer-major interleave: call i runs layer i % n (one routing per layer, or its i // n-th)
                         sequence = [batches[i % n][0 if routing == "one" else (i // n) % DISTINCT]
@@ -147,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
                              "dirty": dirty, "argv": sys.argv}, "environment": env, "shape": shape_name, "backend": engine.backend.name,
               "rows": rows}
     (args.out / "layer_switch.json").write_text(json.dumps(report, indent=2))
-    counts = [int(c) for c in args.layer_counts.split(",")]
     table = ["| graphs | T | gap us | idle | routing | " + " | ".join(f"{n} layer(s) p50 us" for n in counts)
              + f" | {counts[-1]} / {counts[0]} |", "|---" * (6 + len(counts)) + "|"]
     keyed = {(r["graphs"], r["tokens"], r["gap_us"], r["gap_mode"], r["routing"], r["layers"]): r["p50_us"] for r in rows}

@@ -441,12 +441,13 @@ def test_a_capture_that_failed_outside_the_main_table_is_named_too() -> None:
     results = _results(runs)
     results["breakdown"] = {"deepseek-v3 T=1": {"stages_us": {"gemm1": 3.0}, "stages_method": {"gemm1": failed, "combine": graph},
                                                 "gemm_configs": {"gemm2 default": {"us": 1.0, "method": failed}}}}
-    results["tune"] = [{"shape": "mixtral-8x7b", "not_in_a_graph": [f"cfg(block_m=16): {failed}"]}]
+    results["tune"] = [{"shape": "mixtral-8x7b", "gemm": "w2", "tokens": 32, "not_in_a_graph": [f"cfg(block_m=16): {failed}"]}]
+    results["breakdown"]["deepseek-v3 T=8"] = {"error": "the graph capture failed, and then the stage raised"}  # not a method
     shape = next(iter(results["shapes"]))
     assert bk._uncaptured_cells(results) == [
         f"shapes/{shape}/runs/1/packed_paths/dense_method", f"shapes/{shape}/runs/32/ab/pdl/method",
         "breakdown/deepseek-v3 T=1/stages_method/gemm1", "breakdown/deepseek-v3 T=1/gemm_configs/gemm2 default/method",
-        "tune/0/not_in_a_graph/0"]
+        "tune mixtral-8x7b w2 T=32 cfg(block_m=16)"]
     runs[8192]["emulated"]["method"] = failed
     assert f"{shape} T=8192 emulated" in bk._uncaptured_cells(results)
 

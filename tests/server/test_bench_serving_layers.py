@@ -25,8 +25,9 @@ def test_payload_p_targets_layer_p_mod_layers_and_each_caller_walks_the_layers(w
                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """make_requests(..., layers=3): DISTINCT_REQUESTS payloads per layer, payload p for layer p % 3 (tensors and mx
     beside it); a caller walking payloads[i % len] from its index (as _run_load's caller does) sends layers in
-    order from its own starting layer. layers=1 gives the payloads the default gives."""
+    order from its own starting layer. With one layer (the default) each payload is its own tensors' request for layer 0."""
     from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+    from lutb_client.client import build_request
 
     serving = _serving(monkeypatch)
     shape = serving.SHAPES["smoke"]
@@ -40,8 +41,13 @@ def test_payload_p_targets_layer_p_mod_layers_and_each_caller_walks_the_layers(w
         sent = [decoded[i % len(decoded)].layer for i in range(caller, caller + 7)]
         assert sent == [(caller + k) % 3 for k in range(7)]
     one = serving.make_requests(shape, 2, wire, dtype=torch.bfloat16, scale_mode="rceil", seed=2)
-    assert serving.make_requests(shape, 2, wire, dtype=torch.bfloat16, scale_mode="rceil", seed=2, layers=1).payloads == one.payloads
-    assert {pb.ForwardRequest.FromString(p).layer for p in one.payloads} == {0}
+    assert len(one.payloads) == serving.DISTINCT_REQUESTS
+    for i, (payload, (x, ids, w), mx) in enumerate(zip(one.payloads, one.tensors, one.mx)):  # each payload: its tensors, layer 0
+        if wire == "mxfp8":
+            again = build_request(0, mx[0], ids, w, request_id=i + 1, hidden_scales=mx[1])
+        else:
+            again = build_request(0, x, ids, w, request_id=i + 1)
+        assert payload == again.SerializeToString()
     with pytest.raises(ValueError, match="layers"):
         serving.make_requests(shape, 2, wire, dtype=torch.bfloat16, scale_mode="rceil", seed=2, layers=0)
 

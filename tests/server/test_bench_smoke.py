@@ -144,6 +144,18 @@ def test_layer_switch_bench_smoke(tmp_path: Path) -> None:
         f"| 0 | 2 | 100 | spin | one | {last[(1, 'one')]:.0f} | {last[(2, 'one')]:.0f} | {last[(2, 'one')] / last[(1, 'one')]:.2f} |")
 
 
+@pytest.mark.parametrize("bad, says", [(["--layer-counts", "9"], "--layer-counts"), (["--layer-counts", "0"], "--layer-counts"),
+                                       (["--gap-modes", "nap"], "--gap-modes"), (["--gap-modes", "gpu"], "CUDA device")])
+def test_layer_switch_bench_refuses_what_it_cannot_run(tmp_path: Path, bad: list[str], says: str) -> None:
+    """More layers than its checkpoint's 8, none, an unknown idle mode, or the GPU idle mode without a GPU: a usage
+    error before anything is built, not a crash halfway."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / d) for d in ("kernels", "client", "server"))}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "layer_switch.py"), "--smoke", "--out", str(tmp_path), *bad],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "layer_switch.json").exists()
+
+
 def test_graph_limit_bench_smoke(tmp_path: Path) -> None:
     """bench/graph_limit.py on the CPU (no graphs: every run eager): one row per (limit, size), split runs as cut."""
     out = tmp_path / "out"
