@@ -20,7 +20,7 @@ tokens per request and concurrency, it measures, in one run and on one machine:
 
 ``--layers N`` (default 1): each shape's checkpoint holds N layers of their own random tiles, and the load spans
 them as a deployment's does: each caller sends layer 0, 1, .., N-1, 0, .. in turn (an attention node's decode steps),
-callers starting at different layers, so the server's batches (one layer each) form from about C/N callers. The
+callers starting at different layers, so the server forms each batch (one layer's) from fewer than C callers. The
 in-process baseline stays one layer (layer 0) at the formed batch size. The server captures its CUDA graphs per
 layer at start-up, so start-up takes longer (the capture about N times as long; the in-process baseline's worker
 captures every layer's too).
