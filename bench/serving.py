@@ -955,7 +955,9 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
     for row, (reqs, formed) in zip(rows, cells):
         row.inproc = times[(reqs.wire, reqs.tokens, formed)]
         _targets(row)
-    info["saturation"] = _saturation(rows, compute_thread_key(out / "logs" / f"server-{shape_name}.log", args.compute_worker))
+    compute_thread = compute_thread_key(out / "logs" / f"server-{shape_name}.log", args.compute_worker)
+    info["compute_thread"] = compute_thread  # its key in each row's cpu.thread_busy
+    info["saturation"] = _saturation(rows, compute_thread)
     return rows, info
 
 
