@@ -21,9 +21,9 @@ tokens per request and concurrency, it measures, in one run and on one machine:
 ``--layers N`` (default 1): each shape's checkpoint holds N layers of their own random tiles, and the load spans
 them as a deployment's does: each caller sends layer 0, 1, .., N-1, 0, .. in turn (an attention node's decode steps),
 callers starting at different layers, so the server forms each batch (one layer's) from fewer than C callers. The
-in-process baseline stays one layer (layer 0) at the formed batch size. The server captures its CUDA graphs per
-layer at start-up, so start-up takes longer (the capture about N times as long; the in-process baseline's worker
-captures every layer's too).
+in-process baseline stays one layer (layer 0, from the single-layer checkpoint, whose tiles are layer 0's) at the
+formed batch size. The server captures its CUDA graphs per layer at start-up, so start-up takes longer (the capture
+about N times as long).
 
 Targets (shown, not asserted): concurrency 1 and 16 tokens: server p50 <= in-process + echo
 p50 + 150 us; concurrency 64: server tokens/s >= 80% of in-process tokens/s at the formed
@@ -951,7 +951,11 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
     for row in rows:
         formed = row.server["batch_tokens_p50"] or row.tokens
         cells.append((requests[(row.wire, row.tokens)], int(formed)))
-    times = inprocess_times(ckpt, args, cells)
+    # the in-process baseline runs layer 0 only: the single-layer checkpoint holds the same tiles (make_checkpoint draws
+    # layer 0 first), without loading and capturing every layer's
+    one_layer = ckpt if args.layers == 1 else make_checkpoint(Path(args.work_dir), shape_name, dtype=args.dtype,
+                                                              scale_mode="rceil", device=gen_device)
+    times = inprocess_times(one_layer, args, cells)
     for row, (reqs, formed) in zip(rows, cells):
         row.inproc = times[(reqs.wire, reqs.tokens, formed)]
         _targets(row)

@@ -83,4 +83,6 @@ def test_serving_bench_smoke_over_layers(tmp_path: Path) -> None:
     (row,) = report["rows"]
     assert row["server"]["requests"] > 0 and row["server"]["error_count"] == 0 and row["server"]["batch_tokens_p50"] >= 4
     assert row["inproc"]["us"] > 0
+    # the in-process baseline loaded the single-layer checkpoint (its tiles are layer 0's), not every layer
+    assert any((out / "checkpoints" / "smoke-bfloat16-rceil").glob("*.safetensors"))
     assert "2 MoE layer(s) per shape" in (out / "serving.md").read_text().splitlines()[0]
