@@ -228,6 +228,35 @@ def encode_tensor(tensor: torch.Tensor | WireTensor, out: pb.Tensor | None = Non
     return msg
 
 
+_TENSOR_DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+_LENGTH_DELIMITED = 2  # protobuf wire type of bytes and embedded messages
+
+
+def _varint(value: int) -> bytes:
+    """``value`` (>= 0) as a protobuf base-128 varint."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def tensor_field_parts(field_number: int, tensor: WireTensor) -> tuple[bytes, bytes]:
+    """Field ``field_number`` of a message holding ``tensor`` as a ``lutb.v1.Tensor``, in wire form: two parts to
+    append to the message's other serialized fields, the field's header (tag, length, dtype, shape, the data's tag
+    and length) and ``tensor.data`` itself, the same object.
+
+    Protobuf parsers take a message's fields in any order, so ``message.SerializeToString() + b"".join(parts)`` is the
+    message with that field set: the data is copied once, into the joined bytes, instead of into the message and
+    again out of it (:func:`encode_tensor` then ``SerializeToString``). The server answers large outputs so.
+    """
+    head = pb.Tensor(dtype=to_proto_dtype(tensor.dtype), shape=tensor.shape).SerializeToString()
+    data_head = _varint(_TENSOR_DATA_FIELD << 3 | _LENGTH_DELIMITED) + _varint(len(tensor.data))
+    length = len(head) + len(data_head) + len(tensor.data)
+    return _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(length) + head + data_head, tensor.data
+
+
 def decode_tensor(
     msg: pb.Tensor,
     *,
@@ -265,6 +294,7 @@ __all__ = [
     "host_array",
     "host_bytes",
     "pack_bytes",
+    "tensor_field_parts",
     "to_proto_dtype",
     "to_torch_dtype",
 ]

@@ -4,10 +4,12 @@ Thin by design: validation lives in the engine, pooling in the scheduler, the
 error-to-status map in :mod:`lutb_server.errors`.
 
 :func:`add_to_server` registers the handlers as the generated ``add_ExpertServiceServicer_to_server`` does
-(the same methods, kinds and serializers, taken from the service descriptor) except for how a request is
+(the same methods and kinds, taken from the service descriptor) except for how a request is
 parsed: bytes that are not the method's request message become a :class:`MalformedRequest`, which the
 handler refuses with INVALID_ARGUMENT like any other bad input (on a stream: that request's response, the
-stream going on), instead of a parse error escaping to grpc, which answers UNKNOWN and ends the call.
+stream going on), instead of a parse error escaping to grpc, which answers UNKNOWN and ends the call. Responses
+serialize as the generated code's do, but for a large output from a compute process, which is joined to its
+message at serialization (:class:`SplicedResponse`) instead of being copied into it first.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import torch
@@ -26,7 +28,7 @@ from google.protobuf.message import DecodeError, Message
 
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
-from lutb_client.codec import WireTensor, encode_tensor, to_proto_dtype
+from lutb_client.codec import WireTensor, encode_tensor, tensor_field_parts, to_proto_dtype
 from lutb_kernels.checkpoint import FORMAT, FORMAT_VERSION
 from lutb_server import __version__
 from lutb_server.engine import FLOAT_DTYPES, ID_DTYPES, ExpertEngine
@@ -112,6 +114,33 @@ def lenient_deserializer(message_class: type[Message]) -> Callable[[bytes], Any]
     return deserialize
 
 
+SPLICE_OUTPUT_BYTES = 32 * 1024
+"""Output bytes from which a response carries its output as a :class:`SplicedResponse`. Below it the message is built
+whole: for small outputs the splice's own Python work costs more than the copies it saves (CPU sandbox, one response
+built and serialized: 4 KB 3.5 us whole against 5.0 spliced; 64 KB 9.1 against 6.9; 512 KB 83 against 34)."""
+
+
+class SplicedResponse(NamedTuple):
+    """A ``ForwardResponse`` whose output tensor's bytes are joined to its other fields when gRPC serializes it
+    (:func:`serialize_response`): they are copied once, instead of into the message and again out of it. The bytes on
+    the wire are the same message (protobuf parsers take fields in any order)."""
+
+    message: pb.ForwardResponse
+    """Every field but ``output``."""
+    output: WireTensor
+
+
+_OUTPUT_FIELD = pb.ForwardResponse.DESCRIPTOR.fields_by_name["output"].number
+
+
+def serialize_response(response: Message | SplicedResponse) -> bytes:
+    """A handler's response in wire form: a message's ``SerializeToString``, a :class:`SplicedResponse` joined."""
+    if isinstance(response, SplicedResponse):
+        head, data = tensor_field_parts(_OUTPUT_FIELD, response.output)
+        return b"".join((response.message.SerializeToString(), head, data))
+    return response.SerializeToString()
+
+
 _HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
@@ -122,15 +151,16 @@ _HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = 
 
 
 def method_handlers(servicer: pb_grpc.ExpertServiceServicer) -> dict[str, grpc.RpcMethodHandler]:
-    """Every ``lutb.v1.ExpertService`` method's handler, by method name: the kind, behaviour and response
-    serializer the generated code gives it, and a :func:`lenient_deserializer` of its request message."""
+    """Every ``lutb.v1.ExpertService`` method's handler, by method name: the kind and behaviour the generated code
+    gives it, a :func:`lenient_deserializer` of its request message, and :func:`serialize_response` (which serializes
+    a message as the generated code does, and joins a :class:`SplicedResponse`)."""
     handlers = {}
     for method in SERVICE.methods:
         make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(
             getattr(servicer, method.name),
             request_deserializer=lenient_deserializer(message_factory.GetMessageClass(method.input_type)),
-            response_serializer=message_factory.GetMessageClass(method.output_type).SerializeToString,
+            response_serializer=serialize_response,
         )
     return handlers
 
@@ -199,7 +229,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is still loading its checkpoint")
         return self._info
 
-    async def Forward(self, request: pb.ForwardRequest | MalformedRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
+    async def Forward(self, request: pb.ForwardRequest | MalformedRequest,
+                      context: grpc.aio.ServicerContext) -> pb.ForwardResponse | SplicedResponse:
         received = time.monotonic()
         deadline = _deadline(context)
         try:
@@ -218,9 +249,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     async def ForwardStream(
         self, request_iterator: AsyncIterator[pb.ForwardRequest | MalformedRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ForwardResponse]:
+    ) -> AsyncIterator[pb.ForwardResponse | SplicedResponse]:
         deadline = _deadline(context)
-        window: asyncio.Queue[asyncio.Task[pb.ForwardResponse] | None] = asyncio.Queue()
+        window: asyncio.Queue[asyncio.Task[pb.ForwardResponse | SplicedResponse] | None] = asyncio.Queue()
         slots = asyncio.Semaphore(STREAM_WINDOW)  # requests being computed; reading pauses while none is free
 
         async def read() -> None:
@@ -248,7 +279,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 if leftover is not None:
                     leftover.cancel()
 
-    async def _stream_one(self, request: pb.ForwardRequest | MalformedRequest, deadline: float | None) -> pb.ForwardResponse:
+    async def _stream_one(self, request: pb.ForwardRequest | MalformedRequest,
+                          deadline: float | None) -> pb.ForwardResponse | SplicedResponse:
         """One stream message: never raises; an error becomes the response's status."""
         received = time.monotonic()
         try:
@@ -269,8 +301,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     async def _forward(
         self, request: pb.ForwardRequest | MalformedRequest, deadline: float | None, received: float
-    ) -> pb.ForwardResponse:
-        """Answer one request; a :class:`~lutb_server.errors.ServiceError` (or a bug) for one it cannot answer."""
+    ) -> pb.ForwardResponse | SplicedResponse:
+        """Answer one request (an output of :data:`SPLICE_OUTPUT_BYTES` or more as a :class:`SplicedResponse`); a
+        :class:`~lutb_server.errors.ServiceError` (or a bug) for one it cannot answer."""
         if isinstance(request, MalformedRequest):
             raise request.error()
         if self._engine is None or self._scheduler is None:
@@ -313,7 +346,10 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             self._metrics.expert_load.record(self._engine, prepared)
         response = pb.ForwardResponse(request_id=request.request_id, status=pb.Status(code=0))
         encoding = time.monotonic()
-        encode_tensor(result.output, out=response.output)
+        output = result.output
+        spliced = isinstance(output, WireTensor) and len(output.data) >= SPLICE_OUTPUT_BYTES
+        if not spliced:  # (spliced: the bytes are joined to the message when gRPC serializes it, after timing ends)
+            encode_tensor(output, out=response.output)
         done = time.monotonic()
         timing = response.timing
         timing.queue_us = int(result.queue_s * 1e6)
@@ -324,7 +360,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         timing.prepare_us = int((ready - received) * 1e6)
         timing.encode_us = int((done - encoding) * 1e6)
         timing.total_us = int((done - received) * 1e6)
-        return response
+        return SplicedResponse(response, output) if spliced else response
 
     def _count(self, rpc: str, code: grpc.StatusCode) -> None:
         if self._metrics is not None:
@@ -337,11 +373,14 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 __all__ = [
     "RESPONSE_ENVELOPE_BYTES",
     "SERVICE",
+    "SPLICE_OUTPUT_BYTES",
     "STREAM_WINDOW",
     "ExpertServicer",
     "MalformedRequest",
+    "SplicedResponse",
     "add_to_server",
     "build_model_info",
     "lenient_deserializer",
     "method_handlers",
+    "serialize_response",
 ]

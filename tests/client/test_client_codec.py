@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
-from lutb_client.codec import CodecError, WireTensor, as_tensor, decode_tensor, encode_tensor, host_array, host_bytes
+from lutb_client.codec import (CodecError, WireTensor, as_tensor, decode_tensor, encode_tensor, host_array, host_bytes,
+                               tensor_field_parts)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.uint8, torch.float8_e4m3fn]
 SHAPES = [(0,), (1,), (3, 5), (2, 0, 4), (7, 33), ()]
@@ -134,3 +135,22 @@ def test_shapes_no_array_can_take_are_refused(shape: list[int], words: list[str]
 def test_empty_shapes_within_the_limits_decode(shape: list[int]) -> None:
     msg = pb.Tensor(dtype=pb.BFLOAT16, shape=shape, data=b"")
     assert decode_tensor(msg).shape == tuple(shape) and WireTensor.from_message(msg).numpy().shape == tuple(shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES + [(128, 2048), (3, 1, 4096)])
+def test_a_tensor_field_joined_to_a_message_parses_as_the_message_with_it(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """tensor_field_parts: a ForwardResponse serialized without its output, with the two parts appended, parses as the
+    same response with the output encoded (data of 0 bytes to 2 MB: one- to four-byte varints)."""
+    t = (torch.randn(shape) * 8).to(dtype)
+    wire = WireTensor.from_message(encode_tensor(t))
+    whole = pb.ForwardResponse(request_id=7, status=pb.Status(code=0))
+    whole.timing.compute_us = 123
+    head_only = pb.ForwardResponse()
+    head_only.CopyFrom(whole)
+    encode_tensor(wire, out=whole.output)
+    head, data = tensor_field_parts(pb.ForwardResponse.DESCRIPTOR.fields_by_name["output"].number, wire)
+    assert data is wire.data  # not copied until joined
+    joined = pb.ForwardResponse.FromString(b"".join((head_only.SerializeToString(), head, data)))
+    assert joined == whole
+    assert torch.equal(decode_tensor(joined.output).reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))

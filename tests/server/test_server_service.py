@@ -13,17 +13,19 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
+from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lutb_client import ExpertClient, ExpertServiceError
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
+from lutb_client.codec import encode_tensor
 from lutb_kernels.checkpoint import Checkpoint
 from lutb_kernels.experts.reference import ReferenceExperts
 from lutb_kernels.reference import rel_l2
 from lutb_server.app import ExpertServer, load_engine, plan_engine
-from lutb_server.servicer import ExpertServicer, MalformedRequest, add_to_server
+from lutb_server.servicer import SERVICE, ExpertServicer, MalformedRequest, add_to_server
 from lutb_server.settings import ServerSettings
 from lutb_server.testing import SLEEP_EXPERTS_ENV, ServerThread
 
@@ -297,8 +299,9 @@ def test_reflection_lists_the_services(server: ServerThread) -> None:
 
 def test_the_handlers_are_the_generated_ones_but_for_parsing() -> None:
     """add_to_server registers what the generated add_ExpertServiceServicer_to_server does (the same service,
-    paths, kinds, behaviours and serializers, as a generic handler and as registered methods); only the request
-    deserializers differ: they parse as the generated ones do, and give a MalformedRequest where those raise."""
+    paths, kinds and behaviours, as a generic handler and as registered methods). The request deserializers parse as
+    the generated ones do, and give a MalformedRequest where those raise; the response serializer gives the generated
+    one's bytes for every message, and also takes a SplicedResponse."""
     class Recorder:
         def __init__(self) -> None:
             self.generic: list = []
@@ -323,7 +326,11 @@ def test_the_handlers_are_the_generated_ones_but_for_parsing() -> None:
         assert (mine.request_streaming, mine.response_streaming) == (handler.request_streaming, handler.response_streaming)
         assert (mine.unary_unary, mine.unary_stream, mine.stream_unary, mine.stream_stream) == (
             handler.unary_unary, handler.unary_stream, handler.stream_unary, handler.stream_stream)
-        assert mine.response_serializer == handler.response_serializer
+        sample = message_factory.GetMessageClass(SERVICE.methods_by_name[name].output_type)()
+        if isinstance(sample, pb.ForwardResponse):
+            sample.request_id, sample.status.code, sample.timing.compute_us = 3, 0, 40
+            encode_tensor(torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), out=sample.output)
+        assert mine.response_serializer(sample) == handler.response_serializer(sample)
         wire = b"" if name == "GetModelInfo" else request.SerializeToString()
         assert mine.request_deserializer(wire) == handler.request_deserializer(wire)
         with pytest.raises(DecodeError):

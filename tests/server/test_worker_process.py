@@ -1035,6 +1035,51 @@ def test_a_closed_connections_arena_stays_page_locked_until_its_last_batch_ran()
         child.close()
 
 
+@pytest.mark.parametrize("splice_from", [0, None])
+def test_answers_whose_output_is_joined_at_serialization_are_right(tiny_checkpoint: Path, splice_from: int | None,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a compute process the outputs come back as bytes, and those of SPLICE_OUTPUT_BYTES or more are joined to
+    their response when gRPC serializes it (SplicedResponse). Every output spliced (threshold 0) or only the large
+    ones (the default): each caller gets its own right answer, unary and streaming, combined and route-major."""
+    from lutb_server import servicer
+
+    if splice_from is not None:
+        monkeypatch.setattr(servicer, "SPLICE_OUTPUT_BYTES", splice_from)
+    spliced = []
+    serialize = servicer.serialize_response
+
+    def counting(response):  # which responses went out spliced
+        spliced.append(isinstance(response, servicer.SplicedResponse))
+        return serialize(response)
+
+    monkeypatch.setattr(servicer, "serialize_response", counting)
+    ckpt = Checkpoint(tiny_checkpoint)
+    local = {layer: ReferenceExperts(ckpt.config, ckpt.layer(layer), "cpu") for layer in (0, 1)}
+    gen = torch.Generator().manual_seed(12)
+    calls = []
+    for i, tokens in enumerate((1, 3, 200, 130)):  # 200 and 130 tokens: 51 and 33 KB combined outputs
+        calls.append((i % 2, torch.randn(tokens, 128, generator=gen).to(torch.bfloat16),
+                      torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)]).to(torch.int32),
+                      torch.softmax(torch.randn(tokens, 2, generator=gen), dim=1)))
+    with ServerThread(checkpoint=tiny_checkpoint, compute_worker="process", validate_checkpoint=False) as server:
+        with ExpertClient(server.address) as client:
+            unary = [client.forward(*c) for c in calls]
+            route_major = [client.forward(*c, output_mode="route_major") for c in calls]
+            with client.stream() as stream:
+                streamed = [f.result(60) for f in [stream.submit(*c) for c in calls]]
+    for (layer, x, ids, weights), *outs in zip(calls, unary, streamed, route_major):
+        want = local[layer].forward(x, ids, weights).float()
+        for out in outs[:2]:
+            assert float((out.float() - want).norm() / want.norm()) <= 1e-2
+        want_rm = local[layer].forward(x, ids, weights, output_mode="route_major").float()
+        assert float((outs[2].float() - want_rm).norm() / want_rm.norm()) <= 1e-2
+    assert len(spliced) == 3 * len(calls)
+    if splice_from == 0:
+        assert all(spliced)
+    else:  # 32 KB: the 130- and 200-token outputs (combined 33 and 51 KB, route-major 67 and 102 KB), whichever the RPC
+        assert spliced.count(True) == 3 * 2
+
+
 def test_server_with_several_batches_in_flight_to_a_compute_process(tiny_checkpoint: Path) -> None:
     """``batches_in_flight = 3``: the serving process hands batches over while earlier ones compute, the child takes
     every batch it finds queued (merging those of one layer), and each caller gets its own right answer."""
