@@ -116,8 +116,8 @@ def lenient_deserializer(message_class: type[Message]) -> Callable[[bytes], Any]
 
 SPLICE_OUTPUT_BYTES = 32 * 1024
 """Output bytes from which a response carries its output as a :class:`SplicedResponse`. Below it the message is built
-whole: for small outputs the splice's own Python work costs more than the copies it saves (CPU sandbox, one response
-built and serialized: 4 KB 3.5 us whole against 5.0 spliced; 64 KB 9.1 against 6.9; 512 KB 83 against 34)."""
+whole: for small outputs the splice's own Python work costs more than the copy it saves; the two cost the same near
+32 KB (``bench/response_splice.py``; bench/results/2026-12-07-response-splice-cpu.md)."""
 
 
 class SplicedResponse(NamedTuple):

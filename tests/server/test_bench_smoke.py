@@ -160,6 +160,14 @@ def test_layer_switch_bench_refuses_what_it_cannot_run(tmp_path: Path, bad: list
     assert not (tmp_path / "layer_switch.json").exists()
 
 
+def test_response_splice_bench_smoke() -> None:
+    """bench/response_splice.py: one row per size, each built whole and spliced (checked to parse alike), and which
+    way the servicer sends it."""
+    proc = _run_bench("response_splice.py", ["--tokens", "1,16", "--calls", "5"], timeout=120)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 16 |")]
+    assert len(rows) == 2 and rows[0].endswith("| whole |") and rows[1].endswith("| spliced |"), proc.stdout
+
+
 def test_graph_limit_bench_smoke(tmp_path: Path) -> None:
     """bench/graph_limit.py on the CPU (no graphs: every run eager): one row per (limit, size), split runs as cut."""
     out = tmp_path / "out"
