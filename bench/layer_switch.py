@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from repo_state import git_state  # noqa: E402 - bench/, beside this script
-from serving import SHAPES, make_checkpoint  # noqa: E402
+from serving import SHAPES, make_checkpoint, prepared_requests  # noqa: E402
 
 LAYERS = 8
 DISTINCT = 8  # distinct routings per layer ("distinct" mode)
@@ -40,19 +40,13 @@ GAP_MODES = ("sleep", "spin", "gpu")
 
 
 def _batches(engine: Any, shape: dict[str, int], tokens: int, layers: int, seed: int) -> dict[int, list[Any]]:
-    """``DISTINCT`` validated requests of ``tokens`` tokens per layer ``0 .. layers - 1``, each its own routing."""
+    """``DISTINCT`` validated requests of ``tokens`` tokens per layer ``0 .. layers - 1``, each its own routing
+    (:func:`serving.prepared_requests`' batches)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    out: dict[int, list[Any]] = {}
-    for layer in range(layers):
-        out[layer] = []
-        for _ in range(DISTINCT):
-            x = torch.randn(tokens, shape["hidden"], generator=gen).to(torch.bfloat16)
-            ids = torch.rand(tokens, shape["experts"], generator=gen).argsort(dim=1)[:, :shape["top_k"]].to(torch.int32)
-            w = torch.full((tokens, shape["top_k"]), 1.0 / shape["top_k"])
-            out[layer].append(engine.prepare(layer, x, ids, w))
-    return out
+    return {layer: prepared_requests(engine, shape, DISTINCT * tokens, gen, request_tokens=tokens, layer=layer)
+            for layer in range(layers)}
 
 
 def _time_calls(worker: Any, sequence: list[Any], seconds: float, gap_s: float, mode: str) -> dict[str, float]:

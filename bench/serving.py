@@ -207,8 +207,9 @@ def make_checkpoint(root: Path, shape_name: str, *, dtype: str, scale_mode: str,
 # ----------------------------------------------------------------------------- requests
 
 
-def prepared_requests(engine: Any, shape: dict[str, int], tokens: int, gen: Any, *, request_tokens: int = 16) -> list[Any]:
-    """``tokens // request_tokens`` (at least one) validated requests of ``request_tokens`` tokens for layer 0 of
+def prepared_requests(engine: Any, shape: dict[str, int], tokens: int, gen: Any, *, request_tokens: int = 16,
+                      layer: int = 0) -> list[Any]:
+    """``tokens // request_tokens`` (at least one) validated requests of ``request_tokens`` tokens for ``layer`` of
     ``engine``: normal hidden states, uniform random routing at the shape's top-k, equal weights (the in-process
     benches' batches)."""
     import torch
@@ -218,7 +219,7 @@ def prepared_requests(engine: Any, shape: dict[str, int], tokens: int, gen: Any,
         x = torch.randn(request_tokens, shape["hidden"], generator=gen).to(torch.bfloat16)
         ids = torch.rand(request_tokens, shape["experts"], generator=gen).argsort(dim=1)[:, :shape["top_k"]].to(torch.int32)
         w = torch.full((request_tokens, shape["top_k"]), 1.0 / shape["top_k"])
-        requests.append(engine.prepare(0, x, ids, w))
+        requests.append(engine.prepare(layer, x, ids, w))
     return requests
 
 
