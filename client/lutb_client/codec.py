@@ -228,8 +228,6 @@ def encode_tensor(tensor: torch.Tensor | WireTensor, out: pb.Tensor | None = Non
     return msg
 
 
-_TENSOR_DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
-_LENGTH_DELIMITED = 2  # protobuf wire type of bytes and embedded messages
 
 
 def _varint(value: int) -> bytes:
@@ -242,6 +240,11 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+_LENGTH_DELIMITED = 2  # protobuf wire type of bytes and embedded messages
+_DATA_TAG = _varint(pb.Tensor.DESCRIPTOR.fields_by_name["data"].number << 3 | _LENGTH_DELIMITED)
+"""The tag of ``lutb.v1.Tensor.data``, once (every spliced answer writes it)."""
+
+
 def tensor_field_parts(field_number: int, tensor: WireTensor) -> tuple[bytes, bytes]:
     """Field ``field_number`` of a message holding ``tensor`` as a ``lutb.v1.Tensor``, in wire form: two parts to
     append to the message's other serialized fields, the field's header (tag, length, dtype, shape, the data's tag
@@ -252,7 +255,7 @@ def tensor_field_parts(field_number: int, tensor: WireTensor) -> tuple[bytes, by
     again out of it (:func:`encode_tensor` then ``SerializeToString``). The server answers large outputs so.
     """
     head = pb.Tensor(dtype=to_proto_dtype(tensor.dtype), shape=tensor.shape).SerializeToString()
-    data_head = _varint(_TENSOR_DATA_FIELD << 3 | _LENGTH_DELIMITED) + _varint(len(tensor.data))
+    data_head = _DATA_TAG + _varint(len(tensor.data))
     length = len(head) + len(data_head) + len(tensor.data)
     return _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(length) + head + data_head, tensor.data
 
