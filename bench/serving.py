@@ -967,21 +967,29 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
 
 
 _COMPUTE_READY = re.compile(r"compute process (\d+) ready")
-_COMPUTE_DONE = re.compile(r"\[compute\]: done: (\d+) experts call\(s\) ran (\d+) batch\(es\) of (\d+) serving process")
+_COMPUTE_DONE = re.compile(r"\[compute\]: done: (\d+) experts call\(s\) ran (\d+) batch\(es\) of (\d+) serving process"
+                           r"(?:.*?; loop: calls ([\d.]+)%, answering ([\d.]+)%, reading or waiting ([\d.]+)%, other ([\d.]+)%)?")
 
 
 def compute_process_calls(log: Path) -> dict[str, float] | None:
     """From a server's log, the compute process's exit line (``--compute-worker process``): its experts calls, the
-    front-end batches they ran and the batches a call, over the server's whole run (warm-ups and every cell); None
-    where the log has no such line (a thread worker, or a server that did not stop cleanly)."""
+    front-end batches they ran and the batches a call, over the server's whole run (warm-ups and every cell), and
+    where the line has them (``LoopTimes``), the shares of its loop's time in calls, answering, reading or waiting,
+    and other work (``loop_shares``, percent); None where the log has no such line (a thread worker, or a server that
+    did not stop cleanly)."""
     try:
         found = _COMPUTE_DONE.findall(log.read_text(errors="replace"))
     except OSError:
         return None
     if not found:
         return None
-    calls, batches, front_ends = (int(v) for v in found[-1])
-    return {"calls": calls, "batches": batches, "front_ends": front_ends, "batches_per_call": round(batches / max(calls, 1), 2)}
+    last = found[-1]
+    calls, batches, front_ends = (int(v) for v in last[:3])
+    info: dict[str, Any] = {"calls": calls, "batches": batches, "front_ends": front_ends,
+                            "batches_per_call": round(batches / max(calls, 1), 2)}
+    if last[3]:
+        info["loop_shares"] = dict(zip(("calls", "answering", "reading_or_waiting", "other"), (float(v) for v in last[3:])))
+    return info
 
 
 def compute_thread_key(log: Path, compute_worker: str) -> str | None:

@@ -73,7 +73,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -363,18 +363,46 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 pass
         return
     inbox = _Inbox(connections, worker, ready, memory, spin_s=spec.spin_s)
+    times = LoopTimes()
     while inbox:
+        began = time.monotonic()
         inbox.read()
+        times.reading_s += time.monotonic() - began
         batches = inbox.pop()
-        _run_merged(worker, batches, inbox.memory, spec.max_batch_tokens, during=inbox.read_arrived)
+        _run_merged(worker, batches, inbox.memory, spec.max_batch_tokens, during=inbox.read_arrived, times=times)
         if batches:
             inbox.called()
         inbox.release_closed()  # after the call that may have written their arenas
         if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
             inbox.memory, memory_read = _gpu_memory(device), time.monotonic()
     inbox.release_closed()
-    log.info("done: %d experts call(s) ran %d batch(es) of %d serving process(es), %.2f a call",
-             worker.batches, inbox.received, len(connections), inbox.received / max(worker.batches, 1))
+    log.info("done: %d experts call(s) ran %d batch(es) of %d serving process(es), %.2f a call; %s",
+             worker.batches, inbox.received, len(connections), inbox.received / max(worker.batches, 1), times.summary())
+
+
+@dataclass
+class LoopTimes:
+    """Where the compute process's serving loop spent its time (seconds since the loop started): in experts calls
+    (``ComputeWorker.run``, its overlapped reading included), answering, and reading or waiting for batches between
+    calls; the rest (``other_s``) is the loop's own work. Logged when the process exits: the share outside calls
+    while batches were waiting is time the device idled between calls."""
+
+    calls_s: float = 0.0
+    answering_s: float = 0.0
+    reading_s: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, time.monotonic() - self.started - self.calls_s - self.answering_s - self.reading_s)
+
+    def summary(self) -> str:
+        """``loop: calls 81.0%, answering 3.2%, reading or waiting 14.1%, other 1.7% of 12.3 s``."""
+        wall = max(time.monotonic() - self.started, 1e-9)
+        shares = ", ".join(f"{name} {100 * seconds / wall:.1f}%" for name, seconds in (
+            ("calls", self.calls_s), ("answering", self.answering_s), ("reading or waiting", self.reading_s),
+            ("other", self.other_s)))
+        return f"loop: {shares} of {wall:.1f} s"
 
 
 _Batch = tuple[_Connection, int, PreparedRequest, "torch.Tensor | None"]
@@ -525,29 +553,37 @@ def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[l
 
 
 def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max_tokens: int,
-                during: Callable[[], None] | None = None) -> None:
+                during: Callable[[], None] | None = None, times: LoopTimes | None = None) -> None:
     """Run ``batches`` (up to ``batches_in_flight`` per serving process), merged by :func:`merge_groups`, and answer each;
     ``during`` runs while each call's device work runs (``ComputeWorker.run``'s ``overlap``).
 
     Outputs are written by the worker straight into their serving processes' output slots
     (``ComputeWorker.run(..., into=)``: a device copy into the page-locked arena, or one copy out of the pinned
-    staging); a batch without one is sent inline.
+    staging); a batch without one is sent inline. ``times`` (if given) gets the seconds spent in calls and answering.
     """
     for indexes in merge_groups([request for _, _, request, _ in batches], max_tokens):
         group = [batches[i] for i in indexes]
         call: BatchOutput | None
+        began = time.monotonic()
         try:
             call = worker.run([request for _, _, request, _ in group], [destination for *_, destination in group],
                               overlap=during)
             outputs: list[torch.Tensor | BaseException] = list(call.outputs)
         except Exception as exc:  # noqa: BLE001 - alone, each batch gets its own result or error
+            if times is not None:
+                times.calls_s += time.monotonic() - began
             if len(group) > 1:
                 for batch in group:
-                    _run_merged(worker, [batch], memory, max_tokens, during)
+                    _run_merged(worker, [batch], memory, max_tokens, during, times)
                 continue
             call, outputs = None, [exc]
+        answering = time.monotonic()
         for (c, job, _, destination), output in zip(group, outputs):
             _answer(c, job, output, call, destination is not None, memory)
+        if times is not None:
+            if call is not None:
+                times.calls_s += answering - began
+            times.answering_s += time.monotonic() - answering
 
 
 def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, written: bool,

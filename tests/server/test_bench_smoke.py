@@ -376,6 +376,16 @@ def test_compute_process_calls_read_from_the_server_log(tmp_path: Path, monkeypa
     done = "2026-12-06 05:23:32,075 INFO lutb_server.worker_process [compute]: done: {} experts call(s) ran {} batch(es) of 8 serving process(es), x a call\n"
     log.write_text("[server] SERVING\n" + done.format(3, 4) + done.format(5466, 14824))
     assert serving.compute_process_calls(log) == {"calls": 5466, "batches": 14824, "front_ends": 8, "batches_per_call": 2.71}
+    from lutb_server.worker_process import LoopTimes
+
+    times = LoopTimes(calls_s=0.0, answering_s=0.0, reading_s=0.0)
+    line = done.format(7, 21).replace("x a call", f"3.00 a call; {times.summary()}")
+    log.write_text(line)
+    read = serving.compute_process_calls(log)
+    assert read is not None and read["calls"] == 7 and set(read["loop_shares"]) == {"calls", "answering", "reading_or_waiting", "other"}
+    line = done.format(7, 21).replace("x a call", "3.00 a call; loop: calls 81.5%, answering 3.2%, reading or waiting 14.1%, other 1.2% of 12.3 s")
+    log.write_text(line)
+    assert serving.compute_process_calls(log)["loop_shares"] == {"calls": 81.5, "answering": 3.2, "reading_or_waiting": 14.1, "other": 1.2}
     log.write_text("[server] SERVING\n[server] stopped\n")  # a thread worker's log
     assert serving.compute_process_calls(log) is None
     assert serving.compute_process_calls(tmp_path / "absent.log") is None

@@ -774,6 +774,38 @@ def test_the_next_batches_are_read_while_a_call_runs(monkeypatch: pytest.MonkeyP
     assert events == ["call 2", "read", "call 1", "read", "answer 3", "call 1", "read", "answer 4"]
 
 
+def test_loop_times_count_calls_and_answers_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_run_merged(times=)`` adds each call's seconds (a failed merged call's too) to ``calls_s`` and the answers'
+    to ``answering_s``; the exit line's shares add up to the loop's time."""
+    from lutb_server import worker_process
+    from lutb_server.worker import BatchOutput
+
+    monkeypatch.setattr(worker_process, "_answer", lambda *args: time.sleep(0.02))
+
+    class Worker:
+        def run(self, requests, into, *, overlap=None):
+            time.sleep(0.05)
+            if len(requests) > 1 and any(r.layer == 9 for r in requests):
+                raise ValueError("a bad batch in the merged call")
+            return BatchOutput([torch.zeros(r.tokens, 4) for r in requests], 0.05, sum(r.tokens for r in requests))
+
+    def batch(job: int, layer: int):
+        request = PreparedRequest(layer, torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
+                                  False, "combined")
+        return (f"front end {job}", job, request, None)
+
+    times = worker_process.LoopTimes()
+    worker_process._run_merged(Worker(), [batch(1, 0), batch(2, 0)], (0, 0), 0, None, times)
+    assert 0.05 <= times.calls_s < 0.09 and 0.04 <= times.answering_s < 0.08  # one call, two answers
+    times = worker_process.LoopTimes()
+    worker_process._run_merged(Worker(), [batch(3, 9), batch(4, 9)], (0, 0), 0, None, times)  # fails merged, then alone
+    assert 0.15 <= times.calls_s < 0.22 and 0.04 <= times.answering_s < 0.08
+    time.sleep(0.01)  # the loop's own work
+    summary = times.summary()
+    shares = [float(part.split()[-1].rstrip("%")) for part in summary.removeprefix("loop: ").split(" of ")[0].split(", ")]
+    assert summary.startswith("loop: calls ") and len(shares) == 4 and abs(sum(shares) - 100) < 0.5
+
+
 def _starting_thread(worker: ProcessComputeWorker, *, daemon: bool) -> tuple[threading.Thread, list[BaseException | None]]:
     """A thread (not started) that runs ``worker.start()``, and the list that gets its outcome: None, or what it raised."""
     outcome: list[BaseException | None] = []
