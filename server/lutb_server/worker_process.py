@@ -454,7 +454,8 @@ class _Inbox:
 
     def called(self) -> None:
         """A call has run: the next :meth:`read` polls for up to ``spin_s`` from now before it sleeps."""
-        self._spun_until = time.monotonic() + self._spin_s
+        if self._spin_s:
+            self._spun_until = time.monotonic() + self._spin_s
 
     def _poll(self) -> list[_Connection]:
         """The connections readable before the poll's end (none once it is over: the caller then blocks)."""
