@@ -806,6 +806,70 @@ def test_loop_times_count_calls_and_answers_apart(monkeypatch: pytest.MonkeyPatc
     assert summary.startswith("loop: calls ") and len(shares) == 4 and abs(sum(shares) - 100) < 0.5
 
 
+def test_a_calls_answers_go_while_the_next_call_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compute process's loop (``_serve``) answers a call's batches during the next call's device work when
+    batches for it were read by the time the call ended, and at once when none were (so a lone caller waits for
+    nothing); every batch is answered exactly once, the last ones when the serving processes have left."""
+    from lutb_server import worker_process
+    from lutb_server.worker import BatchOutput
+
+    events: list[str] = []
+    monkeypatch.setattr(worker_process, "_answer",
+                        lambda c, job, output, call, written, memory: events.append(f"answer {job}"))
+
+    def batch(job: int):
+        request = PreparedRequest(0, torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1),
+                                  False, "combined")
+        return ("front end", job, request, None)
+
+    class Inbox:
+        """Rounds of arrivals: batches 1 and 2 read before the first call, 3 while it runs, nothing while 3's call
+        runs, then 4 (read by a blocking read), then the serving processes leave."""
+
+        def __init__(self) -> None:
+            self.ahead, self.closed, self.memory = [], [], (0, 0)
+            self._reads = [[batch(1), batch(2)], [], [batch(4)]]
+            self._during = [[batch(3)], [], []]
+
+        def __bool__(self) -> bool:
+            return bool(self._reads or self.ahead)
+
+        def read(self) -> None:
+            if not self.ahead:
+                events.append("wait")
+                self.ahead += self._reads.pop(0)
+
+        def read_arrived(self) -> None:
+            self.ahead += self._during.pop(0)
+
+        def pop(self):
+            batches, self.ahead = self.ahead, []
+            return batches
+
+        def called(self) -> None:
+            pass
+
+        def release_closed(self) -> None:
+            pass
+
+    class Worker:
+        def run(self, requests, into, *, overlap=None):
+            events.append(f"call {len(requests)}")
+            overlap()
+            events.append("synced")
+            return BatchOutput([torch.zeros(r.tokens, 4) for r in requests], 0.001, sum(r.tokens for r in requests))
+
+    times = worker_process._serve(Inbox(), Worker(), 0, lambda: None)
+    assert events == [
+        "wait", "call 2", "synced",  # batch 3 came during the call: its answers wait for the next call
+        "call 1", "answer 1", "answer 2", "synced",  # answered while batch 3's call runs
+        "answer 3",  # nothing read by the end of that call: at once, before the read that waits
+        "wait",  # an empty round (nothing came)
+        "wait", "call 1", "synced", "answer 4",  # the last answer, before the loop ends
+    ]
+    assert times.calls_s > 0 and times.answering_s >= 0
+
+
 def _starting_thread(worker: ProcessComputeWorker, *, daemon: bool) -> tuple[threading.Thread, list[BaseException | None]]:
     """A thread (not started) that runs ``worker.start()``, and the list that gets its outcome: None, or what it raised."""
     outcome: list[BaseException | None] = []
