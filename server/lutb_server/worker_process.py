@@ -51,8 +51,7 @@ gRPC server): :func:`spawn_compute_process` gives one socket per front end, and 
 the batches that reach it together from several front ends as one call when they share a pool key.
 While a call runs on the device (after its work is queued, before the wait) the child reads the batches that
 have arrived meanwhile, the next call's, so reading and unpacking them is off the path between two calls
-(``ComputeWorker.run(..., overlap=)``; bench/results/2026-12-06-receive-during-call.md). For the same reason a call's
-answers go while the next call runs, when one is ready to start by then (:class:`_Answers`); else at once.
+(``ComputeWorker.run(..., overlap=)``; bench/results/2026-12-06-receive-during-call.md).
 
 If the child dies, every pending and later batch fails with :class:`ComputeWorkerGone`.
 """
@@ -364,52 +363,21 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
                 pass
         return
     inbox = _Inbox(connections, worker, ready, memory, spin_s=spec.spin_s)
-
-    def read_memory() -> tuple[int, int]:
-        nonlocal memory_read
-        memory_read = time.monotonic()
-        return _gpu_memory(device)
-
-    times = _serve(inbox, worker, spec.max_batch_tokens,
-                   lambda: read_memory() if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S else None)
-    log.info("done: %d experts call(s) ran %d batch(es) of %d serving process(es), %.2f a call; %s",
-             worker.batches, inbox.received, len(connections), inbox.received / max(worker.batches, 1), times.summary())
-
-
-def _serve(inbox: _Inbox, worker: Any, max_tokens: int, memory_now: Callable[[], tuple[int, int] | None]) -> LoopTimes:
-    """The compute process's loop, until no serving process is left: read batches (waiting while there are none), run
-    them (:func:`_run_merged`), answer them; ``memory_now()`` after each round gives fresh GPU memory figures for the
-    answers, or None to keep the last. Returns where the loop's time went.
-
-    A call's answers go while the device runs the next call, when batches for one were read by the time the call
-    ended (:class:`_Answers`), else at once.
-    """
     times = LoopTimes()
-    answers = _Answers()
-
-    def during_call() -> None:  # the device runs a call: answer the last one, read the next batches
-        answers.send()
-        inbox.read_arrived()
-
     while inbox:
-        if answers and (not inbox.ahead or inbox.closed):  # no call to start now (or a front end leaving): answer
-            began = time.monotonic()
-            answers.send()
-            times.answering_s += time.monotonic() - began
-        inbox.release_closed()  # no call runs now that may still write their arenas, and their answers are out
         began = time.monotonic()
         inbox.read()
         times.reading_s += time.monotonic() - began
         batches = inbox.pop()
-        _run_merged(worker, batches, inbox.memory, max_tokens, during=during_call, times=times, answer=answers.add)
+        _run_merged(worker, batches, inbox.memory, spec.max_batch_tokens, during=inbox.read_arrived, times=times)
         if batches:
             inbox.called()
-        memory = memory_now()  # between rounds, after the call: off its batches' latency
-        if memory is not None:
-            inbox.memory = memory
-    answers.send()
+        inbox.release_closed()  # after the call that may have written their arenas
+        if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
+            inbox.memory, memory_read = _gpu_memory(device), time.monotonic()
     inbox.release_closed()
-    return times
+    log.info("done: %d experts call(s) ran %d batch(es) of %d serving process(es), %.2f a call; %s",
+             worker.batches, inbox.received, len(connections), inbox.received / max(worker.batches, 1), times.summary())
 
 
 @dataclass
@@ -585,44 +553,15 @@ def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[l
     return groups
 
 
-class _Answers:
-    """Answers held back from the end of one call to the device work of the next (:func:`_child_main`).
-
-    The compute process answers a call's batches while the device runs the next call, when one is ready to start: the
-    answers' pickling and socket writes (one per front-end batch) then no longer keep the device idle between two
-    calls. Without a next call ready they go at once, so a lone caller's answer is not held.
-    """
-
-    def __init__(self) -> None:
-        self._held: list[tuple[_Connection, int, torch.Tensor | BaseException, BatchOutput | None, bool, tuple[int, int]]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self._held)
-
-    def add(self, c: _Connection, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None,
-            written: bool, memory: tuple[int, int]) -> None:
-        """Hold one batch's answer (:func:`_answer`'s arguments) until :meth:`send`."""
-        self._held.append((c, job, output, call, written, memory))
-
-    def send(self) -> None:
-        """Send every held answer, in the order they came."""
-        held, self._held = self._held, []
-        for answer in held:
-            _answer(*answer)
-
-
 def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max_tokens: int,
-                during: Callable[[], None] | None = None, times: LoopTimes | None = None,
-                answer: Callable[..., None] | None = None) -> None:
+                during: Callable[[], None] | None = None, times: LoopTimes | None = None) -> None:
     """Run ``batches`` (up to ``batches_in_flight`` per serving process), merged by :func:`merge_groups`, and answer each;
     ``during`` runs while each call's device work runs (``ComputeWorker.run``'s ``overlap``).
 
     Outputs are written by the worker straight into their serving processes' output slots
     (``ComputeWorker.run(..., into=)``: a device copy into the page-locked arena, or one copy out of the pinned
-    staging); a batch without one is sent inline. ``times`` (if given) gets the seconds spent in calls and answering;
-    ``answer`` (default: :func:`_answer`, at once) takes each batch's answer, e.g. :meth:`_Answers.add` to send it later.
+    staging); a batch without one is sent inline. ``times`` (if given) gets the seconds spent in calls and answering.
     """
-    answer = answer or _answer
     for indexes in merge_groups([request for _, _, request, _ in batches], max_tokens):
         group = [batches[i] for i in indexes]
         call: BatchOutput | None
@@ -636,12 +575,12 @@ def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max
                 times.calls_s += time.monotonic() - began
             if len(group) > 1:
                 for batch in group:
-                    _run_merged(worker, [batch], memory, max_tokens, during, times, answer)
+                    _run_merged(worker, [batch], memory, max_tokens, during, times)
                 continue
             call, outputs = None, [exc]
         answering = time.monotonic()
         for (c, job, _, destination), output in zip(group, outputs):
-            answer(c, job, output, call, destination is not None, memory)
+            _answer(c, job, output, call, destination is not None, memory)
         if times is not None:
             if call is not None:
                 times.calls_s += answering - began
