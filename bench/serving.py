@@ -994,15 +994,16 @@ def compute_process_calls(log: Path) -> dict[str, float] | None:
 
 def compute_thread_key(log: Path, compute_worker: str) -> str | None:
     """The ``thread_busy`` key (:class:`CpuMeter`) of the thread that runs the experts calls: the thread worker
-    (``root/lutb-compute``), or the compute process's main thread (``pid N/main``, N from the server log's ready
-    line); None where the log does not say."""
+    (``root/lutb-compute``), or the compute process's main thread (``pid N/main``, N from the server log's last ready
+    line: a log reused by another run into the same ``--out`` holds each server's, appended); None where the log does
+    not say."""
     if compute_worker == "thread":
         return "root/lutb-compute"
     try:
         found = _COMPUTE_READY.findall(log.read_text(errors="replace"))
     except OSError:
         return None
-    return f"pid {found[0]}/main" if found else None
+    return f"pid {found[-1]}/main" if found else None
 
 
 def _targets(row: Row) -> None:

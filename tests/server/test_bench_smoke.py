@@ -401,6 +401,10 @@ def test_saturation_says_where_tokens_stop_growing_and_the_compute_side_is_busy(
     log.write_text("[server] x lutb_server.worker_process compute process 4242 ready: backend packed\n"
                    "INFO lutb_server.worker_process [front end 1]: compute process (shared) ready: backend packed\n")
     assert serving.compute_thread_key(log, "process") == "pid 4242/main"
+    with log.open("a") as fh:  # another run into the same --out: its server's lines are appended
+        fh.write("[server] x lutb_server.worker_process compute process 5151 ready: backend packed\n")
+    assert serving.compute_thread_key(log, "process") == "pid 5151/main"
+    log.write_text("[server] x lutb_server.worker_process compute process 4242 ready: backend packed\n")
     assert serving.compute_thread_key(log, "thread") == "root/lutb-compute"
     assert serving.compute_thread_key(tmp_path / "missing.log", "process") is None
     key = "pid 4242/main"
