@@ -389,6 +389,7 @@ class ExpertServer:
             dtype=engine.config.dtype, activation=engine.config.activation, content_hash=engine.content_hash,
             weight_bytes=weight_bytes, gpu_memory=gpu_memory,
             inline_batches=(lambda: worker.inline_batches) if isinstance(worker, ProcessComputeWorker) else None,
+            compute_loop=worker.loop_totals if isinstance(worker, ProcessComputeWorker) else None,
         )
         self.servicer.bind(engine, scheduler, front_end=self.front_end[0], front_ends=self.front_end[1],
                            instance_id=self.instance_id)

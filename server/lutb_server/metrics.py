@@ -33,6 +33,11 @@ lutb_expert_tokens_total                 counter   layer, expert                
 lutb_compute_batches_inline_total        counter                                         batches sent to the compute process through its
                                                                                          socket: the shared arena had no room (process
                                                                                          worker only; should stay near 0)
+lutb_compute_calls_total                 counter                                         experts calls the compute process ran (process
+                                                                                         worker only; as of its last answer)
+lutb_compute_loop_seconds_total          counter   phase                                 the compute process's time: calls, answering,
+                                                                                         reading_or_waiting, other (process worker only;
+                                                                                         as of its last answer)
 process_cpu_seconds_total, process_*     (various)                                       this serving process: CPU, memory, open files
                                                                                          (prometheus_client's ProcessCollector; Linux)
 ======================================== ========= ===================================== ===========================================
@@ -106,6 +111,28 @@ class _InlineBatchesCollector(Collector):
                                   "socket because the shared arena had no room", value=float(self.read()))
 
 
+class _ComputeLoopCollector(Collector):
+    """Reports at scrape time the compute process's experts calls and its loop's seconds by phase, as its last answer
+    carried them: ``read() -> (calls, calls_s, answering_s, reading_or_waiting_s, other_s)``
+    (``lutb_server.worker_process.LoopTotals``)."""
+
+    PHASES = ("calls", "answering", "reading_or_waiting", "other")
+
+    def __init__(self, read: Callable[[], tuple[int, float, float, float, float]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        calls, *seconds = self.read()
+        yield CounterMetricFamily("lutb_compute_calls", "Experts calls the compute process ran (as of its last answer)",
+                                  value=float(calls))
+        loop = CounterMetricFamily("lutb_compute_loop_seconds", "The compute process's time by phase of its loop: in "
+                                   "experts calls, answering, reading or waiting for batches, other (as of its last "
+                                   "answer)", labels=["phase"])
+        for phase, value in zip(self.PHASES, seconds):
+            loop.add_metric([phase], float(value))
+        yield loop
+
+
 def torch_gpu_memory(device: str) -> Callable[[], tuple[int, int]]:
     """``read()`` for :class:`_GpuMemoryCollector`: this process's torch allocator on ``device``."""
 
@@ -174,13 +201,16 @@ class ServerMetrics:
 
     def describe_backend(self, *, backend: str, device: str, compute_capability: str, dtype: str, activation: str,
                          content_hash: str, weight_bytes: int, gpu_memory: Callable[[], tuple[int, int]] | None = None,
-                         inline_batches: Callable[[], int] | None = None) -> None:
+                         inline_batches: Callable[[], int] | None = None,
+                         compute_loop: Callable[[], tuple[int, float, float, float, float]] | None = None) -> None:
         """Set the backend info and weight gauge; add the GPU memory gauges on a CUDA device.
 
         ``gpu_memory() -> (allocated, reserved)`` bytes: where the device's memory is counted
         (default: this process's torch allocator; a compute process reports its own).
         ``inline_batches()``: the compute process worker's count of batches sent inline
         (``lutb_compute_batches_inline_total``); None: no such worker, no metric.
+        ``compute_loop()``: the compute process's ``(calls, calls_s, answering_s, reading_or_waiting_s, other_s)``
+        (``lutb_compute_calls_total``, ``lutb_compute_loop_seconds_total``); None: no compute process, no metrics.
         """
         self.backend_info.info({
             "backend": backend, "device": device, "compute_capability": compute_capability or "none",
@@ -191,6 +221,8 @@ class ServerMetrics:
             self.registry.register(_GpuMemoryCollector(device, gpu_memory or torch_gpu_memory(device)))
         if inline_batches is not None:
             self.registry.register(_InlineBatchesCollector(inline_batches))
+        if compute_loop is not None:
+            self.registry.register(_ComputeLoopCollector(compute_loop))
 
     def serve(self, host: str, port: int, *, other_front_ends: list[int] | None = None) -> int:
         """Serve ``/metrics`` over HTTP on ``host:port`` in a daemon thread; returns the bound port.

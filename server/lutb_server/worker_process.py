@@ -37,14 +37,15 @@ batch's frame in one ``recv``); a tensor is a slot tuple or a codec message:
   ``x_scales`` and ``x_dtype`` (a dtype's name) None unless the batch is MXFP8 carried to the device
   (:class:`~lutb_server.engine.PreparedRequest`), and ``output_slot`` where the child writes the batch's output
   (None: send it inline); ``None`` to stop;
-- child -> parent: ``(job, output, seconds, call_tokens, path, started, gpu_memory)`` or ``(job, exception, 0.0,
-  0, "", None, gpu_memory)``, ``output`` None when it is in the output slot, else a codec message (the serving
+- child -> parent: ``(job, output, seconds, call_tokens, path, started, status)`` or ``(job, exception, 0.0,
+  0, "", None, status)``, ``output`` None when it is in the output slot, else a codec message (the serving
   process splits it back per request), ``call_tokens`` the tokens of the call that ran the batch
   (more than its own when merged with other front ends' batches), ``path`` how it ran
   (:attr:`~lutb_server.worker.BatchOutput.path`), ``started`` the call's ``time.monotonic()`` start;
-  ``gpu_memory`` the child's ``(allocated, reserved)`` CUDA allocator bytes as last read (the
-  child reads them at most every :data:`GPU_MEMORY_PERIOD_S`, after answering, off the batch's
-  critical path: a reading builds two ``torch.cuda.memory_stats`` dictionaries).
+  ``status`` the child's figures for the metrics as last read: ``(allocated, reserved)`` CUDA allocator bytes, then
+  its experts calls so far and its loop's seconds (:class:`LoopTotals`). The child reads them at most every
+  :data:`STATUS_PERIOD_S`, after answering, off the batch's critical path (a memory reading builds two
+  ``torch.cuda.memory_stats`` dictionaries).
 
 One compute process can serve several serving processes (front ends, each its own event loop and
 gRPC server): :func:`spawn_compute_process` gives one socket per front end, and the child runs
@@ -75,7 +76,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -88,8 +89,9 @@ from lutb_server.worker import BatchOutput, running_loop
 
 log = logging.getLogger(__name__)
 
-GPU_MEMORY_PERIOD_S = 1.0
-"""Seconds between the child's readings of its allocator (what the metrics show, at most this old)."""
+STATUS_PERIOD_S = 1.0
+"""Seconds between the child's readings of its allocator and loop totals (what the metrics show: at most this old
+when batches flow)."""
 
 DEFAULT_ARENA_BYTES = 64 << 20
 """Shared memory for batches in flight when the caller does not size it (the server does:
@@ -297,14 +299,14 @@ class _Connection:
         return self.arena.view(slot)
 
     def answer(self, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, written: bool,
-               memory: tuple[int, int]) -> None:
+               status: tuple) -> None:
         """Send ``output``: this batch's part of ``call`` (the merged call that ran it; ``written``: it is in the
-        batch's output slot already), or, with ``call`` None, its exception."""
+        batch's output slot already), or, with ``call`` None, its exception; ``status`` as the module docstring says."""
         if call is None:
-            message = (job, _picklable(output), 0.0, 0, "", None, memory)  # type: ignore[arg-type]
+            message = (job, _picklable(output), 0.0, 0, "", None, status)  # type: ignore[arg-type]
         else:
             message = (job, None if written else encode_tensor(output), call.seconds, call.call_tokens, call.path,  # type: ignore[arg-type]
-                       call.started, memory)
+                       call.started, status)
         _send(self.sock, message)
 
 
@@ -352,7 +354,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
         graphs_s = worker.capture_graphs()
         warm_up_s = worker.warm_up(spec.warm_up_tokens) if spec.warm_up_tokens else 0.0
         log.info("%s", settle_gc())
-        memory, memory_read = _gpu_memory(device), time.monotonic()
+        memory, status_read = _gpu_memory(device), time.monotonic()
         ready = ("ready", {"weight_bytes": engine.weight_bytes, "backend": engine.backend.name,
                            "graphs_s": graphs_s, "warm_up_s": warm_up_s, "gpu_memory": memory})
     except BaseException as exc:  # noqa: BLE001 - reported to the serving processes, which raise it
@@ -362,22 +364,34 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
             except OSError:
                 pass
         return
-    inbox = _Inbox(connections, worker, ready, memory, spin_s=spec.spin_s)
     times = LoopTimes()
+    inbox = _Inbox(connections, worker, ready, memory + times.totals(0), spin_s=spec.spin_s)
     while inbox:
         began = time.monotonic()
         inbox.read()
         times.reading_s += time.monotonic() - began
         batches = inbox.pop()
-        _run_merged(worker, batches, inbox.memory, spec.max_batch_tokens, during=inbox.read_arrived, times=times)
+        _run_merged(worker, batches, inbox.status, spec.max_batch_tokens, during=inbox.read_arrived, times=times)
         if batches:
             inbox.called()
         inbox.release_closed()  # after the call that may have written their arenas
-        if time.monotonic() - memory_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
-            inbox.memory, memory_read = _gpu_memory(device), time.monotonic()
+        if time.monotonic() - status_read >= STATUS_PERIOD_S:  # after answering: off the batches' latency
+            inbox.status, status_read = _gpu_memory(device) + times.totals(worker.batches), time.monotonic()
     inbox.release_closed()
     log.info("done: %d experts call(s) ran %d batch(es) of %d serving process(es), %.2f a call; %s",
              worker.batches, inbox.received, len(connections), inbox.received / max(worker.batches, 1), times.summary())
+
+
+class LoopTotals(NamedTuple):
+    """A compute process's experts calls so far and its loop's seconds by phase (:class:`LoopTimes`), as the serving
+    processes export them (``lutb_compute_calls_total``, ``lutb_compute_loop_seconds_total``). It travels inside an
+    answer's ``status`` as its last five numbers (a NamedTuple is a tuple: ``memory + totals`` is a plain one)."""
+
+    calls: int
+    calls_s: float
+    answering_s: float
+    reading_or_waiting_s: float
+    other_s: float
 
 
 @dataclass
@@ -395,6 +409,10 @@ class LoopTimes:
     @property
     def other_s(self) -> float:
         return max(0.0, time.monotonic() - self.started - self.calls_s - self.answering_s - self.reading_s)
+
+    def totals(self, calls: int) -> LoopTotals:
+        """The loop's figures now, with ``calls`` experts calls run (what the metrics export)."""
+        return LoopTotals(calls, self.calls_s, self.answering_s, self.reading_s, self.other_s)
 
     def summary(self) -> str:
         """``loop: calls 81.0%, answering 3.2%, reading or waiting 14.1%, other 1.7% of 12.3 s``."""
@@ -420,14 +438,14 @@ class _Inbox:
     have several batches in flight: ``batches_in_flight``).
     """
 
-    def __init__(self, connections: list[_Connection], worker: Any, ready: object, memory: tuple[int, int] = (0, 0),
+    def __init__(self, connections: list[_Connection], worker: Any, ready: object, status: tuple = (0, 0),
                  spin_s: float = 0.0) -> None:
         self.waiting = list(connections)  # before the handshake: front ends start in any order
         self.open: list[_Connection] = []
         self.ahead: list[_Batch] = []
         self.closed: list[_Connection] = []
         self.received = 0  # batches read (worker.batches counts the calls that ran them)
-        self.memory = memory  # the GPU memory figures every answer carries, as last read (the loop updates them)
+        self.status = status  # the figures every answer carries, as last read (the loop updates them)
         self._worker = worker
         self._ready = ready
         self._spin_s = spin_s
@@ -531,7 +549,7 @@ class _Inbox:
                                       None if scales is None else c.tensor(scales), None if dtype is None else getattr(torch, dtype))
             destination = c.destination(out_slot, request)
         except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
-            _answer(c, job, exc, None, False, self.memory)
+            _answer(c, job, exc, None, False, self.status)
             return
         self.ahead.append((c, job, request, destination))
         self.received += 1
@@ -553,7 +571,7 @@ def merge_groups(requests: Sequence[PreparedRequest], max_tokens: int) -> list[l
     return groups
 
 
-def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max_tokens: int,
+def _run_merged(worker: Any, batches: list[_Batch], status: tuple, max_tokens: int,
                 during: Callable[[], None] | None = None, times: LoopTimes | None = None) -> None:
     """Run ``batches`` (up to ``batches_in_flight`` per serving process), merged by :func:`merge_groups`, and answer each;
     ``during`` runs while each call's device work runs (``ComputeWorker.run``'s ``overlap``).
@@ -575,12 +593,12 @@ def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max
                 times.calls_s += time.monotonic() - began
             if len(group) > 1:
                 for batch in group:
-                    _run_merged(worker, [batch], memory, max_tokens, during, times)
+                    _run_merged(worker, [batch], status, max_tokens, during, times)
                 continue
             call, outputs = None, [exc]
         answering = time.monotonic()
         for (c, job, _, destination), output in zip(group, outputs):
-            _answer(c, job, output, call, destination is not None, memory)
+            _answer(c, job, output, call, destination is not None, status)
         if times is not None:
             if call is not None:
                 times.calls_s += answering - began
@@ -588,9 +606,9 @@ def _run_merged(worker: Any, batches: list[_Batch], memory: tuple[int, int], max
 
 
 def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, written: bool,
-            memory: tuple[int, int]) -> None:
+            status: tuple) -> None:
     try:
-        c.answer(job, output, call, written, memory)
+        c.answer(job, output, call, written, status)
     except OSError:
         pass  # that serving process is gone; its socket reads EOF next round
 
@@ -679,7 +697,7 @@ class ProcessComputeWorker:
         """Batches that travelled through the socket because the arena had no room (or is off)."""
         self._jobs = itertools.count()
         self._gone: ComputeWorkerGone | None = None
-        self._gpu_memory: tuple[int, int] = (0, 0)
+        self._status: tuple = (0, 0) + LoopTotals(0, 0.0, 0.0, 0.0, 0.0)
 
     @property
     def weight_bytes(self) -> int:
@@ -687,8 +705,14 @@ class ProcessComputeWorker:
         return int(self.info.get("weight_bytes", 0))
 
     def gpu_memory(self) -> tuple[int, int]:
-        """The child's ``(allocated, reserved)`` CUDA allocator bytes, at most ~1 s old (for the metrics)."""
-        return self._gpu_memory
+        """The child's ``(allocated, reserved)`` CUDA allocator bytes, at most ~1 s old while batches flow (for the
+        metrics)."""
+        return self._status[0], self._status[1]
+
+    def loop_totals(self) -> LoopTotals:
+        """The child's experts calls and its loop's seconds by phase, as of its last answer (at most ~1 s old while
+        batches flow; unchanged while none is answered; for the metrics)."""
+        return LoopTotals(*self._status[2:])
 
     def start(self) -> ProcessComputeWorker:
         """Connect (spawning the compute process unless given a connection) and wait until the child
@@ -737,7 +761,8 @@ class ProcessComputeWorker:
                 code = process.exitcode if process is not None else "unknown"
                 raise ComputeWorkerGone(f"the compute process exited while starting (exit code {code})")
             raise payload
-        self.info, self._gpu_memory, self._arena, self._started = payload, payload["gpu_memory"], arena, True
+        self.info, self._arena, self._started = payload, arena, True
+        self._status = tuple(payload["gpu_memory"]) + LoopTotals(0, 0.0, 0.0, 0.0, 0.0)
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             self._loop_thread = threading.Thread(target=self._loop.run_forever, name="lutb-compute-io", daemon=True)
@@ -867,7 +892,7 @@ class ProcessComputeWorker:
             transport.write(part)
 
     def _on_answer(self, message: Any) -> None:
-        job, result, seconds, call_tokens, path, started, self._gpu_memory = message
+        job, result, seconds, call_tokens, path, started, self._status = message
         with self._lock:
             entry = self._pending.pop(job, None)
         if entry is None:
@@ -945,5 +970,5 @@ def _batch_shapes(first: PreparedRequest, tokens: int) -> list[tuple[torch.dtype
     return shapes + [(first.dtype, (tokens, k, hidden) if first.output_mode == "route_major" else (tokens, hidden))]
 
 
-__all__ = ["DEFAULT_ARENA_BYTES", "GPU_MEMORY_PERIOD_S", "ComputeWorkerGone", "ProcessComputeWorker", "WorkerSpec", "merge_groups",
+__all__ = ["DEFAULT_ARENA_BYTES", "STATUS_PERIOD_S", "ComputeWorkerGone", "LoopTimes", "LoopTotals", "ProcessComputeWorker", "WorkerSpec", "merge_groups",
            "spawn_compute_process"]

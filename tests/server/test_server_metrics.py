@@ -17,6 +17,7 @@ from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_client.codec import encode_tensor
 from lutb_server.testing import ServerThread, free_port
+from lutb_server.worker_process import STATUS_PERIOD_S
 
 HIDDEN = 128
 
@@ -89,6 +90,7 @@ def test_metrics_count_the_calls(tiny_checkpoint: Path) -> None:
     assert len(info) == 1 and dict(info[0])["backend"] == "reference" and dict(info[0])["device"] == "cpu"
     assert not any(name.startswith("lutb_gpu_memory") for name, _ in samples)  # CPU: no GPU gauges
     assert not any(name.startswith("lutb_compute_batches_inline") for name, _ in samples)  # worker thread: no arena
+    assert not any(name.startswith(("lutb_compute_calls", "lutb_compute_loop")) for name, _ in samples)  # nor a process
     if sys.platform.startswith("linux"):  # the serving process's own (ProcessCollector reads /proc)
         assert _get(samples, "process_cpu_seconds_total") > 0 and _get(samples, "process_resident_memory_bytes") > 0
 
@@ -104,8 +106,16 @@ def test_batches_the_arena_cannot_hold_are_counted(tiny_checkpoint: Path) -> Non
             assert _get(_scrape(port), "lutb_compute_batches_inline_total") == 0
             client.forward(0, *_batch(64, 2))  # 64 tokens > (1 + 1) x 4: inline
             client.forward(0, *_batch(3, 3))
+            time.sleep(STATUS_PERIOD_S + 0.1)  # the compute process reads its totals after a round at most this often
+            client.forward(0, *_batch(3, 4))  # (the round that reads them)
+            client.forward(0, *_batch(3, 5))  # (its answer carries them)
         samples = _scrape(port)
     assert _get(samples, "lutb_compute_batches_inline_total") == 1
+    calls = _get(samples, "lutb_compute_calls_total")
+    assert calls == 4  # read after the fourth call's round, carried by the fifth call's answer
+    phases = {p: _get(samples, "lutb_compute_loop_seconds_total", phase=p) for p in ("calls", "answering", "reading_or_waiting", "other")}
+    assert phases["calls"] > 0 and phases["reading_or_waiting"] >= STATUS_PERIOD_S  # it waited through the sleep
+    assert all(v >= 0 for v in phases.values())
 
 
 def _big_route_major(request_id: int) -> pb.ForwardRequest:
@@ -193,6 +203,27 @@ def test_gpu_memory_gauges_read_where_the_device_is_used() -> None:
     cpu.describe_backend(backend="reference", device="cpu", compute_capability="", dtype="bfloat16", activation="silu",
                          content_hash="sha256:0", weight_bytes=3)
     assert cpu.registry.get_sample_value("lutb_gpu_memory_allocated_bytes", {"device": "cpu"}) is None
+
+
+def test_compute_loop_counters_read_the_compute_process_report() -> None:
+    """With a compute process the calls and loop-seconds counters read its last report at scrape time; without one
+    they are absent."""
+    from lutb_server.metrics import ServerMetrics
+
+    reported = [(3, 0.5, 0.01, 1.25, 0.02)]
+    metrics = ServerMetrics()
+    metrics.describe_backend(backend="packed", device="cuda:0", compute_capability="9.0", dtype="bfloat16", activation="silu",
+                             content_hash="sha256:0", weight_bytes=3, gpu_memory=lambda: (0, 0), compute_loop=lambda: reported[-1])
+    sample = metrics.registry.get_sample_value
+    assert sample("lutb_compute_calls_total") == 3
+    assert sample("lutb_compute_loop_seconds_total", {"phase": "reading_or_waiting"}) == 1.25
+    reported.append((9, 1.5, 0.03, 2.0, 0.05))
+    assert sample("lutb_compute_calls_total") == 9
+    assert [sample("lutb_compute_loop_seconds_total", {"phase": p}) for p in ("calls", "answering", "reading_or_waiting", "other")] == [1.5, 0.03, 2.0, 0.05]
+    bare = ServerMetrics()
+    bare.describe_backend(backend="packed", device="cuda:0", compute_capability="9.0", dtype="bfloat16", activation="silu",
+                          content_hash="sha256:0", weight_bytes=3, gpu_memory=lambda: (0, 0))
+    assert bare.registry.get_sample_value("lutb_compute_calls_total") is None
 
 
 def test_front_end_zero_serves_every_front_ends_metrics() -> None:
