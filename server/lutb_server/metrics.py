@@ -34,10 +34,10 @@ lutb_compute_batches_inline_total        counter                                
                                                                                          socket: the shared arena had no room (process
                                                                                          worker only; should stay near 0)
 lutb_compute_calls_total                 counter                                         experts calls the compute process ran (process
-                                                                                         worker only; as of its last answer)
+                                                                                         worker only; as its last answer said)
 lutb_compute_loop_seconds_total          counter   phase                                 the compute process's time: calls, answering,
                                                                                          reading_or_waiting, other (process worker only;
-                                                                                         as of its last answer)
+                                                                                         as its last answer said)
 process_cpu_seconds_total, process_*     (various)                                       this serving process: CPU, memory, open files
                                                                                          (prometheus_client's ProcessCollector; Linux)
 ======================================== ========= ===================================== ===========================================

@@ -42,10 +42,10 @@ batch's frame in one ``recv``); a tensor is a slot tuple or a codec message:
   process splits it back per request), ``call_tokens`` the tokens of the call that ran the batch
   (more than its own when merged with other front ends' batches), ``path`` how it ran
   (:attr:`~lutb_server.worker.BatchOutput.path`), ``started`` the call's ``time.monotonic()`` start;
-  ``status`` the child's figures for the metrics as last read: ``(allocated, reserved)`` CUDA allocator bytes, then
-  its experts calls so far and its loop's seconds (:class:`LoopTotals`). The child reads them at most every
-  :data:`STATUS_PERIOD_S`, after answering, off the batch's critical path (a memory reading builds two
-  ``torch.cuda.memory_stats`` dictionaries).
+  ``status`` the child's figures for the metrics: ``(allocated, reserved)`` CUDA allocator bytes as last read (at
+  most every :data:`STATUS_PERIOD_S`, after answering, off the batch's critical path: a reading builds two
+  ``torch.cuda.memory_stats`` dictionaries), then its experts calls and its loop's seconds (:class:`LoopTotals`) as
+  of the end of the previous round of calls.
 
 One compute process can serve several serving processes (front ends, each its own event loop and
 gRPC server): :func:`spawn_compute_process` gives one socket per front end, and the child runs
@@ -90,8 +90,8 @@ from lutb_server.worker import BatchOutput, running_loop
 log = logging.getLogger(__name__)
 
 STATUS_PERIOD_S = 1.0
-"""Seconds between the child's readings of its allocator and loop totals (what the metrics show: at most this old
-when batches flow)."""
+"""Seconds between the child's readings of its allocator (what the metrics show, at most this old while batches
+flow)."""
 
 DEFAULT_ARENA_BYTES = 64 << 20
 """Shared memory for batches in flight when the caller does not size it (the server does:
@@ -376,7 +376,9 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
             inbox.called()
         inbox.release_closed()  # after the call that may have written their arenas
         if time.monotonic() - status_read >= STATUS_PERIOD_S:  # after answering: off the batches' latency
-            inbox.status, status_read = _gpu_memory(device) + times.totals(worker.batches), time.monotonic()
+            memory, status_read = _gpu_memory(device), time.monotonic()
+        if batches:
+            inbox.status = memory + times.totals(worker.batches)
     inbox.release_closed()
     log.info("done: %d experts call(s) ran %d batch(es) of %d serving process(es), %.2f a call; %s",
              worker.batches, inbox.received, len(connections), inbox.received / max(worker.batches, 1), times.summary())
@@ -710,8 +712,8 @@ class ProcessComputeWorker:
         return self._status[0], self._status[1]
 
     def loop_totals(self) -> LoopTotals:
-        """The child's experts calls and its loop's seconds by phase, as of its last answer (at most ~1 s old while
-        batches flow; unchanged while none is answered; for the metrics)."""
+        """The child's experts calls and its loop's seconds by phase, as its last answer carried them (as of the end of
+        the round of calls before that answer's; unchanged while none is answered; for the metrics)."""
         return LoopTotals(*self._status[2:])
 
     def start(self) -> ProcessComputeWorker:
