@@ -9,7 +9,9 @@ tokens per request and concurrency, it measures, in one run and on one machine:
   callers sends its next unary ``Forward`` as soon as the last one returns) from separate
   load-generator processes (up to ``--load-procs``), so client Python never shares the
   server's GIL: p50/p99 latency, tokens/s, the batch sizes the server formed
-  (``timing.batch_tokens``) and its compute time;
+  (``timing.batch_tokens``) and its compute time; with ``--compute-worker process``, also the compute process's
+  experts calls and the shares of its loop's time (calls, answering, reading or waiting, other) over each cell, from
+  the server's metrics (``server.compute_loop`` in serving.json);
 - **in-process**: the same experts, loaded in this process with the same compute worker
   (staging buffers, CUDA graphs), called on batches of the formed size made of the same
   requests: what the GPU work costs without gRPC and asyncio;
@@ -91,6 +93,24 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _free_ports(count: int) -> int:
+    """A port ``p`` with ``p .. p + count - 1`` free now: a server's metrics ports (front end k listens on ``p + k``)."""
+    for _ in range(100):
+        base = _free_port()
+        if base + count <= 65536 and all(_port_is_free(base + k) for k in range(1, count)):
+            return base
+    raise RuntimeError(f"found no {count} consecutive free ports for the server's metrics")
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -156,6 +176,65 @@ class CpuMeter:
         top = next(iter(busy.items()), ("-", 0.0))
         return {"cpu_us_per_request": sum(used.values()) * 1e6 / max(1, answered), "thread_busy": busy,
                 "busiest_thread": top[0], "busiest_thread_busy": top[1], "wall_s": wall, "processes": len(pids)}
+
+
+LOOP_PHASES = ("calls", "answering", "reading_or_waiting", "other")
+"""The phases of ``lutb_compute_loop_seconds_total`` (the compute process's loop)."""
+
+
+def compute_loop_totals(text: str) -> dict[str, float] | None:
+    """From a server's metrics (Prometheus text, front end 0's endpoint), the compute process's experts calls and loop
+    seconds by phase (``lutb_compute_calls_total``, ``lutb_compute_loop_seconds_total``); None without a compute
+    process. Every front end reports the same process as of the last answer it got, so each figure is the largest any
+    front end reports (the freshest: they only grow)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in ("lutb_compute_calls", "lutb_compute_loop_seconds"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                key = "calls" if family.name == "lutb_compute_calls" else f"{sample.labels['phase']}_s"
+                totals[key] = max(totals.get(key, 0.0), sample.value)
+    return totals if "calls" in totals else None
+
+
+class ComputeLoopMeter:
+    """The compute process's experts calls and loop time shares between :meth:`start` and :meth:`stop`, from the
+    server's metrics endpoint (``--compute-worker process``; the figures are those its answers carried, so they end
+    at the round before the last one answered)."""
+
+    def __init__(self, url: str | None) -> None:
+        self.url = url
+        self._before: dict[str, float] | None = None
+        self._began = 0.0
+
+    def _read(self) -> dict[str, float] | None:
+        import urllib.request
+
+        if self.url is None:
+            return None
+        try:
+            with urllib.request.urlopen(self.url, timeout=10) as response:
+                return compute_loop_totals(response.read().decode())
+        except OSError:
+            return None
+
+    def start(self) -> None:
+        self._before, self._began = self._read(), time.perf_counter()
+
+    def stop(self) -> dict[str, Any] | None:
+        """Calls, calls per second of wall time, and each phase's share of the loop's time; None where the server has no
+        compute process (or its metrics could not be read)."""
+        after, wall = self._read(), time.perf_counter() - self._began
+        if after is None or self._before is None:
+            return None
+        delta = {k: after[k] - self._before.get(k, 0.0) for k in after}
+        loop_s = sum(delta.get(f"{phase}_s", 0.0) for phase in LOOP_PHASES)
+        return {"calls": int(delta["calls"]), "calls_per_s": round(delta["calls"] / wall, 1),
+                "shares": {phase: round(delta.get(f"{phase}_s", 0.0) / loop_s, 3) if loop_s > 0 else None
+                           for phase in LOOP_PHASES}}
 
 
 # ----------------------------------------------------------------------------- checkpoint
@@ -890,9 +969,10 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
                            layers=args.layers)
     port = _free_port()
     address = f"127.0.0.1:{port}"
+    metrics_port = _free_ports(args.front_ends) if args.compute_worker == "process" else 0  # for ComputeLoopMeter
     config: dict[str, Any] = {
         "checkpoint": str(ckpt), "backend": args.backend, "device": args.device, "host": "127.0.0.1", "port": port,
-        "metrics_port": 0, "validate_checkpoint": False, "max_wait_us": args.max_wait_us,
+        "metrics_port": metrics_port, "validate_checkpoint": False, "max_wait_us": args.max_wait_us,
         "max_batch_tokens": args.max_batch_tokens, "max_tokens_per_request": max(args.tokens),
         "cuda_graph_max_tokens": args.cuda_graph_max_tokens, "cuda_graph_top_k": shape["top_k"], "shutdown_grace_s": 5,
         "max_queue_requests": 4096, "gil_switch_interval_us": args.gil_switch_interval_us,
@@ -916,6 +996,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         if profiler is not None:
             profiler.attach(server.pid)
         meter = CpuMeter(server.pid)
+        loop_meter = ComputeLoopMeter(f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None)
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
         for wire in args.wires:
             for tokens in args.tokens:
@@ -923,10 +1004,12 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
                                                                  seed=tokens, layers=args.layers)
                 for concurrency in args.concurrency:
                     for api in args.apis:
+                        loop_meter.start()
                         meter.start()
                         result = pool.run("expert", address, reqs.payloads, tokens, concurrency, args.warmup_s, args.duration_s,
                                           api=api, connections=args.front_ends)
                         result["cpu"] = meter.stop(result["answered"])
+                        result["compute_loop"] = loop_meter.stop()  # the cell's run, warm-up included
                         # the transport floor: the bare echo of the same sizes, API and concurrency, on as many
                         # processes as the server has front ends (one connection per process, as for the server)
                         echo = pool.run("echo", echo_target, echo_payloads(result["request_bytes"], result["response_bytes"]),
@@ -935,6 +1018,8 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
                         rows.append(Row(shape_name, wire, api, concurrency, tokens, result, echo))
                         print(f"[bench] {shape_name} {wire} {api} C={concurrency} T={tokens}: p50 {result['p50_us']:.0f} us, "
                               f"{result['tokens_per_s']:.0f} tok/s, batch {result['batch_tokens_p50']}, echo p50 {echo['p50_us']:.0f} us"
+                              + (f", compute process in calls {result['compute_loop']['shares']['calls']:.0%} of its time"
+                                 if result["compute_loop"] and result["compute_loop"]["shares"]["calls"] is not None else "")
                               + (f", errors {result['errors']}" if result["errors"] else "")
                               + (f"; WARNING: only {result['callers_measured']} of {concurrency} callers answered in the "
                                  f"measured window (window starts {result['window_start_spread_s']:.3f} s apart)"

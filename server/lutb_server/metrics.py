@@ -123,11 +123,11 @@ class _ComputeLoopCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         calls, *seconds = self.read()
-        yield CounterMetricFamily("lutb_compute_calls", "Experts calls the compute process ran (as of its last answer)",
+        yield CounterMetricFamily("lutb_compute_calls", "Experts calls the compute process ran (as its last answer said)",
                                   value=float(calls))
         loop = CounterMetricFamily("lutb_compute_loop_seconds", "The compute process's time by phase of its loop: in "
-                                   "experts calls, answering, reading or waiting for batches, other (as of its last "
-                                   "answer)", labels=["phase"])
+                                   "experts calls, answering, reading or waiting for batches, other (as its last "
+                                   "answer said)", labels=["phase"])
         for phase, value in zip(self.PHASES, seconds):
             loop.add_metric([phase], float(value))
         yield loop

@@ -114,6 +114,11 @@ def test_serving_bench_smoke_on_a_compute_process(tmp_path: Path) -> None:
     # the thread that runs the experts calls: the compute process's main thread, whose busy share the A/B reports
     compute_thread = report["servers"]["smoke"]["compute_thread"]
     assert re.fullmatch(r"pid \d+/main", compute_thread) and compute_thread in row["server"]["cpu"]["thread_busy"]
+    # the compute process's calls and loop shares over the cell, from the server's metrics endpoint
+    loop = row["server"]["compute_loop"]
+    assert loop["calls"] > 0 and loop["calls_per_s"] > 0, loop
+    assert set(loop["shares"]) == {"calls", "answering", "reading_or_waiting", "other"}
+    assert abs(sum(loop["shares"].values()) - 1) < 0.01 and loop["shares"]["calls"] > 0, loop
 
 
 def test_worker_pacing_bench_smoke(tmp_path: Path) -> None:
@@ -366,6 +371,31 @@ def test_py_spy_summary_splits_samples_by_process(monkeypatch: pytest.MonkeyPatc
     assert " 90.00%  sync (torch.py)" in text and " 10.00%  _child_main (lutb_server/worker_process.py)" in text
     assert "100.00%  ? (libc.so.6)" in text
     assert "spawn_main" not in text.replace("front ends, compute process", "")  # no command line leaks into frames
+
+
+def test_compute_loop_totals_take_the_freshest_front_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/serving.compute_loop_totals: the compute process's counters from a metrics page as prometheus_client
+    writes it, each the largest any front end reports (each reports the process as of its own last answer), also
+    unlabelled (one front end); None on a page without them."""
+    serving = _serving_module(monkeypatch)
+    page = """# TYPE lutb_compute_calls_total counter
+lutb_compute_calls_total{front_end="1"} 7.0
+lutb_compute_calls_total{front_end="0"} 9.0
+# TYPE lutb_compute_loop_seconds_total counter
+lutb_compute_loop_seconds_total{front_end="0",phase="calls"} 1.5
+lutb_compute_loop_seconds_total{front_end="0",phase="answering"} 0.25
+lutb_compute_loop_seconds_total{front_end="0",phase="reading_or_waiting"} 2.0
+lutb_compute_loop_seconds_total{front_end="0",phase="other"} 0.25
+lutb_compute_loop_seconds_total{front_end="1",phase="calls"} 1.25
+lutb_compute_loop_seconds_total{front_end="1",phase="other"} 0.5
+"""
+    assert serving.compute_loop_totals(page) == {"calls": 9.0, "calls_s": 1.5, "answering_s": 0.25,
+                                                 "reading_or_waiting_s": 2.0, "other_s": 0.5}
+    single = "\n".join(line for line in page.splitlines() if 'front_end="1"' not in line)
+    single = single.replace('front_end="0",', "").replace('{front_end="0"}', "") + "\n"
+    assert serving.compute_loop_totals(single) == {"calls": 9.0, "calls_s": 1.5, "answering_s": 0.25,
+                                                   "reading_or_waiting_s": 2.0, "other_s": 0.25}
+    assert serving.compute_loop_totals("# TYPE lutb_queue_depth gauge\nlutb_queue_depth 0.0\n") is None
 
 
 def test_compute_process_calls_read_from_the_server_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
