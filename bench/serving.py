@@ -56,6 +56,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
@@ -102,11 +103,12 @@ def _port_is_free(port: int) -> bool:
         return True
 
 
-def _free_ports(count: int) -> int:
-    """A port ``p`` with ``p .. p + count - 1`` free now: a server's metrics ports (front end k listens on ``p + k``)."""
+def _free_ports(count: int, avoid: int) -> int:
+    """A port ``p`` with ``p .. p + count - 1`` free now and none of them ``avoid`` (a port picked for another use and
+    not bound yet): a server's metrics ports (front end k listens on ``p + k``)."""
     for _ in range(100):
         base = _free_port()
-        if base + count <= 65536 and all(_port_is_free(base + k) for k in range(1, count)):
+        if base + count <= 65536 and not base <= avoid < base + count and all(_port_is_free(base + k) for k in range(1, count)):
             return base
     raise RuntimeError(f"found no {count} consecutive free ports for the server's metrics")
 
@@ -201,16 +203,22 @@ def compute_loop_totals(text: str) -> dict[str, float] | None:
 
 
 class ComputeLoopMeter:
-    """The compute process's experts calls and loop time shares between :meth:`start` and :meth:`stop`, from the
-    server's metrics endpoint (``--compute-worker process``; the figures are those its answers carried, so they end
-    at the round before the last one answered)."""
+    """The compute process's experts calls and loop time shares over a cell, from the server's metrics endpoint
+    (``--compute-worker process``).
+
+    The figures are those the compute process's answers carried: its totals at the end of the round before. A wait
+    for batches is counted when it ends, so the idle time before a cell (the echo's run) lands in the cell's first
+    round and reaches the metrics with its second: the first reading is therefore taken ``delay_s`` after
+    :meth:`start` (mid-warm-up, on a thread), by when it includes that wait.
+    """
 
     def __init__(self, url: str | None) -> None:
         self.url = url
-        self._before: dict[str, float] | None = None
-        self._began = 0.0
+        self._first: tuple[dict[str, float] | None, float] | None = None
+        self._timer: threading.Timer | None = None
 
     def _read(self) -> dict[str, float] | None:
+        import http.client
         import urllib.request
 
         if self.url is None:
@@ -218,19 +226,34 @@ class ComputeLoopMeter:
         try:
             with urllib.request.urlopen(self.url, timeout=10) as response:
                 return compute_loop_totals(response.read().decode())
-        except OSError:
+        except (OSError, http.client.HTTPException, ValueError):  # unreachable, cut short, unparsable: no figures
             return None
 
-    def start(self) -> None:
-        self._before, self._began = self._read(), time.perf_counter()
+    def start(self, delay_s: float) -> None:
+        self._first = None
+        if self.url is None:
+            return
+
+        def first() -> None:
+            self._first = (self._read(), time.perf_counter())
+
+        self._timer = threading.Timer(delay_s, first)
+        self._timer.daemon = True
+        self._timer.start()
 
     def stop(self) -> dict[str, Any] | None:
-        """Calls, calls per second of wall time, and each phase's share of the loop's time; None where the server has no
-        compute process (or its metrics could not be read)."""
-        after, wall = self._read(), time.perf_counter() - self._began
-        if after is None or self._before is None:
+        """Calls, calls per second of wall time, and each phase's share of the loop's time (fractions) since the first
+        reading; None where the server has no compute process (or its metrics could not be read)."""
+        if self._timer is None:
             return None
-        delta = {k: after[k] - self._before.get(k, 0.0) for k in after}
+        self._timer.join()
+        self._timer = None
+        after, end = self._read(), time.perf_counter()
+        if after is None or self._first is None or self._first[0] is None:
+            return None
+        before, began = self._first
+        wall = end - began
+        delta = {k: after[k] - before.get(k, 0.0) for k in after}
         loop_s = sum(delta.get(f"{phase}_s", 0.0) for phase in LOOP_PHASES)
         return {"calls": int(delta["calls"]), "calls_per_s": round(delta["calls"] / wall, 1),
                 "shares": {phase: round(delta.get(f"{phase}_s", 0.0) / loop_s, 3) if loop_s > 0 else None
@@ -969,7 +992,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
                            layers=args.layers)
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    metrics_port = _free_ports(args.front_ends) if args.compute_worker == "process" else 0  # for ComputeLoopMeter
+    metrics_port = _free_ports(args.front_ends, avoid=port) if args.compute_worker == "process" else 0  # ComputeLoopMeter
     config: dict[str, Any] = {
         "checkpoint": str(ckpt), "backend": args.backend, "device": args.device, "host": "127.0.0.1", "port": port,
         "metrics_port": metrics_port, "validate_checkpoint": False, "max_wait_us": args.max_wait_us,
@@ -983,7 +1006,9 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
     if profiler is not None and not profiler.py_spy:
         config["_cprofile"] = str(profiler.cprofile)
     started = time.perf_counter()
-    server = _spawn_child(["serve", json.dumps(config)], out / "logs" / f"server-{shape_name}.log")
+    server_log = out / "logs" / f"server-{shape_name}.log"
+    log_start = server_log.stat().st_size if server_log.exists() else 0  # a reused --out: this run's lines follow
+    server = _spawn_child(["serve", json.dumps(config)], server_log)
     rows: list[Row] = []
     info: dict[str, Any] = {}
     requests: dict[tuple[str, int], CellRequests] = {}
@@ -1004,12 +1029,12 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
                                                                  seed=tokens, layers=args.layers)
                 for concurrency in args.concurrency:
                     for api in args.apis:
-                        loop_meter.start()
+                        loop_meter.start(delay_s=args.warmup_s / 2)
                         meter.start()
                         result = pool.run("expert", address, reqs.payloads, tokens, concurrency, args.warmup_s, args.duration_s,
                                           api=api, connections=args.front_ends)
                         result["cpu"] = meter.stop(result["answered"])
-                        result["compute_loop"] = loop_meter.stop()  # the cell's run, warm-up included
+                        result["compute_loop"] = loop_meter.stop()  # from mid-warm-up to the cell's end
                         # the transport floor: the bare echo of the same sizes, API and concurrency, on as many
                         # processes as the server has front ends (one connection per process, as for the server)
                         echo = pool.run("echo", echo_target, echo_payloads(result["request_bytes"], result["response_bytes"]),
@@ -1030,7 +1055,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
         _stop_child(server)
         if profiler is not None and not profiler.py_spy:
             info["profile"] = str(profiler.cprofile) if profiler.cprofile.exists() else None
-    merged = compute_process_calls(out / "logs" / f"server-{shape_name}.log")
+    merged = compute_process_calls(server_log, log_start)
     if merged is not None:
         info["compute_process"] = merged
     cells = []
@@ -1045,7 +1070,7 @@ def run_shape(shape_name: str, args: argparse.Namespace, pool: LoadPool, echo_ta
     for row, (reqs, formed) in zip(rows, cells):
         row.inproc = times[(reqs.wire, reqs.tokens, formed)]
         _targets(row)
-    compute_thread = compute_thread_key(out / "logs" / f"server-{shape_name}.log", args.compute_worker)
+    compute_thread = compute_thread_key(server_log, args.compute_worker, log_start)
     info["compute_thread"] = compute_thread  # its key in each row's cpu.thread_busy
     info["saturation"] = _saturation(rows, compute_thread)
     return rows, info
@@ -1056,16 +1081,27 @@ _COMPUTE_DONE = re.compile(r"\[compute\]: done: (\d+) experts call\(s\) ran (\d+
                            r"(?:.*?; loop: calls ([\d.]+)%, answering ([\d.]+)%, reading or waiting ([\d.]+)%, other ([\d.]+)%)?")
 
 
-def compute_process_calls(log: Path) -> dict[str, float] | None:
-    """From a server's log, the compute process's exit line (``--compute-worker process``): its experts calls, the
-    front-end batches they ran and the batches a call, over the server's whole run (warm-ups and every cell), and
-    where the line has them (``LoopTimes``), the shares of its loop's time in calls, answering, reading or waiting,
-    and other work (``loop_shares``, percent); None where the log has no such line (a thread worker, or a server that
-    did not stop cleanly)."""
+def _log_text(log: Path, start: int = 0) -> str | None:
+    """``log``'s text from byte ``start`` (where this run's server began writing: a reused ``--out`` appends each run's
+    server to the same log); None when it cannot be read."""
     try:
-        found = _COMPUTE_DONE.findall(log.read_text(errors="replace"))
+        with log.open("rb") as fh:
+            fh.seek(start)
+            return fh.read().decode(errors="replace")
     except OSError:
         return None
+
+
+def compute_process_calls(log: Path, start: int = 0) -> dict[str, float] | None:
+    """From a server's log (from byte ``start``: this run's part), the compute process's exit line
+    (``--compute-worker process``): its experts calls, the front-end batches they ran and the batches a call, over the
+    server's whole run (warm-ups and every cell), and where the line has them (``LoopTimes``), the shares of its loop's
+    time in calls, answering, reading or waiting, and other work (``loop_shares``, percent); None where that part has
+    no such line (a thread worker, or a server that did not stop cleanly)."""
+    text = _log_text(log, start)
+    if text is None:
+        return None
+    found = _COMPUTE_DONE.findall(text)
     if not found:
         return None
     last = found[-1]
@@ -1077,17 +1113,14 @@ def compute_process_calls(log: Path) -> dict[str, float] | None:
     return info
 
 
-def compute_thread_key(log: Path, compute_worker: str) -> str | None:
+def compute_thread_key(log: Path, compute_worker: str, start: int = 0) -> str | None:
     """The ``thread_busy`` key (:class:`CpuMeter`) of the thread that runs the experts calls: the thread worker
-    (``root/lutb-compute``), or the compute process's main thread (``pid N/main``, N from the server log's last ready
-    line: a log reused by another run into the same ``--out`` holds each server's, appended); None where the log does
-    not say."""
+    (``root/lutb-compute``), or the compute process's main thread (``pid N/main``, N from the ready line of the server
+    log's part from byte ``start``: this run's); None where that part does not say."""
     if compute_worker == "thread":
         return "root/lutb-compute"
-    try:
-        found = _COMPUTE_READY.findall(log.read_text(errors="replace"))
-    except OSError:
-        return None
+    text = _log_text(log, start)
+    found = _COMPUTE_READY.findall(text) if text is not None else []
     return f"pid {found[-1]}/main" if found else None
 
 

@@ -33,8 +33,8 @@ lutb_expert_tokens_total                 counter   layer, expert                
 lutb_compute_batches_inline_total        counter                                         batches sent to the compute process through its
                                                                                          socket: the shared arena had no room (process
                                                                                          worker only; should stay near 0)
-lutb_compute_calls_total                 counter                                         experts calls the compute process ran (process
-                                                                                         worker only; as its last answer said)
+lutb_compute_calls_total                 counter                                         experts calls the compute process completed
+                                                                                         (process worker only; as its last answer said)
 lutb_compute_loop_seconds_total          counter   phase                                 the compute process's time: calls, answering,
                                                                                          reading_or_waiting, other (process worker only;
                                                                                          as its last answer said)
@@ -123,7 +123,7 @@ class _ComputeLoopCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         calls, *seconds = self.read()
-        yield CounterMetricFamily("lutb_compute_calls", "Experts calls the compute process ran (as its last answer said)",
+        yield CounterMetricFamily("lutb_compute_calls", "Experts calls the compute process completed (as its last answer said)",
                                   value=float(calls))
         loop = CounterMetricFamily("lutb_compute_loop_seconds", "The compute process's time by phase of its loop: in "
                                    "experts calls, answering, reading or waiting for batches, other (as its last "

@@ -43,7 +43,7 @@ batch's frame in one ``recv``); a tensor is a slot tuple or a codec message:
   (more than its own when merged with other front ends' batches), ``path`` how it ran
   (:attr:`~lutb_server.worker.BatchOutput.path`), ``started`` the call's ``time.monotonic()`` start;
   ``status`` the child's figures for the metrics: ``(allocated, reserved)`` CUDA allocator bytes as last read (at
-  most every :data:`STATUS_PERIOD_S`, after answering, off the batch's critical path: a reading builds two
+  most every :data:`GPU_MEMORY_PERIOD_S`, after answering, off the batch's critical path: a reading builds two
   ``torch.cuda.memory_stats`` dictionaries), then its experts calls and its loop's seconds (:class:`LoopTotals`) as
   of the end of the previous round of calls.
 
@@ -89,7 +89,7 @@ from lutb_server.worker import BatchOutput, running_loop
 
 log = logging.getLogger(__name__)
 
-STATUS_PERIOD_S = 1.0
+GPU_MEMORY_PERIOD_S = 1.0
 """Seconds between the child's readings of its allocator (what the metrics show, at most this old while batches
 flow)."""
 
@@ -375,7 +375,7 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
         if batches:
             inbox.called()
         inbox.release_closed()  # after the call that may have written their arenas
-        if time.monotonic() - status_read >= STATUS_PERIOD_S:  # after answering: off the batches' latency
+        if time.monotonic() - status_read >= GPU_MEMORY_PERIOD_S:  # after answering: off the batches' latency
             memory, status_read = _gpu_memory(device), time.monotonic()
         if batches:
             inbox.status = memory + times.totals(worker.batches)
@@ -390,10 +390,15 @@ class LoopTotals(NamedTuple):
     answer's ``status`` as its last five numbers (a NamedTuple is a tuple: ``memory + totals`` is a plain one)."""
 
     calls: int
+    """Experts calls that completed (a failed one is not counted; its seconds are in ``calls_s``)."""
     calls_s: float
     answering_s: float
     reading_or_waiting_s: float
     other_s: float
+
+
+_NO_STATUS = (0, 0) + LoopTotals(0, 0.0, 0.0, 0.0, 0.0)
+"""An answer's ``status`` before the child has read anything: no GPU memory, no calls (a plain tuple)."""
 
 
 @dataclass
@@ -440,7 +445,7 @@ class _Inbox:
     have several batches in flight: ``batches_in_flight``).
     """
 
-    def __init__(self, connections: list[_Connection], worker: Any, ready: object, status: tuple = (0, 0),
+    def __init__(self, connections: list[_Connection], worker: Any, ready: object, status: tuple = _NO_STATUS,
                  spin_s: float = 0.0) -> None:
         self.waiting = list(connections)  # before the handshake: front ends start in any order
         self.open: list[_Connection] = []
@@ -699,7 +704,7 @@ class ProcessComputeWorker:
         """Batches that travelled through the socket because the arena had no room (or is off)."""
         self._jobs = itertools.count()
         self._gone: ComputeWorkerGone | None = None
-        self._status: tuple = (0, 0) + LoopTotals(0, 0.0, 0.0, 0.0, 0.0)
+        self._status: tuple = _NO_STATUS
 
     @property
     def weight_bytes(self) -> int:
@@ -709,7 +714,8 @@ class ProcessComputeWorker:
     def gpu_memory(self) -> tuple[int, int]:
         """The child's ``(allocated, reserved)`` CUDA allocator bytes, at most ~1 s old while batches flow (for the
         metrics)."""
-        return self._status[0], self._status[1]
+        status = self._status  # one answer's figures
+        return status[0], status[1]
 
     def loop_totals(self) -> LoopTotals:
         """The child's experts calls and its loop's seconds by phase, as its last answer carried them (as of the end of
@@ -764,7 +770,7 @@ class ProcessComputeWorker:
                 raise ComputeWorkerGone(f"the compute process exited while starting (exit code {code})")
             raise payload
         self.info, self._arena, self._started = payload, arena, True
-        self._status = tuple(payload["gpu_memory"]) + LoopTotals(0, 0.0, 0.0, 0.0, 0.0)
+        self._status = tuple(payload["gpu_memory"]) + _NO_STATUS[2:]
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             self._loop_thread = threading.Thread(target=self._loop.run_forever, name="lutb-compute-io", daemon=True)
@@ -972,5 +978,5 @@ def _batch_shapes(first: PreparedRequest, tokens: int) -> list[tuple[torch.dtype
     return shapes + [(first.dtype, (tokens, k, hidden) if first.output_mode == "route_major" else (tokens, hidden))]
 
 
-__all__ = ["DEFAULT_ARENA_BYTES", "STATUS_PERIOD_S", "ComputeWorkerGone", "LoopTimes", "LoopTotals", "ProcessComputeWorker", "WorkerSpec", "merge_groups",
+__all__ = ["DEFAULT_ARENA_BYTES", "GPU_MEMORY_PERIOD_S", "ComputeWorkerGone", "LoopTimes", "LoopTotals", "ProcessComputeWorker", "WorkerSpec", "merge_groups",
            "spawn_compute_process"]

@@ -416,6 +416,12 @@ def test_compute_process_calls_read_from_the_server_log(tmp_path: Path, monkeypa
     line = done.format(7, 21).replace("x a call", "3.00 a call; loop: calls 81.5%, answering 3.2%, reading or waiting 14.1%, other 1.2% of 12.3 s")
     log.write_text(line)
     assert serving.compute_process_calls(log)["loop_shares"] == {"calls": 81.5, "answering": 3.2, "reading_or_waiting": 14.1, "other": 1.2}
+    # a reused --out: the log holds an earlier run's server; only this run's part (from its start) counts
+    start = log.stat().st_size
+    with log.open("a") as fh:
+        fh.write("[server] SERVING\n")  # this run's server did not stop cleanly: no exit line of its own
+    assert serving.compute_process_calls(log, start) is None
+    assert serving.compute_process_calls(log)["calls"] == 7
     log.write_text("[server] SERVING\n[server] stopped\n")  # a thread worker's log
     assert serving.compute_process_calls(log) is None
     assert serving.compute_process_calls(tmp_path / "absent.log") is None
@@ -434,6 +440,7 @@ def test_saturation_says_where_tokens_stop_growing_and_the_compute_side_is_busy(
     with log.open("a") as fh:  # another run into the same --out: its server's lines are appended
         fh.write("[server] x lutb_server.worker_process compute process 5151 ready: backend packed\n")
     assert serving.compute_thread_key(log, "process") == "pid 5151/main"
+    assert serving.compute_thread_key(log, "process", start=len(log.read_bytes())) is None  # nothing of this run's yet
     log.write_text("[server] x lutb_server.worker_process compute process 4242 ready: backend packed\n")
     assert serving.compute_thread_key(log, "thread") == "root/lutb-compute"
     assert serving.compute_thread_key(tmp_path / "missing.log", "process") is None

@@ -775,18 +775,26 @@ def test_the_next_batches_are_read_while_a_call_runs(monkeypatch: pytest.MonkeyP
 
 
 def test_loop_times_count_calls_and_answers_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``_run_merged(times=)`` adds each call's seconds (a failed merged call's too) to ``calls_s`` and the answers'
-    to ``answering_s``; the exit line's shares add up to the loop's time."""
+    """``_run_merged(times=)`` adds each call's seconds (a failed call's too, once) to ``calls_s`` and the answers'
+    to ``answering_s``; the exit line's shares add up to the loop's time (a fake clock: exact figures)."""
+    import types
+
     from lutb_server import worker_process
     from lutb_server.worker import BatchOutput
 
-    monkeypatch.setattr(worker_process, "_answer", lambda *args: time.sleep(0.02))
+    now = [100.0]
+    monkeypatch.setattr(worker_process, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+
+    def answer(*args) -> None:
+        now[0] += 0.02
+
+    monkeypatch.setattr(worker_process, "_answer", answer)
 
     class Worker:
         def run(self, requests, into, *, overlap=None):
-            time.sleep(0.05)
-            if len(requests) > 1 and any(r.layer == 9 for r in requests):
-                raise ValueError("a bad batch in the merged call")
+            now[0] += 0.05
+            if any(r.layer == 9 for r in requests):
+                raise ValueError("a bad batch")
             return BatchOutput([torch.zeros(r.tokens, 4) for r in requests], 0.05, sum(r.tokens for r in requests))
 
     def batch(job: int, layer: int):
@@ -794,16 +802,21 @@ def test_loop_times_count_calls_and_answers_apart(monkeypatch: pytest.MonkeyPatc
                                   False, "combined")
         return (f"front end {job}", job, request, None)
 
-    times = worker_process.LoopTimes()
-    worker_process._run_merged(Worker(), [batch(1, 0), batch(2, 0)], (0, 0), 0, None, times)
-    assert 0.05 <= times.calls_s < 0.09 and 0.04 <= times.answering_s < 0.08  # one call, two answers
-    times = worker_process.LoopTimes()
-    worker_process._run_merged(Worker(), [batch(3, 9), batch(4, 9)], (0, 0), 0, None, times)  # fails merged, then alone
-    assert 0.15 <= times.calls_s < 0.22 and 0.04 <= times.answering_s < 0.08
-    time.sleep(0.01)  # the loop's own work
-    summary = times.summary()
-    shares = [float(part.split()[-1].rstrip("%")) for part in summary.removeprefix("loop: ").split(" of ")[0].split(", ")]
-    assert summary.startswith("loop: calls ") and len(shares) == 4 and abs(sum(shares) - 100) < 0.5
+    cases = [
+        ([batch(1, 0), batch(2, 0)], 0.05, 0.04),  # one call, two answers
+        ([batch(3, 9), batch(4, 9)], 0.15, 0.04),  # the merged call fails, then each alone (and fails): three calls
+        ([batch(5, 9)], 0.05, 0.02),  # a lone failed call, counted once
+    ]
+    for batches, calls_s, answering_s in cases:
+        times = worker_process.LoopTimes(started=now[0])
+        worker_process._run_merged(Worker(), batches, worker_process._NO_STATUS, 0, None, times)
+        assert times.calls_s == pytest.approx(calls_s) and times.answering_s == pytest.approx(answering_s)
+    now[0] += 0.01  # the loop's own work
+    times.reading_s = 0.02
+    now[0] += 0.02
+    assert times.other_s == pytest.approx(0.01)
+    assert times.summary() == "loop: calls 50.0%, answering 20.0%, reading or waiting 20.0%, other 10.0% of 0.1 s"
+    assert times.totals(7) == (7, pytest.approx(0.05), pytest.approx(0.02), 0.02, pytest.approx(0.01))
 
 
 def _starting_thread(worker: ProcessComputeWorker, *, daemon: bool) -> tuple[threading.Thread, list[BaseException | None]]:
