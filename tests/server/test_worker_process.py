@@ -739,6 +739,14 @@ def test_front_ends_and_compute_process_go_when_the_server_is_killed(tiny_checkp
         serving.kill()
 
 
+def _batch_of(job: int, layer: int) -> tuple:
+    """A batch as the compute process holds one (``worker_process._Batch``): a stand-in connection, its job, a 2-token
+    request of ``layer``, no output slot."""
+    request = PreparedRequest(layer, torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
+                              False, "combined")
+    return (f"front end {job}", job, request, None)
+
+
 def test_the_next_batches_are_read_while_a_call_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_run_merged(during=)`` hands ``during`` to every ``ComputeWorker.run`` as its ``overlap`` (the child reads the
     batches that arrived while a call runs on the device), the retry of a failed merged call included, and each
@@ -759,18 +767,13 @@ def test_the_next_batches_are_read_while_a_call_runs(monkeypatch: pytest.MonkeyP
                 raise ValueError("a bad batch in the merged call")
             return BatchOutput([torch.zeros(r.tokens, 4) for r in requests], 0.001, sum(r.tokens for r in requests))
 
-    def batch(job: int, layer: int):
-        request = PreparedRequest(layer, torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
-                                  False, "combined")
-        return (f"front end {job}", job, request, None)
-
     def during() -> None:
         events.append("read")
 
-    worker_process._run_merged(Worker(), [batch(1, 0), batch(2, 0)], (0, 0), 0, during)
+    worker_process._run_merged(Worker(), [_batch_of(1, 0), _batch_of(2, 0)], (0, 0), 0, during)
     assert events == ["call 2", "read", "answer 1", "answer 2"]
     events.clear()
-    worker_process._run_merged(Worker(), [batch(3, 9), batch(4, 9)], (0, 0), 0, during)  # fails merged, then alone
+    worker_process._run_merged(Worker(), [_batch_of(3, 9), _batch_of(4, 9)], (0, 0), 0, during)  # fails merged, then alone
     assert events == ["call 2", "read", "call 1", "read", "answer 3", "call 1", "read", "answer 4"]
 
 
@@ -797,15 +800,10 @@ def test_loop_times_count_calls_and_answers_apart(monkeypatch: pytest.MonkeyPatc
                 raise ValueError("a bad batch")
             return BatchOutput([torch.zeros(r.tokens, 4) for r in requests], 0.05, sum(r.tokens for r in requests))
 
-    def batch(job: int, layer: int):
-        request = PreparedRequest(layer, torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
-                                  False, "combined")
-        return (f"front end {job}", job, request, None)
-
     cases = [
-        ([batch(1, 0), batch(2, 0)], 0.05, 0.04),  # one call, two answers
-        ([batch(3, 9), batch(4, 9)], 0.15, 0.04),  # the merged call fails, then each alone (and fails): three calls
-        ([batch(5, 9)], 0.05, 0.02),  # a lone failed call, counted once
+        ([_batch_of(1, 0), _batch_of(2, 0)], 0.05, 0.04),  # one call, two answers
+        ([_batch_of(3, 9), _batch_of(4, 9)], 0.15, 0.04),  # the merged call fails, then each alone (and fails): three calls
+        ([_batch_of(5, 9)], 0.05, 0.02),  # a lone failed call, counted once
     ]
     for batches, calls_s, answering_s in cases:
         times = worker_process.LoopTimes(started=now[0])
