@@ -85,8 +85,9 @@ def run_once(side: Side, out: Path, bench_args: list[str], timeout_s: float) -> 
 def cells(report: dict) -> dict[Cell, dict]:
     """The server's figures of each cell of one run, with ``ratio``: its tokens/s over the in-process tokens/s at the
     batch it formed (issue 5's C=64 figure), ``cpu_us_per_request``: the server's CPU (all its processes) per answered
-    request, and ``compute_busy``: the CPU over wall time of the thread that runs the experts calls (None where the
-    report lacks the figure: older trees)."""
+    request, ``compute_busy``: the CPU over wall time of the thread that runs the experts calls, and ``in_calls``: the
+    compute process's share of its loop's time in experts calls (``server.compute_loop``) (None where the report lacks
+    the figure: older trees, a thread worker)."""
     out = {}
     for r in report["rows"]:
         inproc = (r.get("inproc") or {}).get("tokens_per_s")
@@ -95,21 +96,23 @@ def cells(report: dict) -> dict[Cell, dict]:
         compute_thread = (report.get("servers", {}).get(r["shape"]) or {}).get("compute_thread")
         out[(r["shape"], r["wire"], r["api"], r["concurrency"], r["tokens"])] = {
             **r["server"], "ratio": ratio, "cpu_us_per_request": cpu.get("cpu_us_per_request"),
-            "compute_busy": (cpu.get("thread_busy") or {}).get(compute_thread) if compute_thread else None}
+            "compute_busy": (cpu.get("thread_busy") or {}).get(compute_thread) if compute_thread else None,
+            "in_calls": ((r["server"].get("compute_loop") or {}).get("shares") or {}).get("calls")}
     return out
 
 
 def table(new: list[dict], old: list[dict]) -> tuple[str, list[dict]]:
     """Markdown table per cell: each run's p50 and tokens/s, the means' ratios, tokens/s new / old of each pair
     (new run i against old run i: the two ran back to back, so machine drift between pairs cancels), batches,
-    compute, the hand-off's wait (``timing.wait_us``), the ratio to the in-process rate, the server's CPU per request
-    and how busy its compute thread was (medians; the JSON keeps each run's)."""
+    compute, the hand-off's wait (``timing.wait_us``), the ratio to the in-process rate, the server's CPU per request,
+    how busy its compute thread was and the compute process's share of time in calls (medians; the JSON keeps each
+    run's)."""
     new_cells, old_cells = [cells(r) for r in new], [cells(r) for r in old]
     keys = sorted(set.intersection(*(set(c) for c in new_cells + old_cells)))
     lines = ["| shape | wire | api | C | T | p50 us new (runs) | old (runs) | new / old | tok/s new (runs) | old (runs) | new / old "
              "| tok/s new / old by pair | batch new / old | compute us new / old | wait us new / old | ratio new / old "
-             "| CPU us/req new / old | compute busy new / old |",
-             "|" + "|".join("---" for _ in range(18)) + "|"]
+             "| CPU us/req new / old | compute busy new / old | in calls new / old |",
+             "|" + "|".join("---" for _ in range(19)) + "|"]
     data = []
 
     def runs(values: list[float]) -> str:
@@ -132,10 +135,11 @@ def table(new: list[dict], old: list[dict]) -> tuple[str, list[dict]]:
         ratio = (fig([s["ratio"] for s in n], 2), fig([s["ratio"] for s in o], 2))
         cpu = (fig([s.get("cpu_us_per_request") for s in n]), fig([s.get("cpu_us_per_request") for s in o]))
         busy = (fig([s.get("compute_busy") for s in n], 2), fig([s.get("compute_busy") for s in o], 2))
+        in_calls = (fig([s.get("in_calls") for s in n], 2), fig([s.get("in_calls") for s in o], 2))
         lines.append(f"| {' | '.join(str(k) for k in key)} | {runs(p50[0])} | {runs(p50[1])} | {p50_ratio:.2f} "
                      f"| {runs(tps[0])} | {runs(tps[1])} | {tps_ratio:.2f} | {' / '.join(f'{r:.2f}' for r in by_pair)} "
                      f"| {batch[0]} / {batch[1]} | {compute[0]} / {compute[1]} | {wait[0]} / {wait[1]} | {ratio[0]} / {ratio[1]} "
-                     f"| {cpu[0]} / {cpu[1]} | {busy[0]} / {busy[1]} |")
+                     f"| {cpu[0]} / {cpu[1]} | {busy[0]} / {busy[1]} | {in_calls[0]} / {in_calls[1]} |")
         data.append({"cell": dict(zip(("shape", "wire", "api", "concurrency", "tokens"), key)),
                      "new_p50_us": p50[0], "old_p50_us": p50[1], "new_tokens_per_s": tps[0], "old_tokens_per_s": tps[1],
                      "p50_new_over_old": p50_ratio, "tokens_per_s_new_over_old": tps_ratio,
@@ -145,7 +149,8 @@ def table(new: list[dict], old: list[dict]) -> tuple[str, list[dict]]:
                      "new_ratio_to_in_process": [s["ratio"] for s in n], "old_ratio_to_in_process": [s["ratio"] for s in o],
                      **{f"{side}_{name}": [s.get(field) for s in runs_of] for side, runs_of in (("new", n), ("old", o))
                         for name, field in (("compute_us_p50", "server_compute_us_p50"), ("wait_us_p50", "server_wait_us_p50"),
-                                            ("cpu_us_per_request", "cpu_us_per_request"), ("compute_busy", "compute_busy"))}})
+                                            ("cpu_us_per_request", "cpu_us_per_request"), ("compute_busy", "compute_busy"),
+                                            ("in_calls", "in_calls"))}})
     return "\n".join(lines), data
 
 

@@ -234,32 +234,37 @@ def test_ab_serving_table_gives_each_pairs_ratio() -> None:
     assert row["tokens_per_s_new_over_old_by_pair"] == pytest.approx([1.2, 0.9])
     assert row["tokens_per_s_new_over_old"] == pytest.approx(1.05) and row["p50_new_over_old"] == pytest.approx(0.95)
     assert text.splitlines()[-1] == ("| s | bf16 | stream | 64 | 16 | 900 / 1000 | 1000 / 1000 | 0.95 | 120 / 90 | 100 / 100 "
-                                     "| 1.05 | 1.20 / 0.90 | 240 / 240 | - / - | - / - | - / - | - / - | - / - |")
+                                     "| 1.05 | 1.20 / 0.90 | 240 / 240 | - / - | - / - | - / - | - / - | - / - | - / - |")
     # with in-process figures and the hand-off's wait: each run's ratio to the in-process rate, medians shown
     text, (row,) = ab_serving.table([report(900, 120.0, 200.0, 300), report(1000, 90.0, 300.0, 500)],
                                     [report(1000, 100.0, 400.0, 900), report(1000, 100.0)])
     assert row["new_ratio_to_in_process"] == pytest.approx([0.6, 0.3]) and row["old_ratio_to_in_process"] == [0.25, None]
     assert row["new_wait_us_p50"] == [300, 500] and row["old_wait_us_p50"] == [900, None]
-    assert text.splitlines()[-1].endswith("| 400 / 900 | 0.45 / 0.25 | - / - | - / - |")
+    assert text.splitlines()[-1].endswith("| 400 / 900 | 0.45 / 0.25 | - / - | - / - | - / - |")
 
 
 def test_ab_serving_table_gives_the_servers_cpu_and_its_compute_threads_busy_share() -> None:
-    """Each run's CPU per request and the busy share of the thread that runs the experts calls (named by the report's
-    ``servers[shape].compute_thread``) reach the JSON, their medians the table; a report without them shows "-"."""
+    """Each run's CPU per request, the busy share of the thread that runs the experts calls (named by the report's
+    ``servers[shape].compute_thread``) and the compute process's share of time in calls (``server.compute_loop``) reach
+    the JSON, their medians the table; a report without them shows "-"."""
     ab_serving = load_bench("ab_serving.py")
 
     def report(cpu_us: float, busy: float, other: float) -> dict:
         server = {"p50_us": 1000.0, "tokens_per_s": 100.0, "batch_tokens_p50": 16,
-                  "cpu": {"cpu_us_per_request": cpu_us, "thread_busy": {"pid 7/main": busy, "root/main": other}}}
+                  "cpu": {"cpu_us_per_request": cpu_us, "thread_busy": {"pid 7/main": busy, "root/main": other}},
+                  "compute_loop": {"calls": 10, "calls_per_s": 5.0, "shares": {"calls": busy / 2, "answering": 0.1,
+                                                                              "reading_or_waiting": 0.3, "other": 0.1}}}
         return {"servers": {"s": {"compute_thread": "pid 7/main"}},
                 "rows": [{"shape": "s", "wire": "bf16", "api": "stream", "concurrency": 1, "tokens": 16, "server": server}]}
 
     text, (row,) = ab_serving.table([report(2000, 0.9, 0.99), report(2200, 0.96, 0.1)], [report(1200, 0.3, 0.5), report(1400, 0.4, 0.5)])
     assert row["new_cpu_us_per_request"] == [2000, 2200] and row["old_compute_busy"] == [0.3, 0.4]
-    assert text.splitlines()[-1].endswith("| 2100 / 1300 | 0.93 / 0.35 |")
+    assert row["new_in_calls"] == [0.45, 0.48] and row["old_in_calls"] == [0.15, 0.2]
+    assert text.splitlines()[-1].endswith("| 2100 / 1300 | 0.93 / 0.35 | 0.46 / 0.17 |")
     bare = report(1000, 0.5, 0.5)
     del bare["servers"]
-    assert ab_serving.table([bare], [bare])[0].splitlines()[-1].endswith("| 1000 / 1000 | - / - |")
+    del bare["rows"][0]["server"]["compute_loop"]
+    assert ab_serving.table([bare], [bare])[0].splitlines()[-1].endswith("| 1000 / 1000 | - / - | - / - |")
 
 
 STUB_SERVING = """
