@@ -180,10 +180,6 @@ class CpuMeter:
                 "busiest_thread": top[0], "busiest_thread_busy": top[1], "wall_s": wall, "processes": len(pids)}
 
 
-LOOP_PHASES = ("calls", "answering", "reading_or_waiting", "other")
-"""The phases of ``lutb_compute_loop_seconds_total`` (the compute process's loop)."""
-
-
 def compute_loop_totals(text: str) -> dict[str, float] | None:
     """From a server's metrics (Prometheus text, front end 0's endpoint), the compute process's experts calls and loop
     seconds by phase (``lutb_compute_calls_total``, ``lutb_compute_loop_seconds_total``); None without a compute
@@ -253,11 +249,13 @@ class ComputeLoopMeter:
             return None
         before, began = self._first
         wall = end - began
+        from lutb_server.metrics import COMPUTE_LOOP_PHASES
+
         delta = {k: after[k] - before.get(k, 0.0) for k in after}
-        loop_s = sum(delta.get(f"{phase}_s", 0.0) for phase in LOOP_PHASES)
+        loop_s = sum(delta.get(f"{phase}_s", 0.0) for phase in COMPUTE_LOOP_PHASES)
         return {"calls": int(delta["calls"]), "calls_per_s": round(delta["calls"] / wall, 1),
                 "shares": {phase: round(delta.get(f"{phase}_s", 0.0) / loop_s, 3) if loop_s > 0 else None
-                           for phase in LOOP_PHASES}}
+                           for phase in COMPUTE_LOOP_PHASES}}
 
 
 # ----------------------------------------------------------------------------- checkpoint
@@ -1109,7 +1107,9 @@ def compute_process_calls(log: Path, start: int = 0) -> dict[str, float] | None:
     info: dict[str, Any] = {"calls": calls, "batches": batches, "front_ends": front_ends,
                             "batches_per_call": round(batches / max(calls, 1), 2)}
     if last[3]:
-        info["loop_shares"] = dict(zip(("calls", "answering", "reading_or_waiting", "other"), (float(v) for v in last[3:])))
+        from lutb_server.metrics import COMPUTE_LOOP_PHASES  # the exit line names them in this order
+
+        info["loop_shares"] = dict(zip(COMPUTE_LOOP_PHASES, (float(v) for v in last[3:])))
     return info
 
 

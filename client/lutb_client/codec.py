@@ -228,8 +228,6 @@ def encode_tensor(tensor: torch.Tensor | WireTensor, out: pb.Tensor | None = Non
     return msg
 
 
-
-
 def _varint(value: int) -> bytes:
     """``value`` (>= 0) as a protobuf base-128 varint."""
     out = bytearray()

@@ -111,12 +111,14 @@ class _InlineBatchesCollector(Collector):
                                   "socket because the shared arena had no room", value=float(self.read()))
 
 
+COMPUTE_LOOP_PHASES = ("calls", "answering", "reading_or_waiting", "other")
+"""The ``phase`` label values of ``lutb_compute_loop_seconds_total``, in the order of ``LoopTotals``' seconds."""
+
+
 class _ComputeLoopCollector(Collector):
     """Reports at scrape time the compute process's experts calls and its loop's seconds by phase, as its last answer
     carried them: ``read() -> (calls, calls_s, answering_s, reading_or_waiting_s, other_s)``
     (``lutb_server.worker_process.LoopTotals``)."""
-
-    PHASES = ("calls", "answering", "reading_or_waiting", "other")
 
     def __init__(self, read: Callable[[], tuple[int, float, float, float, float]]) -> None:
         self.read = read
@@ -128,7 +130,7 @@ class _ComputeLoopCollector(Collector):
         loop = CounterMetricFamily("lutb_compute_loop_seconds", "The compute process's time by phase of its loop: in "
                                    "experts calls, answering, reading or waiting for batches, other (as its last "
                                    "answer said)", labels=["phase"])
-        for phase, value in zip(self.PHASES, seconds):
+        for phase, value in zip(COMPUTE_LOOP_PHASES, seconds):
             loop.add_metric([phase], float(value))
         yield loop
 
@@ -337,4 +339,4 @@ class FrontEndsCollector(Collector):
         yield up
 
 
-__all__ = ["FrontEndsCollector", "ServerMetrics"]
+__all__ = ["COMPUTE_LOOP_PHASES", "FrontEndsCollector", "ServerMetrics"]
