@@ -2,7 +2,7 @@
 
 The server applies :func:`tune_malloc` in each of its processes (serving processes, the compute
 process). A client process that sends or receives 128+ tokens per request gains the same from
-calling it once at start-up (or from the equivalent ``GLIBC_TUNABLES``, see docs/serving.md); the
+calling it once at start-up (or from the equivalent ``GLIBC_TUNABLES``, see docs/performance.md); the
 client library never calls it by itself, since it changes the whole process's allocator.
 
 A request or response of 128+ tokens is a 0.5+ MB buffer, and each one goes through several

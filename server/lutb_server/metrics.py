@@ -72,7 +72,7 @@ from lutb_server.expert_load import ExpertLoad
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0, 30.0)
 """Bucket bounds (seconds) of the server-internal latencies: ``lutb_queue_wait_seconds``, ``lutb_handoff_seconds`` and
-``lutb_compute_seconds``, which are tens to hundreds of microseconds on a GPU (docs/serving.md: hand-off ~30-80 us,
+``lutb_compute_seconds``, which are tens to hundreds of microseconds on a GPU (docs/performance.md: hand-off ~30-80 us,
 queue wait ~25 us, calls of 0.2-0.7 ms), so the lowest bound is 25 us."""
 GRPC_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Bucket bounds (seconds) of ``lutb_grpc_request_duration_seconds``: a whole gRPC call, from 0.5 ms."""

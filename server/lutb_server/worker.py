@@ -28,7 +28,7 @@ and awaits the returned ``concurrent.futures.Future``. On the worker thread, per
    synchronisation: no pinned staging and no CPU copy for it.
 
 Few torch calls per batch: under load each one may hand the GIL to the event loop and wait
-to get it back (docs/serving.md, "The compute worker"), so staging views are cached per shape,
+to get it back (docs/performance.md, "The compute worker"), so staging views are cached per shape,
 the NaN/Inf flag is reset only after a batch that set it, and the graph path reuses its views.
 
 On a CPU device the same steps run without pinning, streams or copies to a device.
@@ -124,7 +124,7 @@ class _Buffers:
     """Named reusable flat byte buffers on one device (pinned when asked), viewed as any shape and dtype.
 
     Views are cached per (name, shape, dtype): under load every torch call on the compute
-    worker thread may hand the GIL to the event loop and wait to get it back (docs/serving.md,
+    worker thread may hand the GIL to the event loop and wait to get it back (docs/performance.md,
     "The compute worker"), so a batch should make as few of them as it can.
     """
 

@@ -255,7 +255,7 @@ def test_front_end_zero_serves_every_front_ends_metrics() -> None:
 
 
 def test_internal_latencies_are_resolved_from_25_us() -> None:
-    """Queue wait, hand-off and compute are tens to hundreds of microseconds (docs/serving.md: queue ~25 us, hand-off
+    """Queue wait, hand-off and compute are tens to hundreds of microseconds (docs/performance.md: queue ~25 us, hand-off
     ~30-80 us, calls of 0.2-0.7 ms): their histograms' buckets start at 25 us, so such values land in distinct
     buckets; the gRPC call duration keeps its buckets from 0.5 ms."""
     from prometheus_client.utils import floatToGoString
