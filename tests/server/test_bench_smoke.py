@@ -595,3 +595,17 @@ def test_the_profiler_makes_its_log_folder(tmp_path: Path, monkeypatch: pytest.M
     profiler.proc.wait(10)
     assert (tmp_path / "out" / "logs" / "profile-overhead.pyspy.log").exists()
     assert profiler.detach() is None  # no samples were written
+
+
+def test_the_busy_table_shows_the_compute_process_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/serving.busy_table: a cell with a compute process shows its calls per second and its shares in calls and
+    in reading or waiting; a cell without one (the thread worker) shows dashes there."""
+    serving = _serving_module(monkeypatch)
+    loop = {"calls": 900, "calls_per_s": 1800.0,
+            "shares": {"calls": 0.614, "answering": 0.05, "reading_or_waiting": 0.297, "other": 0.039}}
+    rows = [serving.Row("s", "bf16", "stream", 64, 16, {"tokens_per_s": 5e4, "compute_loop": loop}),
+            serving.Row("s", "bf16", "stream", 1, 16, {"tokens_per_s": 1e3})]
+    head, rule, with_process, without = serving.busy_table(rows).splitlines()
+    assert head.endswith("| compute calls/s | in calls | reading or waiting |") and rule.count("---") == head.count("|") - 1
+    assert with_process.endswith("| 1800 | 0.61 | 0.30 |"), with_process
+    assert without.endswith("| - | - | - |"), without
