@@ -130,8 +130,7 @@ POOLING_DEADLINE_MARGIN_S = 0.005
 ends at the latest. The wait's timer fires late by up to the event loop's lag (epoll rounds its timeout up to the
 millisecond; on the 2-CPU sandbox at most 0.7 ms on uvloop idle, 3.1-4.7 ms with both CPUs taken:
 bench/results/2026-12-07-timer-lag-cpu.md), and a batch it carried past a deadline would
-drop that request instead of computing it; :data:`~lutb_server.errors.DEADLINE_SLACK_S` (1 ms) is too little for
-that."""
+drop that request instead of computing it."""
 
 
 class BatchScheduler:

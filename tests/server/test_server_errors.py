@@ -207,3 +207,17 @@ def test_a_batch_the_device_cannot_hold_is_resource_exhausted(tiny_checkpoint, m
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "ran out of memory" in info.value.details() and "fewer tokens" in info.value.details()
         assert list(stub.Forward(_request(tokens=2), timeout=30).output.shape) == [2, HIDDEN]
+
+
+@pytest.mark.parametrize(("left_s", "expected"), [(-0.5, grpc.StatusCode.DEADLINE_EXCEEDED), (0.0, grpc.StatusCode.DEADLINE_EXCEEDED),
+                                                  (0.004, grpc.StatusCode.DEADLINE_EXCEEDED), (0.5, grpc.StatusCode.CANCELLED),
+                                                  (None, grpc.StatusCode.CANCELLED)])
+def test_a_cancel_just_before_the_servers_deadline_counts_as_the_deadline(left_s: float | None, expected: grpc.StatusCode) -> None:
+    """The caller's deadline starts before the server's copy of it, so the caller's expiry can reach the server as a
+    cancel a few milliseconds early: counted DEADLINE_EXCEEDED (errors.DEADLINE_SLACK_S); a cancel well before the
+    deadline, or of a call without one, is CANCELLED."""
+    import time
+
+    from lutb_server.errors import cancelled_status
+
+    assert cancelled_status(None if left_s is None else time.monotonic() + left_s) == expected
