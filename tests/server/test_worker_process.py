@@ -884,7 +884,7 @@ def test_a_batch_in_flight_survives_a_signal_to_the_process_group(sig: int, tiny
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C, or a SIGTERM to the server's whole process group (systemd's KillMode=control-group, ``kill -- -PGID``,
     a shell job), reaches the compute process too: it ignores both and finishes the batch, the serving processes drain
-    and close it (docs/performance.md: SIGTERM drains all front ends, then stops the compute process)."""
+    and close it (docs/serving.md: SIGTERM drains all front ends, then stops the compute process)."""
     worker = _sleeping_worker(tiny_checkpoint, monkeypatch, 1.0)
     try:
         in_flight = worker.submit([_one_request()])
