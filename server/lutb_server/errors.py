@@ -56,6 +56,11 @@ class DeadlineExpired(ServiceError):
     code = "DEADLINE_EXCEEDED"
 
 
+EXPIRED_IN_WORKER = "deadline expired while the batch waited for the compute worker; not computed"
+"""The message of the :class:`DeadlineExpired` a compute worker raises for a batch whose every deadline passed while
+it waited there (behind other batches, or other front ends' batches in a compute process)."""
+
+
 class Unavailable(ServiceError):
     """The server is loading or draining; the client should retry (elsewhere)."""
 

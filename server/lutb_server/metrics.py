@@ -22,7 +22,8 @@ lutb_handoff_seconds                     histogram backend, layer, part         
 lutb_batches_total                       counter   backend, layer, path                  this process's batches by how the call that
                                                                                          ran them ran: graph, chunks, eager
 lutb_tokens_processed_total              counter   backend, layer                        tokens computed
-lutb_deadline_dropped_total              counter   layer                                 requests dropped unrun: deadline passed in the queue
+lutb_deadline_dropped_total              counter   layer                                 requests dropped unrun: deadline passed in the
+                                                                                         queue or at the compute worker
 lutb_queue_depth                         gauge                                           requests waiting in the scheduler
 lutb_backend_info                        info      backend, device, compute_capability,  what runs the experts
                                                    dtype, activation, content_hash
@@ -189,7 +190,7 @@ class ServerMetrics:
         )
         self.tokens = Counter("lutb_tokens_processed", "Tokens computed", ["backend", "layer"], registry=r)
         self.deadline_dropped = Counter(
-            "lutb_deadline_dropped", "Requests dropped without computing: their deadline passed in the queue", ["layer"], registry=r
+            "lutb_deadline_dropped", "Requests dropped without computing: their deadline passed in the queue or at the compute worker", ["layer"], registry=r
         )
         self.queue_depth = Gauge("lutb_queue_depth", "Requests waiting in the scheduler", registry=r)
         self.backend_info = Info("lutb_backend", "What runs the experts", registry=r)

@@ -33,7 +33,9 @@ microseconds apart.
 Isolation: every request was validated before it was queued; should a pooled call
 fail anyway, each of its requests is rerun alone so that only the culprit fails.
 Requests whose deadline passed or whose caller went away are dropped before
-computing (a cancelled caller's request leaves the queue at once). The queue holds at
+computing (a cancelled caller's request leaves the queue at once). Each batch goes to the worker with the latest of
+its requests' deadlines; a worker that finds it passed before the call fails the batch with
+:class:`~lutb_server.errors.DeadlineExpired`, which fails its requests as it is (no rerun one by one). The queue holds at
 most ``max_queue_requests`` waiting requests; beyond that
 :meth:`BatchScheduler.submit` raises :class:`~lutb_server.errors.QueueFull`.
 """
@@ -285,7 +287,7 @@ class BatchScheduler:
             return False
         started = time.monotonic()  # the hand-over (a compute process's copies and message) counts as hand-off, not queue
         try:
-            job = self.worker.submit([i.request for i in batch])
+            job = self.worker.submit([i.request for i in batch], _latest_deadline(batch))
         except Exception as exc:  # noqa: BLE001 - the worker is gone (closing): nothing will compute these
             for item in batch:
                 _fail(item, Unavailable(f"compute worker unavailable ({exc}); request not computed"))
@@ -325,6 +327,14 @@ class BatchScheduler:
         try:
             try:
                 result = running.job.result()
+            except DeadlineExpired as exc:  # every deadline of the batch passed while it waited on the worker
+                self._running.remove(running)
+                self._dispatch()
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+                        self._count_deadline_drop(item)
+                return
             except Exception as exc:  # noqa: BLE001 - any failure of the call: rerun its requests alone (it keeps its place)
                 assert self._loop is not None
                 running.rerun = self._loop.create_task(self._rerun_alone(running, exc), name="lutb-rerun")
@@ -422,7 +432,7 @@ class BatchScheduler:
                     continue
                 try:
                     sent = time.monotonic()
-                    single = await asyncio.wrap_future(self.worker.submit([item.request]))
+                    single = await asyncio.wrap_future(self.worker.submit([item.request], item.deadline))
                     (output,), compute_s, call_tokens = single.outputs, single.seconds, single.call_tokens
                     handoff_s, wait_s = _handoff(single, sent, time.monotonic())
                 except asyncio.CancelledError:
@@ -497,6 +507,12 @@ def _handoff(result: BatchOutput, handed: float, returned: float) -> tuple[float
     if result.started is None:
         return handoff, 0.0
     return handoff, min(max(0.0, result.started - handed), handoff)
+
+
+def _latest_deadline(batch: list[_Item]) -> float | None:
+    """The time after which no request of ``batch`` wants its answer (None when one of them has no deadline)."""
+    deadlines = [item.deadline for item in batch]
+    return None if None in deadlines else max(deadlines)  # type: ignore[type-var]
 
 
 def _fail(item: _Item, exc: BaseException) -> None:

@@ -65,6 +65,7 @@ from lutb_kernels.mxfp8 import BLOCK, mxfp8_dequantize_fast
 from lutb_kernels.mxfp8_triton import NONFINITE_MESSAGE, dequantize_into_op
 from lutb_kernels.reference import OutputMode
 from lutb_server.engine import PreparedRequest
+from lutb_server.errors import EXPIRED_IN_WORKER, DeadlineExpired
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class BatchWorker(Protocol):
     :class:`~lutb_server.worker_process.ProcessComputeWorker` (a child process)."""
 
     def start(self) -> Any: ...
-    def submit(self, requests: list[PreparedRequest]) -> Future[BatchOutput]: ...
+    def submit(self, requests: list[PreparedRequest], deadline: float | None = None) -> Future[BatchOutput]: ...
     def close(self, timeout: float | None = None) -> None: ...
 
 
@@ -281,9 +282,21 @@ class ComputeWorker:
         self._jobs.put((fn, args, future))
         return future
 
-    def submit(self, requests: list[PreparedRequest]) -> Future[BatchOutput]:
-        """Queue one pooled batch (same pool key); the future gives :meth:`run`'s result."""
-        return self.call(self.run, requests)
+    def submit(self, requests: list[PreparedRequest], deadline: float | None = None) -> Future[BatchOutput]:
+        """Queue one pooled batch (same pool key); the future gives :meth:`run`'s result.
+
+        ``deadline``: ``time.monotonic()`` seconds after which the batch is not worth computing (the latest of its
+        requests' deadlines; None: always compute). A batch whose deadline passed while it waited behind others
+        fails with :class:`~lutb_server.errors.DeadlineExpired` instead of running.
+        """
+        if deadline is None:
+            return self.call(self.run, requests)
+        return self.call(self._run_before, deadline, requests)
+
+    def _run_before(self, deadline: float, requests: list[PreparedRequest]) -> BatchOutput:
+        if time.monotonic() >= deadline:
+            raise DeadlineExpired(EXPIRED_IN_WORKER)
+        return self.run(requests)
 
     # -- graphs ------------------------------------------------------------------------------
 

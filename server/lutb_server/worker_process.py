@@ -33,10 +33,12 @@ batch's frame in one ``recv``); a tensor is a slot tuple or a codec message:
 - child -> parent, once: ``("ready", info)`` (``weight_bytes``, ``backend``, ``graphs_s``,
   ``warm_up_s``, ``gpu_memory``) or ``("failed", exception)``;
 - parent -> child: ``(job, (layer, x, topk_ids, topk_weights, apply_router_weight_on_input,
-  output_mode, x_scales, x_dtype), output_slot)`` per batch, its requests concatenated (they share the pool key),
+  output_mode, x_scales, x_dtype), output_slot, deadline)`` per batch, its requests concatenated (they share the pool key),
   ``x_scales`` and ``x_dtype`` (a dtype's name) None unless the batch is MXFP8 carried to the device
-  (:class:`~lutb_server.engine.PreparedRequest`), and ``output_slot`` where the child writes the batch's output
-  (None: send it inline); ``None`` to stop;
+  (:class:`~lutb_server.engine.PreparedRequest`), ``output_slot`` where the child writes the batch's output
+  (None: send it inline), and ``deadline`` the ``time.monotonic()`` time after which none of its requests wants an
+  answer (None: never; the child answers a batch found past it with ``DeadlineExpired`` instead of running it);
+  ``None`` to stop;
 - child -> parent: ``(job, output, seconds, call_tokens, path, started, status)`` or ``(job, exception, 0.0,
   0, "", None, status)``, ``output`` None when it is in the output slot, else a codec message (the serving
   process splits it back per request), ``call_tokens`` the tokens of the call that ran the batch
@@ -82,7 +84,7 @@ import torch
 
 from lutb_client.codec import WireTensor, decode_tensor, encode_tensor, host_bytes
 from lutb_server.engine import PreparedRequest
-from lutb_server.errors import Unavailable
+from lutb_server.errors import EXPIRED_IN_WORKER, DeadlineExpired, Unavailable
 from lutb_server.metrics import torch_gpu_memory
 from lutb_server.shared_arena import SharedArena, Slot, arena_supported, dtype_name
 from lutb_server.worker import BatchOutput, running_loop
@@ -430,8 +432,14 @@ class LoopTimes:
         return f"loop: {shares} of {wall:.1f} s"
 
 
-_Batch = tuple[_Connection, int, PreparedRequest, "torch.Tensor | None"]
-"""A batch in the compute process: its connection, job, request, and where its output goes (None: inline)."""
+class _Batch(NamedTuple):
+    """A batch in the compute process."""
+
+    connection: _Connection
+    job: int
+    request: PreparedRequest
+    destination: torch.Tensor | None  # where its output goes (None: inline)
+    deadline: float | None  # time.monotonic() seconds after which none of its requests wants an answer (None: never)
 
 
 class _Inbox:
@@ -511,7 +519,7 @@ class _Inbox:
     def release_closed(self) -> None:
         """Let go of the connections that are gone and have no batch left to run: un-page-lock their arenas, unmap
         them and close their sockets."""
-        for c in [c for c in self.closed if all(batch[0] is not c for batch in self.ahead)]:
+        for c in [c for c in self.closed if all(batch.connection is not c for batch in self.ahead)]:
             self.closed.remove(c)
             self._let_go(c)
 
@@ -550,7 +558,7 @@ class _Inbox:
             self.open.remove(c)
             self.closed.append(c)  # a call running now may still be copying into its arena
             return
-        job, (layer, x, ids, w, on_input, mode, scales, dtype), out_slot = message
+        job, (layer, x, ids, w, on_input, mode, scales, dtype), out_slot, deadline = message
         try:  # a batch arrives concatenated: one request
             request = PreparedRequest(layer, c.tensor(x), c.tensor(ids), c.tensor(w), on_input, mode,
                                       None if scales is None else c.tensor(scales), None if dtype is None else getattr(torch, dtype))
@@ -558,7 +566,7 @@ class _Inbox:
         except Exception as exc:  # noqa: BLE001 - the batch's error, handed to its future
             _answer(c, job, exc, None, False, self.status)
             return
-        self.ahead.append((c, job, request, destination))
+        self.ahead.append(_Batch(c, job, request, destination, deadline))
         self.received += 1
 
 
@@ -587,13 +595,14 @@ def _run_merged(worker: Any, batches: list[_Batch], status: tuple, max_tokens: i
     (``ComputeWorker.run(..., into=)``: a device copy into the page-locked arena, or one copy out of the pinned
     staging); a batch without one is sent inline. ``times`` (if given) gets the seconds spent in calls and answering.
     """
-    for indexes in merge_groups([request for _, _, request, _ in batches], max_tokens):
-        group = [batches[i] for i in indexes]
+    for indexes in merge_groups([batch.request for batch in batches], max_tokens):
+        group = _unexpired([batches[i] for i in indexes], status)
+        if not group:
+            continue
         call: BatchOutput | None
         began = time.monotonic()
         try:
-            call = worker.run([request for _, _, request, _ in group], [destination for *_, destination in group],
-                              overlap=during)
+            call = worker.run([batch.request for batch in group], [batch.destination for batch in group], overlap=during)
             outputs: list[torch.Tensor | BaseException] = list(call.outputs)
         except Exception as exc:  # noqa: BLE001 - alone, each batch gets its own result or error
             if times is not None:
@@ -604,12 +613,27 @@ def _run_merged(worker: Any, batches: list[_Batch], status: tuple, max_tokens: i
                 continue
             call, outputs = None, [exc]
         answering = time.monotonic()
-        for (c, job, _, destination), output in zip(group, outputs):
-            _answer(c, job, output, call, destination is not None, status)
+        for batch, output in zip(group, outputs):
+            _answer(batch.connection, batch.job, output, call, batch.destination is not None, status)
         if times is not None:
             if call is not None:
                 times.calls_s += answering - began
             times.answering_s += time.monotonic() - answering
+
+
+def _unexpired(group: list[_Batch], status: tuple) -> list[_Batch]:
+    """The batches of ``group`` still worth running; the others, whose deadline passed while they waited here, are
+    answered with :class:`~lutb_server.errors.DeadlineExpired` (their serving process fails their requests)."""
+    now = time.monotonic()
+    if all(batch.deadline is None or batch.deadline > now for batch in group):
+        return group
+    live = []
+    for batch in group:
+        if batch.deadline is None or batch.deadline > now:
+            live.append(batch)
+        else:
+            _answer(batch.connection, batch.job, DeadlineExpired(EXPIRED_IN_WORKER), None, False, status)
+    return live
 
 
 def _answer(c: _Connection, job: int, output: torch.Tensor | BaseException, call: BatchOutput | None, written: bool,
@@ -789,8 +813,13 @@ class ProcessComputeWorker:
         self._transport, _ = await loop.create_unix_connection(
             lambda: _FrameReader(self._on_answer, self._on_lost), sock=sock)
 
-    def submit(self, requests: Sequence[PreparedRequest]) -> Future[BatchOutput]:
+    def submit(self, requests: Sequence[PreparedRequest], deadline: float | None = None) -> Future[BatchOutput]:
         """Queue one pooled batch; the future gives its :class:`~lutb_server.worker.BatchOutput` (seconds in the child).
+
+        ``deadline``: ``time.monotonic()`` seconds after which the batch is not worth computing (None: always compute);
+        the child does not run a batch whose deadline passed while it waited there, and the future fails with
+        :class:`~lutb_server.errors.DeadlineExpired` (``time.monotonic()`` is one clock for all processes of a host:
+        ``CLOCK_MONOTONIC`` on Linux).
 
         Thread-safe; cheapest from the I/O loop (the batch is written at once). The future
         completes on the I/O loop.
@@ -825,7 +854,7 @@ class ProcessComputeWorker:
             out = None
         dtype = None if first.x_dtype is None else dtype_name(first.x_dtype)
         batch = (job, (first.layer, x, ids, w, first.apply_router_weight_on_input, first.output_mode,
-                       scales[0] if scales else None, dtype), out)
+                       scales[0] if scales else None, dtype), out, deadline)
         assert self._loop is not None
         if running_loop() is self._loop:
             self._write(batch)

@@ -78,9 +78,9 @@ def test_next_batch_goes_to_the_worker_before_results_are_delivered() -> None:
         scheduler = Recording(Engine())
         submit = scheduler.worker.submit
 
-        def recording_submit(requests):
+        def recording_submit(requests, deadline=None):
             events.append(("submit", sum(r.tokens for r in requests)))
-            return submit(requests)
+            return submit(requests, deadline)
 
         scheduler.worker.submit = recording_submit  # type: ignore[method-assign]
         await scheduler.start()
@@ -113,9 +113,9 @@ def test_handoff_is_the_workers_round_trip_less_compute() -> None:
         scheduler = BatchScheduler(Engine())
         submit = scheduler.worker.submit
 
-        def slow_return(requests):  # the result reaches the loop delay_s after the worker finished
+        def slow_return(requests, deadline=None):  # the result reaches the loop delay_s after the worker finished
             late: Future = Future()
-            submit(requests).add_done_callback(lambda f: threading.Timer(delay_s, late.set_result, (f.result(),)).start())
+            submit(requests, deadline).add_done_callback(lambda f: threading.Timer(delay_s, late.set_result, (f.result(),)).start())
             return late
 
         scheduler.worker.submit = slow_return  # type: ignore[method-assign]
@@ -150,13 +150,13 @@ def test_wait_is_the_handoff_before_the_call_started(late: str) -> None:
         scheduler = BatchScheduler(Engine())
         submit = scheduler.worker.submit
 
-        def delayed(requests):
+        def delayed(requests, deadline=None):
             late_future: Future = Future()
             if late == "on the way in":
-                threading.Timer(delay_s, lambda: submit(requests).add_done_callback(
+                threading.Timer(delay_s, lambda: submit(requests, deadline).add_done_callback(
                     lambda f: late_future.set_result(f.result()))).start()
             else:
-                submit(requests).add_done_callback(
+                submit(requests, deadline).add_done_callback(
                     lambda f: threading.Timer(delay_s, late_future.set_result, (f.result(),)).start())
             return late_future
 

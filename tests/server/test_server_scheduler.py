@@ -121,6 +121,51 @@ def test_expired_deadline_is_dropped_unrun() -> None:
     assert metrics.registry.get_sample_value("lutb_deadline_dropped_total", {"layer": "0"}) == 1
 
 
+def test_the_worker_gets_the_latest_deadline_of_a_batch_and_may_refuse_it() -> None:
+    """Each batch goes to the worker with the latest of its requests' deadlines (None when one has none). A batch the
+    worker answers with DeadlineExpired (every deadline passed while it waited there) fails each of its requests with
+    it, counted as dropped, and is not rerun request by request as a failed call would be."""
+    worker = HeldWorker(FakeEngine())
+    metrics = ServerMetrics()
+
+    async def body():
+        s = BatchScheduler(worker.engine, max_wait_us=0, worker=worker, metrics=metrics)
+        await s.start()
+        try:
+            now = time.monotonic()
+            first = asyncio.ensure_future(s.submit(_req(1), deadline=now + 50))
+            await asyncio.sleep(0.01)  # on the worker; the next three pool behind it
+            pooled = [asyncio.ensure_future(s.submit(_req(2), deadline=now + d)) for d in (30, 40, 20)]
+            await asyncio.sleep(0.01)
+            worker.release(0)
+            await first
+            await asyncio.sleep(0.01)
+            assert [len(reqs) for reqs, _ in worker.jobs] == [1, 3]
+            assert worker.deadlines == [pytest.approx(now + 50), pytest.approx(now + 40)]
+            _, job = worker.jobs[1]
+            job.set_exception(DeadlineExpired("deadline expired while the batch waited for the compute worker; not computed"))
+            for f in pooled:
+                with pytest.raises(DeadlineExpired, match="waited for the compute worker"):
+                    await f
+            assert len(worker.jobs) == 2  # the refused batch is not rerun
+            blocker = asyncio.ensure_future(s.submit(_req(1)))
+            await asyncio.sleep(0.01)
+            mixed = [asyncio.ensure_future(s.submit(_req(1), deadline=d)) for d in (now + 30, None)]
+            await asyncio.sleep(0.01)
+            worker.release(2)
+            await blocker
+            await asyncio.sleep(0.01)
+            assert [len(reqs) for reqs, _ in worker.jobs][2:] == [1, 2]
+            assert worker.deadlines[2:] == [None, None]  # one request without a deadline: its batch has none
+            worker.release(3)
+            await asyncio.gather(*mixed)
+        finally:
+            await s.close()
+
+    _run(body())
+    assert metrics.registry.get_sample_value("lutb_deadline_dropped_total", {"layer": "0"}) == 3
+
+
 def test_a_deadline_inside_the_pooling_wait_ends_it_on_an_idle_worker() -> None:
     """A lone request on an idle worker whose deadline falls inside its wait for company (``max_wait_us``) is computed:
     the wait ends POOLING_DEADLINE_MARGIN_S before the deadline, instead of holding the request until it expired and
@@ -305,9 +350,9 @@ def test_a_lone_request_goes_to_the_worker_without_a_dispatcher_task() -> None:
             assert asyncio.all_tasks() == baseline  # the scheduler runs no task of its own
             submit = s.worker.submit
 
-            def recording_submit(requests):
+            def recording_submit(requests, deadline=None):
                 handed_over_on.append(asyncio.current_task())
-                return submit(requests)
+                return submit(requests, deadline)
 
             s.worker.submit = recording_submit
             request = _req(3)
@@ -334,7 +379,7 @@ def test_close_gives_the_worker_a_finite_time() -> None:
         def start(self) -> None:
             pass
 
-        def submit(self, requests):  # pragma: no cover - nothing is submitted
+        def submit(self, requests, deadline=None):  # pragma: no cover - nothing is submitted
             raise AssertionError
 
         def close(self, timeout: float | None = None) -> None:
@@ -357,6 +402,7 @@ class HeldWorker:
     def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
         self.jobs: list[tuple[list[PreparedRequest], Future]] = []
+        self.deadlines: list[float | None] = []  # each batch's, as the scheduler handed it over
 
     def start(self) -> None:
         pass
@@ -364,9 +410,10 @@ class HeldWorker:
     def close(self, timeout: float | None = None) -> None:
         pass
 
-    def submit(self, requests: list[PreparedRequest]) -> Future:
+    def submit(self, requests: list[PreparedRequest], deadline: float | None = None) -> Future:
         future: Future = Future()
         self.jobs.append((requests, future))
+        self.deadlines.append(deadline)
         return future
 
     def release(self, index: int) -> None:

@@ -195,6 +195,32 @@ def test_thread_submit_call_and_errors(engine: ExpertEngine) -> None:
         worker.submit(requests)
 
 
+def test_a_batch_whose_deadline_passed_while_it_waited_is_not_run(engine: ExpertEngine) -> None:
+    """``submit(requests, deadline)``: a batch still queued behind another when its deadline passes fails with
+    DeadlineExpired and does not run; one whose deadline is ahead runs."""
+    import threading
+
+    from lutb_server.errors import DeadlineExpired
+
+    worker = ComputeWorker(engine).start()
+    try:
+        requests = _requests(engine, [2], seed=6)
+        gate = threading.Event()
+        blocker = worker.call(gate.wait, 10)  # holds the worker thread
+        late = worker.submit(requests, time.monotonic() + 0.02)
+        timely = worker.submit(requests, time.monotonic() + 60)
+        time.sleep(0.05)
+        calls = worker.batches
+        gate.set()
+        assert blocker.result(10)
+        with pytest.raises(DeadlineExpired, match="not computed"):
+            late.result(10)
+        assert torch.equal(timely.result(30).outputs[0], _engine_pooled(engine, requests)[0])
+        assert worker.batches == calls + 1  # only the timely one ran
+    finally:
+        worker.close(10)
+
+
 @pytest.mark.parametrize("limit, sizes", [(0, []), (1, [1]), (8, [1, 2, 4, 8]), (12, [1, 2, 4, 8, 12])])
 def test_warm_up_sizes_are_powers_of_two_then_the_limit(limit: int, sizes: list[int]) -> None:
     from lutb_server.worker import _powers_of_two_upto

@@ -739,12 +739,14 @@ def test_front_ends_and_compute_process_go_when_the_server_is_killed(tiny_checkp
         serving.kill()
 
 
-def _batch_of(job: int, layer: int) -> tuple:
+def _batch_of(job: int, layer: int, deadline: float | None = None) -> tuple:
     """A batch as the compute process holds one (``worker_process._Batch``): a stand-in connection, its job, a 2-token
-    request of ``layer``, no output slot."""
+    request of ``layer``, no output slot, ``deadline``."""
+    from lutb_server.worker_process import _Batch
+
     request = PreparedRequest(layer, torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1),
                               False, "combined")
-    return (f"front end {job}", job, request, None)
+    return _Batch(f"front end {job}", job, request, None, deadline)  # type: ignore[arg-type]
 
 
 def test_the_next_batches_are_read_while_a_call_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -775,6 +777,54 @@ def test_the_next_batches_are_read_while_a_call_runs(monkeypatch: pytest.MonkeyP
     events.clear()
     worker_process._run_merged(Worker(), [_batch_of(3, 9), _batch_of(4, 9)], (0, 0), 0, during)  # fails merged, then alone
     assert events == ["call 2", "read", "call 1", "read", "answer 3", "call 1", "read", "answer 4"]
+
+
+def test_batches_whose_deadline_passed_in_the_compute_process_are_answered_unrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_run_merged``: a batch whose deadline passed while it waited in the compute process is answered with
+    DeadlineExpired and left out of its merged call; a group with none left makes no call; batches with no deadline
+    or a future one run."""
+    from lutb_server import worker_process
+    from lutb_server.errors import DeadlineExpired
+    from lutb_server.worker import BatchOutput
+
+    answers: dict[int, object] = {}
+    monkeypatch.setattr(worker_process, "_answer",
+                        lambda c, job, output, call, written, status: answers.__setitem__(job, output))
+    calls: list[list[int]] = []
+
+    class Worker:
+        def run(self, requests, into, *, overlap=None):
+            calls.append([r.layer for r in requests])
+            return BatchOutput([torch.full((r.tokens, 4), float(r.layer)) for r in requests], 0.001,
+                               sum(r.tokens for r in requests))
+
+    now = time.monotonic()
+    batches = [_batch_of(1, 0, now - 1), _batch_of(2, 0, None), _batch_of(3, 0, now + 60),  # layer 0: one expired
+               _batch_of(4, 1, now - 0.001), _batch_of(5, 1, now - 5)]  # layer 1: all expired
+    worker_process._run_merged(Worker(), batches, worker_process._NO_STATUS, 0)
+    assert calls == [[0, 0]]  # the two live batches of layer 0 as one call; no call for layer 1
+    assert sorted(answers) == [1, 2, 3, 4, 5]
+    for job in (1, 4, 5):
+        assert isinstance(answers[job], DeadlineExpired) and "not computed" in str(answers[job])
+    for job in (2, 3):
+        assert isinstance(answers[job], torch.Tensor) and answers[job].shape == (2, 4)
+
+
+def test_a_batch_past_its_deadline_fails_in_the_compute_process(process_worker: ProcessComputeWorker,
+                                                                 tiny_checkpoint: Path) -> None:
+    """Across the socket: a batch submitted with a deadline already past comes back DeadlineExpired (not computed:
+    ``_run_merged``'s test above); the same batch with a deadline ahead, or none, is computed, and the child carries on."""
+    from lutb_server.errors import DeadlineExpired
+
+    catalog, full = _engines(tiny_checkpoint)
+    requests = _requests(catalog, 0, (3,), seed=11)
+    want = ComputeWorker(full).run(requests).outputs[0]
+    before = process_worker.submit(requests).result(60)
+    expired = process_worker.submit(requests, time.monotonic() - 0.001)
+    with pytest.raises(DeadlineExpired, match="not computed"):
+        expired.result(60)
+    ahead = process_worker.submit(requests, time.monotonic() + 60).result(60)
+    assert torch.equal(as_tensor(ahead.outputs[0]), want) and torch.equal(as_tensor(before.outputs[0]), want)
 
 
 def test_loop_times_count_calls_and_answers_apart(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1023,16 +1073,16 @@ def test_a_read_takes_every_batch_a_serving_process_sent() -> None:
         def batch(job: int) -> list[bytes]:
             x, ids, w = torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)
             return wp._frame((job, (0, encode_tensor(x), encode_tensor(ids), encode_tensor(w), False, "combined", None,
-                                    None), None))
+                                    None), None, None))
 
         frames = b"".join(batch(1) + batch(2) + batch(3))
         third = len(b"".join(batch(1) + batch(2)))
         front.sendall(frames[:third + 5])  # two whole batches and the start of a third
         inbox.read_arrived()
-        assert [job for _, job, _, _ in inbox.pop()] == [1, 2]
+        assert [batch.job for batch in inbox.pop()] == [1, 2]
         front.sendall(frames[third + 5:])
         inbox.read_arrived()
-        assert [job for _, job, _, _ in inbox.pop()] == [3] and inbox.received == 3
+        assert [batch.job for batch in inbox.pop()] == [3] and inbox.received == 3
     finally:
         front.close()
         child.close()
@@ -1060,16 +1110,16 @@ def test_a_closed_connections_arena_stays_page_locked_until_its_last_batch_ran()
         inbox = wp._Inbox([], Worker(), None)
         inbox.open.append(c)
         x, ids, w = torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)
-        wp._send(front, (7, (0, encode_tensor(x), encode_tensor(ids), encode_tensor(w), False, "combined", None, None), None))
+        wp._send(front, (7, (0, encode_tensor(x), encode_tensor(ids), encode_tensor(w), False, "combined", None, None), None, None))
         wp._send(front, None)
         inbox.read_arrived()  # during a call: the batch
         inbox.read_arrived()  # during the round's next call: the stop
-        assert [job for _, job, _, _ in inbox.ahead] == [7] and inbox.closed == [c] and not inbox.open and inbox
+        assert [batch.job for batch in inbox.ahead] == [7] and inbox.closed == [c] and not inbox.open and inbox
         assert events == []  # the running call may still be writing into the arena
         inbox.release_closed()
         assert events == []  # its batch has not run yet
         (batch,) = inbox.pop()
-        assert batch[0] is c and torch.equal(batch[2].x, x) and batch[3] is None
+        assert batch.connection is c and torch.equal(batch.request.x, x) and batch.destination is None and batch.deadline is None
         inbox.release_closed()  # after the call that ran it
         assert events == [("unregister", "arena A"), ("unmap", "arena A")] and not inbox and inbox.received == 1
         assert c.arena is None and c.sock.fileno() == -1  # its mapping and socket are let go too
@@ -1141,8 +1191,8 @@ def test_server_with_several_batches_in_flight_to_a_compute_process(tiny_checkpo
         most_in_flight = []
         submit = worker.submit
 
-        def counting_submit(requests):
-            future = submit(requests)
+        def counting_submit(requests, deadline=None):
+            future = submit(requests, deadline)
             most_in_flight.append(len(worker._pending))
             return future
 
