@@ -73,8 +73,9 @@ from lutb_server.expert_load import ExpertLoad
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0, 30.0)
 """Bucket bounds (seconds) of the server-internal latencies: ``lutb_queue_wait_seconds``, ``lutb_handoff_seconds`` and
-``lutb_compute_seconds``, which are tens to hundreds of microseconds on a GPU (docs/performance.md: hand-off ~30-80 us,
-queue wait ~25 us, calls of 0.2-0.7 ms), so the lowest bound is 25 us."""
+``lutb_compute_seconds``, which run from a few microseconds to milliseconds on a GPU (medians on an H100 host,
+qwen3-30b-a3b, bench/results/2026-12-07-serving-235a722-h100.md: queue 6-11 us for a lone caller, 174-1107 us with 64;
+hand-off 123-2189 us; compute 130-1631 us), so the lowest bound is 25 us."""
 GRPC_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Bucket bounds (seconds) of ``lutb_grpc_request_duration_seconds``: a whole gRPC call, from 0.5 ms."""
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 16))
