@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,10 @@ def test_serving_bench_smoke(tmp_path: Path) -> None:
         assert r["echo"]["requests"] > 0 and r["echo"]["request_bytes"] == r["server"]["request_bytes"]
         assert r["echo"]["response_bytes"] == r["server"]["response_bytes"] and r["echo"]["tokens_per_s"] > 0
         assert r["inproc"]["us"] > 0 and r["inproc"]["batch_tokens"] >= 4
+        # the baseline's batch: the calls' mean size (harmonic mean over requests), in whole requests of 4 tokens
+        assert r["server"]["call_tokens_mean"] <= r["server"]["batch_tokens_mean"]
+        assert r["inproc"]["batch_tokens"] == 4 * max(1, round(round(r["server"]["call_tokens_mean"]) / 4))
+        assert r["inproc_p50"]["us"] > 0 and r["inproc_p50"]["batch_tokens"] >= 4
     by_wire = {r["wire"]: r["server"]["request_bytes"] for r in rows}
     assert by_wire["mxfp8"] < 0.7 * by_wire["bf16"]
     assert report["servers"]["smoke"]["backend"] == "reference"
@@ -548,6 +553,25 @@ def test_serving_window_and_targets_count_only_clean_answers(monkeypatch: pytest
         targets = row(64, 16, **bad)
         assert not targets["throughput"]["ok"] and "callers answered" in targets["throughput"]["unclean"]
     assert not row(1, 16, error_count=1)["latency"]["ok"]
+
+
+def test_the_throughput_target_compares_at_the_calls_mean_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls of 64 and 256 tokens answering 16-token requests: the 256-token call answers 4x the requests, so the
+    requests' median batch is 256 while the calls' mean is 160, the harmonic mean over requests. The 80% target is
+    checked against the in-process rate at the calls' mean (``inproc``); the ratio at the requests' median
+    (``inproc_p50``) is reported beside it."""
+    serving = _serving_module(monkeypatch)
+    per_request = [64] * 4 + [256] * 16  # one call of each, as their requests report them
+    assert statistics.harmonic_mean(per_request) == pytest.approx(160) and statistics.median(per_request) == 256
+    r = serving.Row("s", "bf16", "stream", 64, 16, {"p50_us": 1.0, "p99_us": 2.0, "tokens_per_s": 85_000.0,
+                                                     "batch_tokens_p50": 256, "error_count": 0, "callers_measured": 64},
+                    echo={"p50_us": 1.0, "tokens_per_s": 1e6}, inproc={"tokens_per_s": 100_000.0, "batch_tokens": 160},
+                    inproc_p50={"tokens_per_s": 120_000.0, "batch_tokens": 256})
+    serving._targets(r)
+    t = r.targets["throughput"]
+    assert t["ok"] and t["min_tokens_per_s"] == pytest.approx(80_000)
+    assert t["ratio"] == pytest.approx(0.85) and t["ratio_at_p50_batch"] == pytest.approx(85 / 120)
+    assert "(0.85; 0.71 at p50)" in serving.short_table([r])
 
 
 def test_serving_report_is_strict_json_with_provenance(monkeypatch: pytest.MonkeyPatch) -> None:
