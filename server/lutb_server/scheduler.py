@@ -438,6 +438,8 @@ class BatchScheduler:
                 except asyncio.CancelledError:
                     raise
                 except Exception as single_exc:  # noqa: BLE001 - handed to that request
+                    if isinstance(single_exc, DeadlineExpired) and not item.future.done():
+                        self._count_deadline_drop(item)
                     _fail(item, single_exc)
                 else:
                     self._finish(item, output, started, compute_s, handoff_s, wait_s, call_tokens, 1)

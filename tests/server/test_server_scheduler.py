@@ -166,6 +166,43 @@ def test_the_worker_gets_the_latest_deadline_of_a_batch_and_may_refuse_it() -> N
     assert metrics.registry.get_sample_value("lutb_deadline_dropped_total", {"layer": "0"}) == 3
 
 
+def test_a_rerun_refused_for_its_deadline_counts_as_dropped() -> None:
+    """A pooled call fails, so each request is rerun alone, each with its own deadline; one the worker refuses as past
+    its deadline ends DeadlineExpired and is counted as dropped, the other is answered."""
+    worker = HeldWorker(FakeEngine())
+    metrics = ServerMetrics()
+
+    async def body():
+        s = BatchScheduler(worker.engine, max_wait_us=0, worker=worker, metrics=metrics)
+        await s.start()
+        try:
+            now = time.monotonic()
+            blocker = asyncio.ensure_future(s.submit(_req(1)))
+            await asyncio.sleep(0.01)
+            late, good = (asyncio.ensure_future(s.submit(_req(2), deadline=now + d)) for d in (20, 30))
+            await asyncio.sleep(0.01)
+            worker.release(0)
+            await blocker
+            await asyncio.sleep(0.01)
+            _, pooled = worker.jobs[1]
+            pooled.set_exception(ValueError("the pooled call failed"))
+            await asyncio.sleep(0.01)
+            assert worker.deadlines[2] == pytest.approx(now + 20)  # the first rerun, alone, with its own deadline
+            _, first = worker.jobs[2]
+            first.set_exception(DeadlineExpired("deadline expired while the batch waited for the compute worker; not computed"))
+            await asyncio.sleep(0.01)
+            assert worker.deadlines[3] == pytest.approx(now + 30)
+            worker.release(3)
+            with pytest.raises(DeadlineExpired):
+                await late
+            await good
+        finally:
+            await s.close()
+
+    _run(body())
+    assert metrics.registry.get_sample_value("lutb_deadline_dropped_total", {"layer": "0"}) == 1
+
+
 def test_a_deadline_inside_the_pooling_wait_ends_it_on_an_idle_worker() -> None:
     """A lone request on an idle worker whose deadline falls inside its wait for company (``max_wait_us``) is computed:
     the wait ends POOLING_DEADLINE_MARGIN_S before the deadline, instead of holding the request until it expired and
