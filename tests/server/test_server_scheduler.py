@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lutb_server.engine import PreparedRequest
-from lutb_server.errors import DeadlineExpired, QueueFull, Unavailable
+from lutb_server.errors import EXPIRED_IN_WORKER, DeadlineExpired, QueueFull, Unavailable
 from lutb_server.metrics import ServerMetrics
 from lutb_server.scheduler import BatchScheduler
 from lutb_server.worker import BatchOutput
@@ -128,41 +128,36 @@ def test_the_worker_gets_the_latest_deadline_of_a_batch_and_may_refuse_it() -> N
     worker = HeldWorker(FakeEngine())
     metrics = ServerMetrics()
 
-    async def body():
-        s = BatchScheduler(worker.engine, max_wait_us=0, worker=worker, metrics=metrics)
-        await s.start()
-        try:
-            now = time.monotonic()
-            first = asyncio.ensure_future(s.submit(_req(1), deadline=now + 50))
-            await asyncio.sleep(0.01)  # on the worker; the next three pool behind it
-            pooled = [asyncio.ensure_future(s.submit(_req(2), deadline=now + d)) for d in (30, 40, 20)]
-            await asyncio.sleep(0.01)
-            worker.release(0)
-            await first
-            await asyncio.sleep(0.01)
-            assert [len(reqs) for reqs, _ in worker.jobs] == [1, 3]
-            assert worker.deadlines == [pytest.approx(now + 50), pytest.approx(now + 40)]
-            _, job = worker.jobs[1]
-            job.set_exception(DeadlineExpired("deadline expired while the batch waited for the compute worker; not computed"))
-            for f in pooled:
-                with pytest.raises(DeadlineExpired, match="waited for the compute worker"):
-                    await f
-            assert len(worker.jobs) == 2  # the refused batch is not rerun
-            blocker = asyncio.ensure_future(s.submit(_req(1)))
-            await asyncio.sleep(0.01)
-            mixed = [asyncio.ensure_future(s.submit(_req(1), deadline=d)) for d in (now + 30, None)]
-            await asyncio.sleep(0.01)
-            worker.release(2)
-            await blocker
-            await asyncio.sleep(0.01)
-            assert [len(reqs) for reqs, _ in worker.jobs][2:] == [1, 2]
-            assert worker.deadlines[2:] == [None, None]  # one request without a deadline: its batch has none
-            worker.release(3)
-            await asyncio.gather(*mixed)
-        finally:
-            await s.close()
+    async def body(s):
+        now = time.monotonic()
+        first = asyncio.ensure_future(s.submit(_req(1), deadline=now + 50))
+        await asyncio.sleep(0.01)  # on the worker; the next three pool behind it
+        pooled = [asyncio.ensure_future(s.submit(_req(2), deadline=now + d)) for d in (30, 40, 20)]
+        await asyncio.sleep(0.01)
+        worker.release(0)
+        await first
+        await asyncio.sleep(0.01)
+        assert [len(reqs) for reqs, _ in worker.jobs] == [1, 3]
+        assert worker.deadlines == [pytest.approx(now + 50), pytest.approx(now + 40)]
+        _, job = worker.jobs[1]
+        job.set_exception(DeadlineExpired(EXPIRED_IN_WORKER))
+        for f in pooled:
+            with pytest.raises(DeadlineExpired, match="waited for the compute worker"):
+                await f
+        assert len(worker.jobs) == 2  # the refused batch is not rerun
+        blocker = asyncio.ensure_future(s.submit(_req(1)))
+        await asyncio.sleep(0.01)
+        mixed = [asyncio.ensure_future(s.submit(_req(1), deadline=d)) for d in (now + 30, None)]
+        await asyncio.sleep(0.01)
+        worker.release(2)
+        await blocker
+        await asyncio.sleep(0.01)
+        assert [len(reqs) for reqs, _ in worker.jobs][2:] == [1, 2]
+        assert worker.deadlines[2:] == [None, None]  # one request without a deadline: its batch has none
+        worker.release(3)
+        await asyncio.gather(*mixed)
 
-    _run(body())
+    _run(_with_scheduler(worker.engine, body, max_wait_us=0, worker=worker, metrics=metrics))
     assert metrics.registry.get_sample_value("lutb_deadline_dropped_total", {"layer": "0"}) == 3
 
 
@@ -172,34 +167,29 @@ def test_a_rerun_refused_for_its_deadline_counts_as_dropped() -> None:
     worker = HeldWorker(FakeEngine())
     metrics = ServerMetrics()
 
-    async def body():
-        s = BatchScheduler(worker.engine, max_wait_us=0, worker=worker, metrics=metrics)
-        await s.start()
-        try:
-            now = time.monotonic()
-            blocker = asyncio.ensure_future(s.submit(_req(1)))
-            await asyncio.sleep(0.01)
-            late, good = (asyncio.ensure_future(s.submit(_req(2), deadline=now + d)) for d in (20, 30))
-            await asyncio.sleep(0.01)
-            worker.release(0)
-            await blocker
-            await asyncio.sleep(0.01)
-            _, pooled = worker.jobs[1]
-            pooled.set_exception(ValueError("the pooled call failed"))
-            await asyncio.sleep(0.01)
-            assert worker.deadlines[2] == pytest.approx(now + 20)  # the first rerun, alone, with its own deadline
-            _, first = worker.jobs[2]
-            first.set_exception(DeadlineExpired("deadline expired while the batch waited for the compute worker; not computed"))
-            await asyncio.sleep(0.01)
-            assert worker.deadlines[3] == pytest.approx(now + 30)
-            worker.release(3)
-            with pytest.raises(DeadlineExpired):
-                await late
-            await good
-        finally:
-            await s.close()
+    async def body(s):
+        now = time.monotonic()
+        blocker = asyncio.ensure_future(s.submit(_req(1)))
+        await asyncio.sleep(0.01)
+        late, good = (asyncio.ensure_future(s.submit(_req(2), deadline=now + d)) for d in (20, 30))
+        await asyncio.sleep(0.01)
+        worker.release(0)
+        await blocker
+        await asyncio.sleep(0.01)
+        _, pooled = worker.jobs[1]
+        pooled.set_exception(ValueError("the pooled call failed"))
+        await asyncio.sleep(0.01)
+        assert worker.deadlines[2] == pytest.approx(now + 20)  # the first rerun, alone, with its own deadline
+        _, first = worker.jobs[2]
+        first.set_exception(DeadlineExpired(EXPIRED_IN_WORKER))
+        await asyncio.sleep(0.01)
+        assert worker.deadlines[3] == pytest.approx(now + 30)
+        worker.release(3)
+        with pytest.raises(DeadlineExpired):
+            await late
+        await good
 
-    _run(body())
+    _run(_with_scheduler(worker.engine, body, max_wait_us=0, worker=worker, metrics=metrics))
     assert metrics.registry.get_sample_value("lutb_deadline_dropped_total", {"layer": "0"}) == 1
 
 
