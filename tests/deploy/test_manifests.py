@@ -48,7 +48,8 @@ def _container(obj: dict) -> dict:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_renders_expected_objects(manifests, overlay) -> None:
     kinds = sorted(o["kind"] for o in manifests[overlay])
-    common = ["ConfigMap", "NetworkPolicy", "PersistentVolumeClaim", "PodMonitor", "Service", "ServiceAccount"]
+    common = ["ConfigMap", "NetworkPolicy", "PersistentVolumeClaim", "PodMonitor", "PrometheusRule", "Service",
+              "ServiceAccount"]
     extra = ["Deployment"] if overlay == "single" else ["PodDisruptionBudget", "StatefulSet"]
     assert kinds == sorted(common + extra)
     for obj in manifests[overlay]:

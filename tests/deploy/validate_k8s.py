@@ -20,7 +20,10 @@ import kubernetes_validate
 import yaml
 
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
-CRD_SCHEMAS = {("monitoring.coreos.com/v1", "PodMonitor"): SCHEMAS / "podmonitor-monitoring-v1.json"}
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "PodMonitor"): SCHEMAS / "podmonitor-monitoring-v1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): SCHEMAS / "prometheusrule-monitoring-v1.json",
+}
 
 
 def main(path: str, versions: list[str]) -> int:
