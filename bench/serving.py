@@ -1244,23 +1244,28 @@ BUSY_NOTE = ("Who limits a cell, from /proc over each run (warm-up included): th
              "process), and the busiest load-generator process's CPU / wall time. A thread near 1.0 is saturated; "
              "serving.json holds every thread's figure. With a compute process: its experts calls per second and its "
              "loop's shares of time in calls and in reading or waiting for batches between them (from mid-warm-up to "
-             "the cell's end; ``server.compute_loop``): waiting while callers are many is the GPU idle for want of batches.")
+             "the cell's end; ``server.compute_loop``): waiting while callers are many is the GPU idle for want of batches; "
+             "and from them the tokens and microseconds in calls per experts call (tok/s and the calls' share over calls/s), "
+             "to hold against the in-process time at that size.")
 
 
 def busy_table(rows: list[Row]) -> str:
     """Per cell: server CPU per request, its busiest thread, the load generators' busiest process (see ``BUSY_NOTE``)."""
     head = ("| shape | wire | api | C | T | tok/s | server CPU us/req | busiest server thread | its busy | load busy "
-            "| echo tok/s | compute calls/s | in calls | reading or waiting |")
-    lines = [head, "|" + "|".join("---" for _ in range(14)) + "|"]
+            "| echo tok/s | compute calls/s | in calls | reading or waiting | tokens per call | us per call |")
+    lines = [head, "|" + "|".join("---" for _ in range(16)) + "|"]
     for r in rows:
         cpu = r.server.get("cpu", {})
         loop = r.server.get("compute_loop") or {}
         shares = loop.get("shares") or {}
+        per_s, in_calls = loop.get("calls_per_s"), shares.get("calls")
+        per_call = (r.server["tokens_per_s"] / per_s, 1e6 * in_calls / per_s) if per_s and in_calls is not None else (None, None)
         lines.append(f"| {r.shape} | {r.wire} | {r.api} | {r.concurrency} | {r.tokens} | {_fmt(r.server['tokens_per_s'])} "
                      f"| {_fmt(cpu.get('cpu_us_per_request'))} | {cpu.get('busiest_thread', '-')} "
                      f"| {_fmt(cpu.get('busiest_thread_busy'), 2)} | {_fmt(r.server.get('load_busy_max'), 2)} "
                      f"| {_fmt(r.echo.get('tokens_per_s'))} | {_fmt(loop.get('calls_per_s'))} "
-                     f"| {_fmt(shares.get('calls'), 2)} | {_fmt(shares.get('reading_or_waiting'), 2)} |")
+                     f"| {_fmt(shares.get('calls'), 2)} | {_fmt(shares.get('reading_or_waiting'), 2)} "
+                     f"| {_fmt(per_call[0])} | {_fmt(per_call[1])} |")
     return "\n".join(lines)
 
 

@@ -622,14 +622,16 @@ def test_the_profiler_makes_its_log_folder(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_the_busy_table_shows_the_compute_process_shares(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bench/serving.busy_table: a cell with a compute process shows its calls per second and its shares in calls and
-    in reading or waiting; a cell without one (the thread worker) shows dashes there."""
+    """bench/serving.busy_table: a cell with a compute process shows its calls per second, its shares in calls and
+    in reading or waiting, and per call the tokens (tok/s over calls/s) and the microseconds in calls; a cell without
+    one (the thread worker) shows dashes there."""
     serving = _serving_module(monkeypatch)
     loop = {"calls": 900, "calls_per_s": 1800.0,
             "shares": {"calls": 0.614, "answering": 0.05, "reading_or_waiting": 0.297, "other": 0.039}}
     rows = [serving.Row("s", "bf16", "stream", 64, 16, {"tokens_per_s": 5e4, "compute_loop": loop}),
             serving.Row("s", "bf16", "stream", 1, 16, {"tokens_per_s": 1e3})]
     head, rule, with_process, without = serving.busy_table(rows).splitlines()
-    assert head.endswith("| compute calls/s | in calls | reading or waiting |") and rule.count("---") == head.count("|") - 1
-    assert with_process.endswith("| 1800 | 0.61 | 0.30 |"), with_process
-    assert without.endswith("| - | - | - |"), without
+    assert head.endswith("| compute calls/s | in calls | reading or waiting | tokens per call | us per call |")
+    assert rule.count("---") == head.count("|") - 1
+    assert with_process.endswith("| 1800 | 0.61 | 0.30 | 28 | 341 |"), with_process  # 5e4 / 1800; 0.614 / 1800 s
+    assert without.endswith("| - | - | - | - | - |"), without
