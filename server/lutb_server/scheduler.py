@@ -331,9 +331,7 @@ class BatchScheduler:
                 self._running.remove(running)
                 self._dispatch()
                 for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(exc)
-                        self._count_deadline_drop(item)
+                    self._expire(item, exc)
                 return
             except Exception as exc:  # noqa: BLE001 - any failure of the call: rerun its requests alone (it keeps its place)
                 assert self._loop is not None
@@ -378,6 +376,13 @@ class BatchScheduler:
         if deadline_reached(item.deadline):
             self._count_deadline_drop(item)
 
+    def _expire(self, item: _Item, exc: DeadlineExpired) -> None:
+        """Fail a request whose deadline passed before it ran with ``exc``, counted as dropped (unless its caller is
+        gone already)."""
+        if not item.future.done():
+            item.future.set_exception(exc)
+            self._count_deadline_drop(item)
+
     def _count_deadline_drop(self, item: _Item) -> None:
         if self._metrics is not None:
             self._metrics.deadline_dropped.labels(str(item.request.layer)).inc()
@@ -393,8 +398,7 @@ class BatchScheduler:
                 continue
             if item.deadline is not None and item.deadline <= now:
                 waited = (now - item.enqueued) * 1e3
-                item.future.set_exception(DeadlineExpired(f"deadline expired after {waited:.1f} ms in the queue; not computed"))
-                self._count_deadline_drop(item)
+                self._expire(item, DeadlineExpired(f"deadline expired after {waited:.1f} ms in the queue; not computed"))
                 continue
             keep.append(item)
         self._pending = keep
@@ -437,9 +441,9 @@ class BatchScheduler:
                     handoff_s, wait_s = _handoff(single, sent, time.monotonic())
                 except asyncio.CancelledError:
                     raise
+                except DeadlineExpired as single_exc:  # the worker found its deadline passed
+                    self._expire(item, single_exc)
                 except Exception as single_exc:  # noqa: BLE001 - handed to that request
-                    if isinstance(single_exc, DeadlineExpired) and not item.future.done():
-                        self._count_deadline_drop(item)
                     _fail(item, single_exc)
                 else:
                     self._finish(item, output, started, compute_s, handoff_s, wait_s, call_tokens, 1)

@@ -625,9 +625,7 @@ def _unexpired(group: list[_Batch], status: tuple) -> list[_Batch]:
     """The batches of ``group`` still worth running; the others, whose deadline passed while they waited here, are
     answered with :class:`~lutb_server.errors.DeadlineExpired` (their serving process fails their requests)."""
     now = time.monotonic()
-    if all(batch.deadline is None or batch.deadline > now for batch in group):
-        return group
-    live = []
+    live: list[_Batch] = []
     for batch in group:
         if batch.deadline is None or batch.deadline > now:
             live.append(batch)
