@@ -1,18 +1,18 @@
 """What a ``/metrics`` scrape of a server with several front ends costs the serving processes' event loops.
 
-Front ends 1..N-1 each serve their registry on loopback; the scraped endpoint merges them with front end 0's
-(``lutb_server.metrics.FrontEndsCollector``). This script builds N real ``ServerMetrics`` registries holding the
-per-layer series of ``--layers`` layers (and ``--experts`` experts each with ``--expert-metrics``), serves them as
-the server does, and scrapes the merged endpoint ``--scrapes`` times while an asyncio heartbeat (a 1 ms sleep in a
-loop) runs in the process that serves the endpoint, as front end 0's event loop would. It reports, per scrape, the
-wall time, that process's CPU time, and the heartbeat's longest gap: how long front end 0's event loop could not
-run. With ``--gateway`` the endpoint is served the way the server serves it now (see
-docs/serving.md, "Metrics"), and the heartbeat's process is front end 0 all the same.
+Every front end serves its registry on loopback, and the server's endpoint merges them
+(``lutb_server.metrics_gateway``: in a process of its own since it was measured here to stall front end 0; before,
+front end 0 merged them itself). This script builds N real ``ServerMetrics`` registries holding the per-layer series
+of ``--layers`` layers (and ``--experts`` experts each with ``--expert-metrics``), serves them as the server does
+(front ends 1..N-1 in processes of their own, front end 0 in this one), and scrapes the merged endpoint ``--scrapes``
+times while an asyncio heartbeat (a 1 ms sleep in a loop) runs in front end 0's process, as its event loop would. It
+reports, per scrape, the wall time, front end 0's CPU time, the heartbeat's longest gap (how long front end 0's
+event loop could not run), and the CPU time of the process that merged the answers.
 
     python bench/metrics_scrape.py --front-ends 8 --layers 8
     python bench/metrics_scrape.py --front-ends 8 --layers 8 --expert-metrics --experts 256
 
-CPU only; prints one markdown table row per configuration.
+Linux (reads /proc), CPU only; prints one markdown table row per configuration.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("kernels", "client", "server")]
 
 from lutb_server.metrics import ServerMetrics  # noqa: E402
+from lutb_server.metrics_gateway import MetricsGateway  # noqa: E402
 
 
 def populated(layers: int, expert_metrics: bool, experts: int, seed: int) -> ServerMetrics:
@@ -93,32 +94,40 @@ def measure(front_ends: int, layers: int, expert_metrics: bool, experts: int, sc
         process.start()
     ports = [ours.recv() for ours, _ in pipes]
     zero = populated(layers, expert_metrics, experts, 0)
-    port = zero.serve("127.0.0.1", 0, other_front_ends=ports)
-    url = f"http://127.0.0.1:{port}/metrics"
+    gateway = MetricsGateway.start("127.0.0.1", 0, [zero.serve("127.0.0.1", 0)] + ports)
+    url = f"http://127.0.0.1:{gateway.port}/metrics"
     urllib.request.urlopen(url).read()  # warm
-    walls, cpus, stalls, lines = [], [], [], 0
+    walls, cpus, merges, stalls, lines = [], [], [], [], 0
     for _ in range(scrapes):
         stop, gaps = threading.Event(), []
         loop_thread = threading.Thread(target=lambda: asyncio.run(_heartbeat(stop, gaps)))
         loop_thread.start()
         time.sleep(0.05)
-        cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        merge0, cpu0, t0 = _cpu_s(gateway.process.pid), resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         body = _scrape(url)
-        t1, cpu1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        t1, cpu1, merge1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), _cpu_s(gateway.process.pid)
         time.sleep(0.02)
         stop.set()
         loop_thread.join()
         walls.append(t1 - t0)
         # the scraper (urllib, this process) reads and discards the answer: small next to the merge
         cpus.append(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime)
+        merges.append(merge1 - merge0)
         stalls.append(max(gaps))
         lines = body.count(b"\n")
+    gateway.close()
     zero.close()
     for (ours, _), process in zip(pipes, others):
         ours.send("stop")
         process.join(10)
     return {"lines": lines, "wall_ms": 1e3 * statistics.median(walls), "cpu_ms": 1e3 * statistics.median(cpus),
-            "stall_ms": 1e3 * statistics.median(stalls), "stall_max_ms": 1e3 * max(stalls)}
+            "merge_cpu_ms": 1e3 * statistics.median(merges), "stall_ms": 1e3 * statistics.median(stalls), "stall_max_ms": 1e3 * max(stalls)}
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _scrape(url: str) -> bytes:
@@ -135,12 +144,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scrapes", type=int, default=7)
     args = p.parse_args(argv)
     r = measure(args.front_ends, args.layers, args.expert_metrics, args.experts, args.scrapes)
-    print("| front ends | layers | expert metrics | lines | scrape wall ms | serving process CPU ms | "
-          "loop's longest gap ms (median) | (max) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| front ends | layers | expert metrics | lines | scrape wall ms | front end 0 CPU ms | "
+          "its loop's longest gap ms (median) | (max) | merging process CPU ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     experts = f"{args.experts} experts" if args.expert_metrics else "off"
     print(f"| {args.front_ends} | {args.layers} | {experts} | {r['lines']} | {r['wall_ms']:.1f} | {r['cpu_ms']:.1f} | "
-          f"{r['stall_ms']:.1f} | {r['stall_max_ms']:.1f} |")
+          f"{r['stall_ms']:.1f} | {r['stall_max_ms']:.1f} | {r['merge_cpu_ms']:.0f} |")
     print(f"(cpus: {os.cpu_count()}, python {sys.version.split()[0]})")
 
 

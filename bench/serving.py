@@ -184,7 +184,7 @@ class CpuMeter:
 
 
 def compute_loop_totals(text: str) -> dict[str, float] | None:
-    """From a server's metrics (Prometheus text, front end 0's endpoint), the compute process's experts calls and loop
+    """From a server's metrics (Prometheus text, the server's endpoint), the compute process's experts calls and loop
     seconds by phase (``lutb_compute_calls_total``, ``lutb_compute_loop_seconds_total``); None without a compute
     process. Every front end reports the same process as of the last answer it got, so each figure is the largest any
     front end reports (the freshest: they only grow)."""

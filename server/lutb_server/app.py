@@ -43,6 +43,7 @@ from lutb_server.engine import ExpertEngine
 from lutb_server.front_ends import FrontEnds
 from lutb_server.interceptors import Gate, GateInterceptor, MetricsInterceptor
 from lutb_server.metrics import ServerMetrics
+from lutb_server.metrics_gateway import MetricsGateway
 from lutb_server.scheduler import BatchScheduler
 from lutb_server.servicer import ExpertServicer, add_to_server
 from lutb_server.settings import ServerSettings
@@ -236,7 +237,8 @@ class ExpertServer:
         compute_connection: this server is front end k > 0 of a shared compute process: its
             socket (from :func:`~lutb_server.worker_process.spawn_compute_process`). Its metrics
             then listen on loopback only (``metrics_port``, which front end 0 sets to its own
-            + k): front end 0 serves them with its own, labelled ``front_end``.
+            + k): the metrics process front end 0 starts (:mod:`lutb_server.metrics_gateway`) serves them with
+            front end 0's, labelled ``front_end``.
         front_end: ``(k, N)``: this server is front end k of N on its port (``ModelInfo`` says so, for
             clients that spread their connections). None: front end 0 of ``settings.front_ends``.
         content_hash: with ``compute_connection``: the content hash of ``settings.checkpoint`` (which must be
@@ -271,6 +273,8 @@ class ExpertServer:
         """The CPU set aside for the compute process this server starts (``compute_cpu``)."""
         self._cpu_wakeup = CpuWakeupHold(None, "")
         """The machine's CPU wake-up bound this server holds (``cpu_wakeup_latency_us``; front end 0 only)."""
+        self._metrics_gateway: MetricsGateway | None = None
+        """The process serving every front end's metrics, where this is front end 0 of several."""
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.failed = asyncio.Event()
@@ -308,11 +312,15 @@ class ExpertServer:
             shared_port = s.front_ends > 1 or self._compute_connection is not None
             if s.front_ends > 1 and s.port:
                 _check_port_free(s.host, s.port)  # SO_REUSEPORT would let us share a port someone else holds
-            if s.metrics_port and self._compute_connection is not None:  # front end k > 0: read by front end 0 only
+            if s.metrics_port and self._compute_connection is not None:  # front end k > 0: read by the metrics process
                 self.metrics_port = self.metrics.serve("127.0.0.1", s.metrics_port)
+            elif s.metrics_port and s.front_ends > 1:  # every front end's, merged by a process of its own
+                own = self.metrics.serve("127.0.0.1", 0)
+                ports = [own] + [s.metrics_port + k for k in range(1, s.front_ends)]
+                self._metrics_gateway = await asyncio.to_thread(MetricsGateway.start, s.host, s.metrics_port, ports)
+                self.metrics_port = self._metrics_gateway.port
             elif s.metrics_port:
-                others = [s.metrics_port + k for k in range(1, s.front_ends)]
-                self.metrics_port = self.metrics.serve(s.host, s.metrics_port, other_front_ends=others)
+                self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
             options = [
                 ("grpc.max_receive_message_length", s.max_message_bytes),
                 ("grpc.max_send_message_length", s.max_message_bytes),
@@ -434,6 +442,9 @@ class ExpertServer:
             await self.front_ends.join(grace)
         if self.scheduler is not None:
             await self.scheduler.close()
+        if self._metrics_gateway is not None:
+            await asyncio.to_thread(self._metrics_gateway.close)
+            self._metrics_gateway = None
         self.metrics.close()
         self._cpu_placement.release()
         self._cpu_wakeup.release()

@@ -4,7 +4,7 @@ Front end 0 is the :class:`~lutb_server.app.ExpertServer` that started the compu
 (:func:`~lutb_server.worker_process.spawn_compute_process`); it owns a :class:`FrontEnds` for
 the others. Each other front end is a spawned process running :func:`front_end_main`: an
 ``ExpertServer`` on its own connection to the compute process, bound to the same port
-(``SO_REUSEPORT``), its metrics on loopback ``metrics_port + k`` (front end 0 serves them). It serves
+(``SO_REUSEPORT``), its metrics on loopback ``metrics_port + k`` (the metrics process serves them). It serves
 the checkpoint front end 0 resolved and is handed front end 0's ``content_hash`` of it: a server
 reads and hashes its checkpoint's bytes once, not once per process.
 """

@@ -46,8 +46,8 @@ process_cpu_seconds_total, process_*     (various)                              
 Label sets are bounded: methods are the registered ones, codes the gRPC codes,
 layers those of the checkpoint.
 
-With several front ends (``front_ends`` = N > 1), front end 0's endpoint serves every front end's
-metrics, each sample labelled ``front_end`` (0..N-1; :class:`FrontEndsCollector`), plus
+With several front ends (``front_ends`` = N > 1), the server's endpoint serves every front end's
+metrics, each sample labelled ``front_end`` (0..N-1; :mod:`lutb_server.metrics_gateway`), plus
 ``lutb_front_end_up{front_end}`` (1 when that front end's metrics could be read at the scrape).
 The compute process merges their batches into shared experts calls, each recorded by every front end
 with a batch in it: summed over ``front_end``, lutb_batches_total and lutb_compute_seconds count
@@ -56,16 +56,12 @@ front-end batches, not experts calls (docs/serving.md, Metrics).
 
 from __future__ import annotations
 
-import http.client
 import threading
-import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from lutb_server.expert_load import ExpertLoad
@@ -80,9 +76,6 @@ GRPC_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.
 """Bucket bounds (seconds) of ``lutb_grpc_request_duration_seconds``: a whole gRPC call, from 0.5 ms."""
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 16))
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-_OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
-_READ_CHUNK = 1 << 16  # bytes per read of a front end's answer
 
 
 class _GpuMemoryCollector(Collector):
@@ -228,18 +221,10 @@ class ServerMetrics:
         if compute_loop is not None:
             self.registry.register(_ComputeLoopCollector(compute_loop))
 
-    def serve(self, host: str, port: int, *, other_front_ends: list[int] | None = None) -> int:
-        """Serve ``/metrics`` over HTTP on ``host:port`` in a daemon thread; returns the bound port.
-
-        ``other_front_ends``: the loopback metrics ports of front ends 1..N-1, whose metrics
-        this endpoint serves too (:class:`FrontEndsCollector`).
-        """
-        registry = self.registry
-        if other_front_ends:
-            registry = CollectorRegistry(auto_describe=False)
-            registry.register(FrontEndsCollector(self.registry, other_front_ends))
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` over HTTP on ``host:port`` in a daemon thread; returns the bound port."""
         try:
-            self._http, self._http_thread = start_http_server(port, addr=host, registry=registry)
+            self._http, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
             where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             raise OSError(f"cannot bind metrics to {where}: {exc.strerror or exc}") from None
@@ -254,91 +239,4 @@ class ServerMetrics:
             self._http = None
 
 
-class FrontEndsCollector(Collector):
-    """Front end 0's metrics and those of front ends 1..N-1 (read from their loopback endpoints at
-    scrape time), merged family by family, every sample labelled ``front_end``.
-
-    Args:
-        own: front end 0's registry.
-        ports: the loopback metrics ports of front ends 1..N-1, in order.
-        timeout_s: how long the other front ends' answers may take, all together: the endpoints are read in
-            parallel, each read whole by one deadline (every socket operation waits at most until then), so a
-            scrape takes at most about this long however many front ends hang or answer slowly. A front end that
-            is late, fails, answers broken HTTP, or whose answer is not valid OpenMetrics, shows as
-            ``lutb_front_end_up{front_end="k"} 0`` and contributes no samples.
-
-    The endpoints are read directly, never through a proxy of the environment, in OpenMetrics, the
-    format that keeps every family's type (info, counter with its ``_created`` sample): the families
-    yielded are those a registry of all front ends' metrics would hold, so the endpoint serving this
-    collector writes valid Prometheus text or valid OpenMetrics, whichever the scraper asks for.
-    """
-
-    def __init__(self, own: CollectorRegistry, ports: list[int], timeout_s: float = 2.0) -> None:
-        self.own, self.ports, self.timeout_s = own, list(ports), timeout_s
-
-    def _read(self, port: int, deadline: float) -> list[Metric]:
-        """The families of the front end whose metrics listen on loopback ``port``, read whole by ``deadline``
-        (``time.monotonic()`` seconds); OSError if it does not answer in time (TimeoutError) or answers an HTTP error,
-        ValueError if its answer is not OpenMetrics. Each socket operation waits at most until the deadline, so the
-        read ends by then however the front end answers."""
-        def remaining() -> float:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"front end metrics on port {port} not read within {self.timeout_s:g} s")
-            return left
-
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=remaining())  # loopback: no proxy to bypass
-        try:
-            conn.request("GET", "/metrics", headers={"Accept": _OPENMETRICS})
-            sock = conn.sock  # the response reads it after the connection lets go of it (an answer that closes)
-            sock.settimeout(remaining())
-            response = conn.getresponse()
-            if response.status != 200:
-                raise OSError(f"front end metrics on port {port} answered HTTP {response.status}")
-            body = bytearray()
-            while not response.isclosed():  # closed once the whole answer is read
-                sock.settimeout(remaining())
-                chunk = response.read1(_READ_CHUNK)  # what one read brings: a trickle cannot hold it past the deadline
-                if not chunk:
-                    break
-                body += chunk
-            if response.length:  # the front end hung up before its Content-Length was read
-                raise http.client.IncompleteRead(bytes(body), response.length)
-        finally:
-            conn.close()
-        return list(parse_openmetrics(body.decode()))
-
-    def _read_or_none(self, port: int, deadline: float) -> list[Metric] | None:
-        """:meth:`_read`, None for a front end that is down, late, or answers anything but OpenMetrics over HTTP
-        (one dying mid-answer: ``http.client.IncompleteRead``, not an OSError)."""
-        try:
-            return self._read(port, deadline)
-        except (OSError, ValueError, http.client.HTTPException):
-            return None
-
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        up = GaugeMetricFamily("lutb_front_end_up", "1 when this front end's metrics were read at this scrape", labels=["front_end"])
-        # Front end 0's registry is read as is: it names and types its families as the OpenMetrics parser does.
-        read: list[tuple[int, list[Metric]]] = [(0, list(self.own.collect()))]
-        up.add_metric(["0"], 1.0)
-        answers: list[list[Metric] | None] = []
-        if self.ports:  # in parallel, under one deadline: late front ends cost one timeout together, not one each
-            deadline = time.monotonic() + self.timeout_s
-            with ThreadPoolExecutor(max_workers=len(self.ports), thread_name_prefix="lutb-scrape") as pool:
-                answers = list(pool.map(lambda port: self._read_or_none(port, deadline), self.ports))
-        for k, answer in enumerate(answers, 1):
-            up.add_metric([str(k)], 0.0 if answer is None else 1.0)
-            if answer is not None:
-                read.append((k, answer))
-        for k, metrics in read:
-            for metric in metrics:
-                family = families.get(metric.name)
-                if family is None:
-                    family = families[metric.name] = Metric(metric.name, metric.documentation, metric.type, metric.unit)
-                family.samples.extend(sample._replace(labels={**sample.labels, "front_end": str(k)}) for sample in metric.samples)
-        yield from families.values()
-        yield up
-
-
-__all__ = ["COMPUTE_LOOP_PHASES", "FrontEndsCollector", "ServerMetrics"]
+__all__ = ["COMPUTE_LOOP_PHASES", "ServerMetrics"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 import urllib.request
@@ -17,6 +18,8 @@ from lutb_client import ExpertClient, ExpertServiceError
 from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
 from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_client.codec import encode_tensor
+from lutb_server.metrics import ServerMetrics
+from lutb_server.metrics_gateway import MetricsGateway
 from lutb_server.testing import ServerThread, free_port
 
 HIDDEN = 128
@@ -229,20 +232,16 @@ def test_compute_loop_counters_read_the_compute_process_report() -> None:
     assert bare.registry.get_sample_value("lutb_compute_calls_total") is None
 
 
-def test_front_end_zero_serves_every_front_ends_metrics() -> None:
-    """FrontEndsCollector: families merged by name, each sample labelled with its front end; a front end
-    whose endpoint does not answer shows as down and adds no samples."""
-    from lutb_server.metrics import ServerMetrics
-
+def test_the_metrics_process_serves_every_front_ends_metrics() -> None:
+    """MetricsGateway: one process serving the front ends' metrics merged by name, each sample labelled with its front
+    end; a front end whose endpoint does not answer shows as down and adds no samples; closed, the process is gone."""
     zero, one = ServerMetrics(), ServerMetrics()
     zero.forward_requests.labels("Forward", "OK").inc(3)
     one.forward_requests.labels("Forward", "OK").inc(5)
     one.forward_requests.labels("ForwardStream", "OK").inc(2)
-    one_port = one.serve("127.0.0.1", 0)
-    dead_port = free_port()
-    port = zero.serve("127.0.0.1", 0, other_front_ends=[one_port, dead_port])
+    gateway = MetricsGateway.start("127.0.0.1", 0, [zero.serve("127.0.0.1", 0), one.serve("127.0.0.1", 0), free_port()])
     try:
-        samples = _scrape(port)
+        samples = _scrape(gateway.port)
         assert _get(samples, "lutb_forward_requests_total", rpc="Forward", code="OK", front_end="0") == 3
         assert _get(samples, "lutb_forward_requests_total", rpc="Forward", code="OK", front_end="1") == 5
         assert _get(samples, "lutb_forward_requests_total", rpc="ForwardStream", code="OK", front_end="1") == 2
@@ -253,9 +252,61 @@ def test_front_end_zero_serves_every_front_ends_metrics() -> None:
         if sys.platform.startswith("linux"):  # each front end's process metrics, under its label
             assert _get(samples, "process_cpu_seconds_total", front_end="0") > 0
             assert _get(samples, "process_cpu_seconds_total", front_end="1") > 0
+        assert not any(name.startswith("process_") for name, labels in samples if "front_end" not in dict(labels))
     finally:
+        gateway.close()
         zero.close()
         one.close()
+    assert gateway.process.poll() is not None
+
+
+def test_the_metrics_process_reports_a_taken_port() -> None:
+    import socket
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot bind metrics to 127.0.0.1:{port}"):
+            MetricsGateway.start("127.0.0.1", port, [free_port()])
+    finally:
+        taken.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_metrics_process_exits_when_front_end_0_is_killed() -> None:
+    """Front end 0 killed (SIGKILL: nothing of it runs to stop the metrics process) takes the metrics process with it:
+    it would otherwise keep the server's metrics port, and a restarted server could not bind it."""
+    import signal
+    import subprocess
+
+    script = (
+        "import sys, time\n"
+        "from lutb_server.metrics_gateway import MetricsGateway\n"
+        "gateway = MetricsGateway.start('127.0.0.1', 0, [1])\n"
+        "print(gateway.process.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())  # type: ignore[union-attr]
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child):
+            assert time.monotonic() < deadline, "the metrics process outlived front end 0"
+            time.sleep(0.05)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited and not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_internal_latencies_are_resolved_from_25_us() -> None:
@@ -297,16 +348,16 @@ def test_internal_latencies_are_resolved_from_25_us() -> None:
 def test_front_ends_are_read_on_loopback_past_a_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     """A proxy in the environment (http_proxy, as in many pods) is not used for the loopback reads of front ends
     1..N-1: through it every scrape reported lutb_front_end_up 0 for running front ends and dropped their samples."""
-    from lutb_server.metrics import FrontEndsCollector, ServerMetrics
+    from lutb_server.metrics import ServerMetrics
+    from lutb_server.metrics_gateway import FrontEndsCollector
 
     def up(collector: FrontEndsCollector) -> dict[str, float]:
         family = next(f for f in collector.collect() if f.name == "lutb_front_end_up")
         return {s.labels["front_end"]: s.value for s in family.samples}
 
-    one = ServerMetrics()
-    one_port = one.serve("127.0.0.1", 0)
+    zero, one = ServerMetrics(), ServerMetrics()
     try:
-        collector = FrontEndsCollector(ServerMetrics().registry, [one_port], timeout_s=2.0)
+        collector = FrontEndsCollector([zero.serve("127.0.0.1", 0), one.serve("127.0.0.1", 0)], timeout_s=2.0)
         assert up(collector) == {"0": 1.0, "1": 1.0}
         for name in ("no_proxy", "NO_PROXY"):
             monkeypatch.delenv(name, raising=False)
@@ -315,6 +366,7 @@ def test_front_ends_are_read_on_loopback_past_a_proxy(monkeypatch: pytest.Monkey
         monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen reads the variables once, into this opener
         assert up(collector) == {"0": 1.0, "1": 1.0}
     finally:
+        zero.close()
         one.close()
 
 
@@ -362,12 +414,13 @@ def _up(collector) -> dict[str, float]:  # type: ignore[no-untyped-def]
 def test_a_front_end_answering_broken_http_is_down_not_a_failed_scrape(reply: bytes) -> None:
     """A front end dying mid-answer made front end 0's whole endpoint answer 500 (http.client's errors are not
     OSErrors); it must show as down, the others' metrics intact."""
-    from lutb_server.metrics import FrontEndsCollector, ServerMetrics
+    from lutb_server.metrics import ServerMetrics
+    from lutb_server.metrics_gateway import FrontEndsCollector
 
     broken, one = _RawEndpoint(reply), ServerMetrics()
     try:
-        collector = FrontEndsCollector(ServerMetrics().registry, [one.serve("127.0.0.1", 0), broken.port], timeout_s=2.0)
-        assert _up(collector) == {"0": 1.0, "1": 1.0, "2": 0.0}
+        collector = FrontEndsCollector([one.serve("127.0.0.1", 0), broken.port], timeout_s=2.0)
+        assert _up(collector) == {"0": 1.0, "1": 0.0}
     finally:
         broken.close()
         one.close()
@@ -376,13 +429,13 @@ def test_a_front_end_answering_broken_http_is_down_not_a_failed_scrape(reply: by
 def test_hung_front_ends_cost_one_timeout_together() -> None:
     """Front ends are read in parallel: four that never answer cost a scrape about one timeout, not four (read
     one after another, a few hung front ends took longer than Prometheus's 10 s scrape timeout, losing all)."""
-    from lutb_server.metrics import FrontEndsCollector, ServerMetrics
+    from lutb_server.metrics_gateway import FrontEndsCollector
 
     hung = [_RawEndpoint(None) for _ in range(4)]
     try:
-        collector = FrontEndsCollector(ServerMetrics().registry, [h.port for h in hung], timeout_s=1.0)
+        collector = FrontEndsCollector([h.port for h in hung], timeout_s=1.0)
         start = time.monotonic()
-        assert _up(collector) == {"0": 1.0, "1": 0.0, "2": 0.0, "3": 0.0, "4": 0.0}
+        assert _up(collector) == {"0": 0.0, "1": 0.0, "2": 0.0, "3": 0.0}
         assert time.monotonic() - start < 3.0  # one after another: >= 4 s
     finally:
         for h in hung:
@@ -395,7 +448,8 @@ def test_a_front_end_answering_slowly_but_steadily_costs_one_timeout() -> None:
     import socket
     import threading
 
-    from lutb_server.metrics import FrontEndsCollector, ServerMetrics
+    from lutb_server.metrics import ServerMetrics
+    from lutb_server.metrics_gateway import FrontEndsCollector
 
     stop = threading.Event()
     server = socket.create_server(("127.0.0.1", 0))
@@ -415,11 +469,10 @@ def test_a_front_end_answering_slowly_but_steadily_costs_one_timeout() -> None:
     threading.Thread(target=trickle, daemon=True).start()
     one = ServerMetrics()
     try:
-        collector = FrontEndsCollector(ServerMetrics().registry, [one.serve("127.0.0.1", 0), server.getsockname()[1]],
-                                       timeout_s=1.0)
+        collector = FrontEndsCollector([one.serve("127.0.0.1", 0), server.getsockname()[1]], timeout_s=1.0)
         for _ in range(2):
             start = time.monotonic()
-            assert _up(collector) == {"0": 1.0, "1": 1.0, "2": 0.0}
+            assert _up(collector) == {"0": 1.0, "1": 0.0}
             assert time.monotonic() - start < 2.5  # bounded per socket read only: until it hangs up, 6 s
         # and the late reads ended with the scrape: none is left reading (one a scrape, each holding a connection)
         assert not [t for t in threading.enumerate() if t.name.startswith("lutb-scrape")]
@@ -450,9 +503,13 @@ def test_merged_front_ends_endpoint_is_valid_in_either_format(others: int) -> No
         return m
 
     zero, rest = front_end(0), [front_end(k) for k in range(1, others + 1)]
+    gateway = None
     try:
-        ports = [m.serve("127.0.0.1", 0) for m in rest]
-        port = zero.serve("127.0.0.1", 0, other_front_ends=ports or None)
+        if others:  # as the server serves them: every front end on loopback, merged by the metrics process
+            gateway = MetricsGateway.start("127.0.0.1", 0, [m.serve("127.0.0.1", 0) for m in [zero, *rest]])
+            port = gateway.port
+        else:
+            port = zero.serve("127.0.0.1", 0)
         request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
                                          headers={"Accept": "application/openmetrics-text; version=1.0.0; charset=utf-8"})
         with urllib.request.urlopen(request, timeout=10) as response:
@@ -475,6 +532,8 @@ def test_merged_front_ends_endpoint_is_valid_in_either_format(others: int) -> No
         assert parsed["lutb_compute_seconds"] == "histogram"
         assert _get(_scrape(port), "lutb_forward_requests_total", rpc="Forward", code="OK", **labels[-1]) == 3.0 + others
     finally:
+        if gateway is not None:
+            gateway.close()
         zero.close()
         for m in rest:
             m.close()
