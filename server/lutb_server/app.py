@@ -319,6 +319,8 @@ class ExpertServer:
                 ports = [own] + [s.metrics_port + k for k in range(1, s.front_ends)]
                 self._metrics_gateway = await asyncio.to_thread(MetricsGateway.start, s.host, s.metrics_port, ports)
                 self.metrics_port = self._metrics_gateway.port
+                log.info("metrics process %d serves the %d front ends' metrics (theirs on loopback ports %s)",
+                         self._metrics_gateway.process.pid, s.front_ends, ", ".join(map(str, ports)))
             elif s.metrics_port:
                 self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
             options = [

@@ -485,7 +485,7 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
     """Two serving processes on one port and one compute process: clients on separate connections reach both
     (front end 0's metrics endpoint counts each front end's requests under its label), every answer is right,
     the checkpoint is hashed once for the three processes (each front end reports the hash), and SIGTERM stops
-    all three processes."""
+    all of them and the metrics process."""
     ckpt = Checkpoint(tiny_checkpoint)
     local = ReferenceExperts(ckpt.config, ckpt.layer(0), "cpu")
     metrics = _two_free_ports()
@@ -496,6 +496,8 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
         assert front_end, "".join(serving.lines)
         pids = [int(p) for p in re.search(r"pids \[([\d, ]+)\]", front_end[0]).group(1).split(",")]  # type: ignore[union-attr]
         child = _compute_pid(serving)
+        gateway = [m for m in (re.search(r"metrics process (\d+) serves the 2 front ends", line) for line in serving.lines) if m]
+        assert len(gateway) == 1, "".join(serving.lines)
         hashed = [line for line in serving.lines if "lutb_server.engine" in line and " hashed " in line]
         assert len(hashed) == 1 and not re.search(r"\[(front end \d+|compute)\]", hashed[0]), hashed  # front end 0's
         gen = torch.Generator().manual_seed(3)
@@ -523,8 +525,8 @@ def test_lutb_serve_with_two_front_ends(tiny_checkpoint: Path) -> None:
         assert len(instances) == 1 and len(next(iter(instances))) == 16, instances  # one server, one id
         assert serving.stop(60) == 0, "".join(serving.lines)
         deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in (*pids, child)):
-            assert time.monotonic() < deadline, "a front end or the compute process outlived the server"
+        while any(_alive(pid) for pid in (*pids, child, int(gateway[0].group(1)))):
+            assert time.monotonic() < deadline, "a front end, the compute process or the metrics process outlived the server"
             time.sleep(0.05)
         done = [line for line in serving.lines if "[compute]: done:" in line]  # its summary: batches per experts call
         assert len(done) == 1 and re.search(r"\d+ experts call\(s\) ran 12 batch\(es\) of 2 serving process\(es\)", done[0]), done
@@ -721,19 +723,20 @@ def test_lutb_serve_fails_to_start_when_a_front_end_cannot(tiny_checkpoint: Path
 
 def test_front_ends_and_compute_process_go_when_the_server_is_killed(tiny_checkpoint: Path) -> None:
     """SIGKILL of front end 0 (no drain): front end 1 must not keep serving the port, nor keep the compute process
-    alive through its connection."""
+    alive through its connection, nor the metrics process the metrics port."""
     serving = ServeProcess("--checkpoint", str(tiny_checkpoint), "--compute-worker", "process", "--front-ends", "2",
-                           "--no-validate-checkpoint").wait_ready()
+                           "--metrics-port", str(_two_free_ports()), "--no-validate-checkpoint").wait_ready()
     try:
         line = next(line for line in serving.lines if "front ends 1-1 started" in line)
         front_end = int(re.search(r"pids \[(\d+)\]", line).group(1))  # type: ignore[union-attr]
         child = _compute_pid(serving)
-        assert _alive(front_end) and _alive(child)
+        metrics = int(next(m for m in (re.search(r"metrics process (\d+) serves", line) for line in serving.lines) if m).group(1))
+        assert _alive(front_end) and _alive(child) and _alive(metrics)
         serving.proc.kill()
         serving.proc.wait(10)
         deadline = time.monotonic() + 30
-        while _alive(front_end) or _alive(child):
-            assert time.monotonic() < deadline, "front end 1 or the compute process outlived a killed server"
+        while _alive(front_end) or _alive(child) or _alive(metrics):
+            assert time.monotonic() < deadline, "front end 1, the compute process or the metrics process outlived a killed server"
             time.sleep(0.05)
     finally:
         serving.kill()
