@@ -118,8 +118,9 @@ def load_engine(plan: EnginePlan, settings: ServerSettings, content_hash: str | 
     """
     return ExpertEngine(
         plan.checkpoint, plan.backend,
-        max_tokens_per_request=settings.max_tokens_per_request, validate_tiles=settings.validate_checkpoint,
-        load_experts=settings.compute_worker == "thread", content_hash=content_hash,
+        max_tokens_per_request=settings.max_tokens_per_request, max_top_k=settings.max_top_k,
+        validate_tiles=settings.validate_checkpoint, load_experts=settings.compute_worker == "thread",
+        content_hash=content_hash,
     )
 
 

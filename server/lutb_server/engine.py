@@ -127,6 +127,7 @@ class ExpertEngine:
         checkpoint: the opened checkpoint.
         backend: the chosen backend class and device (see :func:`lutb_server.backends.choose_backend`).
         max_tokens_per_request: requests with more tokens are refused.
+        max_top_k: requests with more routes per token (``topk_ids``' k) are refused.
         validate_tiles: check every tile of every layer before loading it.
         progress: optional wrapper around the layer iteration (e.g. tqdm).
         load_experts: False reads only which experts each layer holds (no weights): enough to
@@ -144,6 +145,7 @@ class ExpertEngine:
         backend: BackendChoice,
         *,
         max_tokens_per_request: int = 4096,
+        max_top_k: int = 32,
         validate_tiles: bool = True,
         progress: Callable[[list[int]], object] | None = None,
         load_experts: bool = True,
@@ -154,6 +156,7 @@ class ExpertEngine:
         self.backend = backend
         self.device = backend.device
         self.max_tokens_per_request = max_tokens_per_request
+        self.max_top_k = max_top_k
         if content_hash is None:
             hashing = time.perf_counter()
             content_hash = checkpoint.content_hash()
@@ -298,6 +301,8 @@ class ExpertEngine:
             raise InvalidArgument(f"topk_ids: shape {list(ids.shape)} does not match [T, k] with T = {tokens} (hidden_states) and k >= 1")
         if ids.shape[1] > self.config.num_experts:  # a router picks k of the E experts; more only costs memory
             raise InvalidArgument(f"topk_ids: k = {ids.shape[1]} routes per token exceed the model's {self.config.num_experts} experts")
+        if ids.shape[1] > self.max_top_k:
+            raise InvalidArgument(f"topk_ids: k = {ids.shape[1]} routes per token exceed max_top_k = {self.max_top_k}")
         if w.dtype != torch.float32:
             raise InvalidArgument(f"topk_weights: dtype {w.dtype} not allowed; expected float32")
         if tuple(w.shape) != tuple(ids.shape):

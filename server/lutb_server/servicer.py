@@ -66,6 +66,7 @@ def build_model_info(engine: ExpertEngine, *, max_batch_tokens: int, front_end: 
         backend_reason=engine.backend.reason,
         device=str(engine.device),
         max_tokens_per_request=engine.max_tokens_per_request,
+        max_top_k=engine.max_top_k,
         content_hash=engine.content_hash,
         server_version=__version__,
         max_batch_tokens=max_batch_tokens,

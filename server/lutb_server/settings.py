@@ -68,6 +68,10 @@ class ServerSettings(BaseSettings):
     max_tokens_per_request: int = Field(
         4096, ge=1, description="largest token count T of one request (more is INVALID_ARGUMENT)"
     )
+    max_top_k: int = Field(
+        32, ge=1, description="most routes per token k of one request (topk_ids [T, k]; more is INVALID_ARGUMENT): a "
+        "call's GPU memory and time grow with its routes, tokens x k, and each new k may capture CUDA graphs of its own"
+    )
     max_message_bytes: int = Field(
         256 * 1024 * 1024, ge=4 * 1024 * 1024, le=2**31 - 1,  # gRPC's channel arguments are C ints
         description="largest gRPC message received or sent, in bytes (at most 2147483647)",

@@ -62,6 +62,18 @@ def test_model_info(server: ServerThread, client_checkpoint: Path) -> None:
     assert info.server_version and info.max_tokens_per_request > 0
     assert info.max_message_bytes == server.settings.max_message_bytes  # the server's bound, said ahead
     assert len(info.instance_id) == 16 and info.instance_id == server.server.instance_id
+    assert info.max_top_k == server.settings.max_top_k == 32  # the default
+
+
+def test_more_routes_per_token_than_max_top_k_are_refused(client_checkpoint: Path) -> None:
+    with ServerThread(checkpoint=client_checkpoint, max_top_k=2) as small, ExpertClient(small.address) as client:
+        assert client.model_info().max_top_k == 2
+        x = torch.randn(4, 128).to(torch.bfloat16)
+        ids = torch.tensor([[0, 1, 2]] * 4, dtype=torch.int32)
+        with pytest.raises(ExpertServiceError, match="exceed max_top_k = 2") as refused:
+            client.forward(0, x, ids, torch.full((4, 3), 1 / 3))
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.forward(0, x, ids[:, :2], torch.full((4, 2), 0.5)).shape == (4, 128)
 
 
 @pytest.mark.parametrize(

@@ -133,3 +133,24 @@ def test_non_contiguous_torch_inputs_are_checked(engine: ExpertEngine) -> None:
         engine.prepare(0, x_t, ids, w)
     ok = engine.prepare(0, x_t.nan_to_num(), ids.t().contiguous().t(), w)
     assert torch.equal(as_tensor(ok.x), x_t.nan_to_num())
+
+
+@pytest.mark.parametrize(("max_top_k", "k", "refused"), [(3, 3, None), (3, 4, "exceed max_top_k = 3"),
+                                                         (32, 9, "exceed the model's 8 experts"), (1, 1, None)])
+def test_routes_per_token_are_bounded(tiny_checkpoint: Path, max_top_k: int, k: int, refused: str | None) -> None:
+    """topk_ids' k is refused above the model's experts and above the server's max_top_k (a call's GPU memory and time
+    grow with tokens x k), in both forms, with the field and the bound named."""
+    ckpt = Checkpoint(tiny_checkpoint)
+    bounded = ExpertEngine(ckpt, choose_backend("reference", ckpt.config, torch.device("cpu")), validate_tiles=False,
+                           max_top_k=max_top_k)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(3, HIDDEN, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:min(k, EXPERTS)] for _ in range(3)]).to(torch.int32)
+    if k > EXPERTS:
+        ids = torch.cat([ids, ids[:, : k - EXPERTS]], dim=1)
+    w = torch.rand(3, k, generator=g)
+    for result in _both(bounded, x, ids, w):
+        if refused is None:
+            assert not isinstance(result, str) and result.topk_ids.shape == (3, k)
+        else:
+            assert isinstance(result, str) and result.startswith(f"topk_ids: k = {k} routes per token") and refused in result

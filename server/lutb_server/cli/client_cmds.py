@@ -101,6 +101,7 @@ def run_info(args: argparse.Namespace) -> int:
         ("backend_reason", info.backend_reason),
         ("device", info.device),
         ("max_tokens_per_request", info.max_tokens_per_request),
+        ("max_top_k", info.max_top_k or "not said (an older server)"),
         ("max_batch_tokens", info.max_batch_tokens),
         ("max_message_bytes", info.max_message_bytes or "not said (an older server)"),
         ("content_hash", info.content_hash),

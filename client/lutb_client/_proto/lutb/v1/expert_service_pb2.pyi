@@ -68,7 +68,7 @@ class LayerInfo(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("format", "format_version", "hidden_size", "intermediate_size", "num_experts", "layers", "activation", "dtype", "mxfp8_scale_mode", "backend", "backend_reason", "device", "max_tokens_per_request", "content_hash", "server_version", "max_batch_tokens", "front_end", "front_ends", "max_message_bytes", "instance_id")
+    __slots__ = ("format", "format_version", "hidden_size", "intermediate_size", "num_experts", "layers", "activation", "dtype", "mxfp8_scale_mode", "backend", "backend_reason", "device", "max_tokens_per_request", "content_hash", "server_version", "max_batch_tokens", "front_end", "front_ends", "max_message_bytes", "instance_id", "max_top_k")
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class ModelInfo(_message.Message):
     FRONT_ENDS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOP_K_FIELD_NUMBER: _ClassVar[int]
     format: str
     format_version: int
     hidden_size: int
@@ -109,7 +110,8 @@ class ModelInfo(_message.Message):
     front_ends: int
     max_message_bytes: int
     instance_id: str
-    def __init__(self, format: _Optional[str] = ..., format_version: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_experts: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., activation: _Optional[str] = ..., dtype: _Optional[_Union[DataType, str]] = ..., mxfp8_scale_mode: _Optional[str] = ..., backend: _Optional[str] = ..., backend_reason: _Optional[str] = ..., device: _Optional[str] = ..., max_tokens_per_request: _Optional[int] = ..., content_hash: _Optional[str] = ..., server_version: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., front_end: _Optional[int] = ..., front_ends: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    max_top_k: int
+    def __init__(self, format: _Optional[str] = ..., format_version: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_experts: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., activation: _Optional[str] = ..., dtype: _Optional[_Union[DataType, str]] = ..., mxfp8_scale_mode: _Optional[str] = ..., backend: _Optional[str] = ..., backend_reason: _Optional[str] = ..., device: _Optional[str] = ..., max_tokens_per_request: _Optional[int] = ..., content_hash: _Optional[str] = ..., server_version: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., front_end: _Optional[int] = ..., front_ends: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., max_top_k: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("request_id", "layer", "hidden_states", "topk_ids", "topk_weights", "apply_router_weight_on_input", "output_mode", "hidden_scales", "expected_content_hash")
