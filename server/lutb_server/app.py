@@ -40,6 +40,7 @@ from lutb_server.backends import BackendChoice, choose_backend, compute_capabili
 from lutb_server.cpu_placement import CpuPlacement, set_compute_cpu_aside
 from lutb_server.cpu_wakeup import CpuWakeupHold, hold_cpu_wakeup_latency
 from lutb_server.engine import ExpertEngine
+from lutb_server.errors import ComputeStalled
 from lutb_server.front_ends import FrontEnds
 from lutb_server.interceptors import Gate, GateInterceptor, MetricsInterceptor
 from lutb_server.metrics import ServerMetrics
@@ -274,6 +275,8 @@ class ExpertServer:
         """The CPU set aside for the compute process this server starts (``compute_cpu``)."""
         self._cpu_wakeup = CpuWakeupHold(None, "")
         """The machine's CPU wake-up bound this server holds (``cpu_wakeup_latency_us``; front end 0 only)."""
+        self._watchdog: asyncio.Task[None] | None = None
+        """Watches the compute worker for a stall (``compute_stall_s``) while serving."""
         self._metrics_gateway: MetricsGateway | None = None
         """The process serving every front end's metrics, where this is front end 0 of several."""
         self._server: grpc.aio.Server | None = None
@@ -410,6 +413,20 @@ class ExpertServer:
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("SERVING %s (%d layer(s), %s, backend %s on %s)", engine.checkpoint.path, len(engine.layer_ids),
                  engine.content_hash[:19], engine.backend.name, engine.device)
+        if s.compute_stall_s:
+            self._watchdog = asyncio.create_task(self._watch_compute(scheduler, s.compute_stall_s), name="lutb-watchdog")
+
+    async def _watch_compute(self, scheduler: BatchScheduler, stall_s: float) -> None:
+        """Take the server out of service, as for a dead compute process, once the compute worker has held batches
+        without answering any for ``stall_s`` seconds (a hung device or compute process: nothing else would tell)."""
+        period = min(1.0, stall_s / 4)
+        while self.gate.state == "serving":
+            await asyncio.sleep(period)
+            silent = scheduler.unanswered_s
+            if silent > stall_s:
+                self._compute_gone(ComputeStalled(
+                    f"the compute worker has answered no batch for {silent:.1f} s (compute_stall_s = {stall_s:g})"))
+                return
 
     def _front_end_exited(self, error: Exception) -> None:
         """A front end exited (on the loop): unless draining anyway, out of service as for a dead compute process."""
@@ -429,6 +446,8 @@ class ExpertServer:
         """Drain and stop: NOT_SERVING, UNAVAILABLE for new calls, ``grace`` s for calls in flight."""
         grace = self.settings.shutdown_grace_s if grace is None else grace
         self.gate.state = "draining"
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         self.front_ends.terminate()  # they drain alongside this one
         await self.health.enter_graceful_shutdown()
         if self._server is not None:

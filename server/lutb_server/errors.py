@@ -67,6 +67,11 @@ class Unavailable(ServiceError):
     code = "UNAVAILABLE"
 
 
+class ComputeStalled(Unavailable):
+    """The compute worker has held batches without answering any for longer than the server's ``compute_stall_s``:
+    the server takes itself out of service."""
+
+
 class ContentHashMismatch(ServiceError):
     """The request's ``expected_content_hash`` is not the content hash of the checkpoint this server serves."""
 

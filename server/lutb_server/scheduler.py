@@ -177,6 +177,7 @@ class BatchScheduler:
         self._pending: deque[_Item] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running: list[_Running] = []  # batches on the worker (or being rerun request by request), oldest first
+        self._answered = 0.0  # time.monotonic() of the worker's last answer, or of a hand-over to it while it held none
         self._timer: asyncio.TimerHandle | None = None  # pooling wait (max_wait_us > 0) of the oldest request
         self._timer_due = 0.0
         self._closed = False
@@ -214,6 +215,12 @@ class BatchScheduler:
     def queue_depth(self) -> int:
         """Requests waiting for a batch."""
         return len(self._pending)
+
+    @property
+    def unanswered_s(self) -> float:
+        """Seconds the compute worker has held batches without answering any (0.0 while it holds none): how long it
+        has made no progress. The server's watchdog (``compute_stall_s``) reads it."""
+        return time.monotonic() - self._answered if self._running else 0.0
 
     # -- submit ----------------------------------------------------------------------------
 
@@ -293,6 +300,8 @@ class BatchScheduler:
                 _fail(item, Unavailable(f"compute worker unavailable ({exc}); request not computed"))
             return True
         running = _Running(batch, started, job)
+        if not self._running:
+            self._answered = started  # the worker's silence counts from here
         self._running.append(running)
         loop = self._loop
         assert loop is not None
@@ -320,7 +329,7 @@ class BatchScheduler:
 
     def _on_done(self, running: _Running) -> None:
         """The worker finished ``running`` (on the loop): next batch to the worker first, then hand out results."""
-        returned = time.monotonic()
+        returned = self._answered = time.monotonic()
         if running not in self._running:  # closed meanwhile: its requests were failed already
             return
         batch = running.batch
@@ -436,9 +445,12 @@ class BatchScheduler:
                     continue
                 try:
                     sent = time.monotonic()
-                    single = await asyncio.wrap_future(self.worker.submit([item.request], item.deadline))
+                    try:
+                        single = await asyncio.wrap_future(self.worker.submit([item.request], item.deadline))
+                    finally:
+                        self._answered = time.monotonic()
                     (output,), compute_s, call_tokens = single.outputs, single.seconds, single.call_tokens
-                    handoff_s, wait_s = _handoff(single, sent, time.monotonic())
+                    handoff_s, wait_s = _handoff(single, sent, self._answered)
                 except asyncio.CancelledError:
                     raise
                 except DeadlineExpired as single_exc:  # the worker found its deadline passed

@@ -109,7 +109,15 @@ class ServerSettings(BaseSettings):
         1, ge=1, le=64, description="serving processes (needs compute_worker = process when > 1): each its own event "
         "loop and gRPC server on the same port (SO_REUSEPORT: the kernel spreads client connections over them), all "
         "feeding one compute process that merges their concurrent batches; metrics_port serves all of their metrics "
-        "(label front_end; front end k listens on loopback metrics_port + k for it)",
+        "(label front_end; front end k > 0 listens on loopback metrics_port + k, and a small process of its own merges "
+        "them at each scrape)",
+    )
+    compute_stall_s: float = Field(
+        120.0, ge=0, description="seconds the compute worker may hold batches without answering any before the server "
+        "takes itself out of service (health NOT_SERVING; lutb serve drains and exits 1, so that a supervisor restarts "
+        "it): a device or compute process that hangs would otherwise leave every request waiting for its deadline "
+        "while the server still reports SERVING; 0: never. Calls take milliseconds; a first compile or CUDA-graph "
+        "capture, seconds",
     )
     compute_cpu: str = Field(
         "none", description="with compute_worker = process: a CPU of the compute process's own, which the serving "

@@ -550,3 +550,22 @@ def test_close_fails_every_batch_in_flight() -> None:
 def test_batches_in_flight_must_be_positive() -> None:
     with pytest.raises(ValueError, match="batches_in_flight"):
         BatchScheduler(FakeEngine(), batches_in_flight=0)
+
+
+def test_unanswered_s_counts_the_workers_silence_while_it_holds_batches() -> None:
+    """0.0 while the worker holds no batch; while it holds one, the seconds since its last answer (or since it was
+    handed a batch while holding none): what the server's compute_stall_s watchdog reads."""
+    gate = threading.Event()
+    engine = FakeEngine(gate)
+
+    async def body(s):
+        assert s.unanswered_s == 0.0
+        held = asyncio.ensure_future(s.submit(_req(1)))
+        await asyncio.sleep(0.2)
+        silent = s.unanswered_s
+        gate.set()
+        await held
+        return silent, s.unanswered_s
+
+    silent, after = _run(_with_scheduler(engine, body, max_wait_us=0))
+    assert 0.15 < silent < 5.0 and after == 0.0

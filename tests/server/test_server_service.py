@@ -341,3 +341,52 @@ def test_the_handlers_are_the_generated_ones_but_for_parsing() -> None:
     for method in [*want, "Nonexistent"]:
         details = SimpleNamespace(method=f"/lutb.v1.ExpertService/{method}", invocation_metadata=())
         assert (ours.generic[0].service(details) is None) == (generated.generic[0].service(details) is None) == (method == "Nonexistent")
+
+
+def test_a_stalled_compute_worker_takes_the_server_out_of_service(tiny_checkpoint: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """compute_stall_s: a call that does not return (a hung device) makes the server report NOT_SERVING and set
+    ``failed`` (``lutb serve`` then drains and exits 1 for its supervisor), instead of serving on with every request
+    waiting for its deadline."""
+    hang = threading.Event()
+    forward = ReferenceExperts.forward
+
+    def hanging(self, *args, **kwargs):
+        assert hang.wait(30)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReferenceExperts, "forward", hanging)
+    with ServerThread(checkpoint=tiny_checkpoint, compute_stall_s=0.3) as running, \
+            grpc.insecure_channel(running.address) as channel, ExpertClient(running.address) as client:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+        stuck = threading.Thread(target=_swallow, args=(client.forward, 0, *_batch(4, 2, seed=1)), daemon=True)
+        stuck.start()
+        time.sleep(0.2)
+        assert not running.server.failed.is_set()  # silent for less than compute_stall_s
+        deadline = time.monotonic() + 10
+        while not running.server.failed.is_set():
+            assert time.monotonic() < deadline, "the stalled worker went unnoticed"
+            time.sleep(0.05)
+        for service in ("", "lutb.v1.ExpertService"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING, service
+        hang.set()
+        stuck.join(30)
+
+
+def test_a_busy_compute_worker_is_not_a_stalled_one(tiny_checkpoint: Path) -> None:
+    """Calls that keep answering, however many are queued behind them, never trip compute_stall_s."""
+    with ServerThread(checkpoint=tiny_checkpoint, compute_stall_s=0.5) as running, \
+            ExpertClient(running.address) as client:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            client.forward(0, *_batch(16, 2, seed=2))
+        assert not running.server.failed.is_set()
+
+
+def _swallow(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - whatever the stalled call ends with
+        pass
