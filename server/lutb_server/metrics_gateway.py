@@ -19,6 +19,7 @@ import argparse
 import http.client
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -174,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--front-end-ports", required=True, help="comma-separated loopback ports of front ends 0..N-1")
     p.add_argument("--parent", type=int, required=True, help="the pid of front end 0: exit once it is gone")
     args = p.parse_args(argv)
+    # Ctrl-C reaches the whole process group: front end 0 drains first, its metrics served meanwhile, then stops this
+    # process (SIGTERM, whose default ends it quietly)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FrontEndsCollector([int(port) for port in args.front_end_ports.split(",")]))
     try:

@@ -260,6 +260,25 @@ def test_the_metrics_process_serves_every_front_ends_metrics() -> None:
     assert gateway.process.poll() is not None
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_metrics_process_outlasts_a_ctrl_c() -> None:
+    """Ctrl-C reaches the whole process group: the metrics process goes on serving while front end 0 drains (and then
+    stops it), instead of dying at once with a traceback."""
+    import signal
+
+    zero = ServerMetrics()
+    gateway = MetricsGateway.start("127.0.0.1", 0, [zero.serve("127.0.0.1", 0)])
+    try:
+        os.kill(gateway.process.pid, signal.SIGINT)
+        time.sleep(0.3)
+        assert gateway.process.poll() is None
+        assert _get(_scrape(gateway.port), "lutb_front_end_up", front_end="0") == 1
+    finally:
+        gateway.close()
+        zero.close()
+    assert gateway.process.returncode == -signal.SIGTERM
+
+
 def test_the_metrics_process_reports_a_taken_port() -> None:
     import socket
 
