@@ -178,6 +178,17 @@ def test_response_splice_bench_smoke() -> None:
     assert len(rows) == 2 and rows[0].endswith("| whole |") and rows[1].endswith("| spliced |"), proc.stdout
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_metrics_scrape_bench_smoke() -> None:
+    """bench/metrics_scrape.py: one row, the merged answer holding every front end's lines (2 front ends, 2 layers
+    with expert metrics: more lines than one front end alone writes)."""
+    proc = _run_bench("metrics_scrape.py", ["--front-ends", "2", "--layers", "2", "--expert-metrics", "--experts", "4",
+                                            "--scrapes", "1"], timeout=120)
+    (row,) = [line for line in proc.stdout.splitlines() if line.startswith("| 2 | 2 | 4 experts |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 9 and int(cells[3]) > 400 and all(float(c) >= 0 for c in cells[4:]), row
+
+
 def test_graph_limit_bench_smoke(tmp_path: Path) -> None:
     """bench/graph_limit.py on the CPU (no graphs: every run eager): one row per (limit, size), split runs as cut."""
     out = tmp_path / "out"
