@@ -278,6 +278,8 @@ class ExpertServer:
         self._watchdog: asyncio.Task[None] | None = None
         """Watches the compute worker for a stall (``compute_stall_s``) while serving."""
         self._metrics_gateway: MetricsGateway | None = None
+        self._metrics_ports: list[int] = []
+        """The loopback metrics ports of front ends 0..N-1, which the metrics process reads."""
         """The process serving every front end's metrics, where this is front end 0 of several."""
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
@@ -321,10 +323,8 @@ class ExpertServer:
             elif s.metrics_port and s.front_ends > 1:  # every front end's, merged by a process of its own
                 own = self.metrics.serve("127.0.0.1", 0)
                 ports = [own] + [s.metrics_port + k for k in range(1, s.front_ends)]
-                self._metrics_gateway = await asyncio.to_thread(MetricsGateway.start, s.host, s.metrics_port, ports)
-                self.metrics_port = self._metrics_gateway.port
-                log.info("metrics process %d serves the %d front ends' metrics (theirs on loopback ports %s)",
-                         self._metrics_gateway.process.pid, s.front_ends, ", ".join(map(str, ports)))
+                self._metrics_ports = ports
+                self.metrics_port = await self._start_metrics_process()
             elif s.metrics_port:
                 self.metrics_port = self.metrics.serve(s.host, s.metrics_port)
             options = [
@@ -413,20 +413,40 @@ class ExpertServer:
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("SERVING %s (%d layer(s), %s, backend %s on %s)", engine.checkpoint.path, len(engine.layer_ids),
                  engine.content_hash[:19], engine.backend.name, engine.device)
-        if s.compute_stall_s:
-            self._watchdog = asyncio.create_task(self._watch_compute(scheduler, s.compute_stall_s), name="lutb-watchdog")
+        if s.compute_stall_s or self._metrics_gateway is not None:
+            self._watchdog = asyncio.create_task(self._watch(scheduler), name="lutb-watchdog")
 
-    async def _watch_compute(self, scheduler: BatchScheduler, stall_s: float) -> None:
-        """Take the server out of service, as for a dead compute process, once the compute worker has held batches
-        without answering any for ``stall_s`` seconds (a hung device or compute process: nothing else would tell)."""
-        period = min(1.0, stall_s / 4)
+    async def _start_metrics_process(self) -> int:
+        """Start the process that serves every front end's metrics on ``metrics_port`` (kept in ``_metrics_gateway``
+        from its spawn on, so that a stop meanwhile ends it); returns the port it serves."""
+        s = self.settings
+        self._metrics_gateway = MetricsGateway.spawn(s.host, s.metrics_port, self._metrics_ports)
+        await asyncio.to_thread(self._metrics_gateway.wait_serving)
+        log.info("metrics process %d serves the %d front ends' metrics (theirs on loopback ports %s)",
+                 self._metrics_gateway.process.pid, s.front_ends, ", ".join(map(str, self._metrics_ports)))
+        return self._metrics_gateway.port
+
+    async def _watch(self, scheduler: BatchScheduler) -> None:
+        """While serving: take the server out of service, as for a dead compute process, once the compute worker has
+        held batches without answering any for ``compute_stall_s`` seconds (a hung device or compute process: nothing
+        else would tell); start the metrics process again should it exit (once: if that fails, the metrics are off)."""
+        stall_s = self.settings.compute_stall_s
+        period = max(0.05, min(1.0, stall_s / 4)) if stall_s else 1.0
         while self.gate.state == "serving":
             await asyncio.sleep(period)
             silent = scheduler.unanswered_s
-            if silent > stall_s:
+            if stall_s and silent > stall_s:
                 self._compute_gone(ComputeStalled(
                     f"the compute worker has answered no batch for {silent:.1f} s (compute_stall_s = {stall_s:g})"))
                 return
+            gateway = self._metrics_gateway
+            if gateway is not None and not gateway.running and self.gate.state == "serving":
+                log.error("the metrics process exited (code %s); starting another", gateway.process.returncode)
+                try:
+                    self.metrics_port = await self._start_metrics_process()
+                except OSError as exc:
+                    log.error("metrics off: the metrics process did not start again (%s)", exc)
+                    self._metrics_gateway = None
 
     def _front_end_exited(self, error: Exception) -> None:
         """A front end exited (on the loop): unless draining anyway, out of service as for a dead compute process."""

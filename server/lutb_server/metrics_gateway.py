@@ -3,21 +3,20 @@
 Why: each front end (a serving process with its own event loop) keeps its metrics in its own registry, on a
 loopback port. Merging them at a scrape means reading N OpenMetrics answers and parsing them in Python, which
 holds the merging process's GIL: done in front end 0, as it was, a scrape of 8 front ends holding 8 layers' series
-took 354 ms of front end 0's CPU on the CPU sandbox and kept its event loop from running for 70 ms at a stretch
+took 359 ms of front end 0's CPU on the CPU sandbox and kept its event loop from running for 62 ms at a stretch
 (median; bench/metrics_scrape.py, bench/results/2026-12-07-metrics-scrape-cpu.md), so requests on front end 0
 stalled at every scrape. Here the merge runs in a process that serves no requests: front end 0 starts it
 (:meth:`MetricsGateway.start`) with the loopback ports of every front end, its own included; it binds the server's
 metrics address, and exits when front end 0 stops it or exits.
 
-The process imports no torch (``python -m lutb_server.metrics_gateway``: prometheus_client and the standard
-library), so it starts in a fraction of a second and holds a few tens of MB.
+The process imports no torch (prometheus_client and the standard library), so it starts in a fraction of a second
+and holds ~25 MB.
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
-import os
 import select
 import signal
 import subprocess
@@ -25,7 +24,6 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -34,7 +32,6 @@ from prometheus_client.registry import Collector
 
 _OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 _READ_CHUNK = 1 << 16  # bytes per read of a front end's answer
-_PARENT_POLL_S = 0.5  # how often the process checks that front end 0 still runs
 
 
 class FrontEndsCollector(Collector):
@@ -118,66 +115,101 @@ class FrontEndsCollector(Collector):
 class MetricsGateway:
     """Front end 0's handle on the metrics process (see the module docstring).
 
+    :meth:`spawn` starts it and returns at once (so that a caller interrupted while it starts still holds the handle
+    to :meth:`close`), :meth:`wait_serving` waits until it serves; :meth:`start` does both. Its stdin is a pipe that
+    only this handle writes: it exits at the pipe's end, when :meth:`close` closes it or this process ends in any way
+    (killed too), and ignores SIGINT and SIGTERM sent to the whole process group (Ctrl-C, systemd's
+    ``KillMode=control-group``), so that it serves the metrics while front end 0 drains.
+
     Attributes:
-        port: the port it serves ``/metrics`` on (the one asked for, or the one picked for 0).
         process: the ``subprocess.Popen`` of it.
+        port: the port it serves ``/metrics`` on (the one asked for, or the one picked for 0); 0 until it serves.
     """
 
-    def __init__(self, process: subprocess.Popen[bytes], port: int) -> None:
-        self.process, self.port = process, port
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.process, self.port = process, 0
+
+    @classmethod
+    def spawn(cls, host: str, port: int, front_end_ports: list[int]) -> MetricsGateway:
+        """Start the process that will serve ``host:port`` (0: a free port) with the metrics of the front ends
+        listening on loopback ``front_end_ports`` (front end k's at index k); do not wait for it."""
+        # -I: none of this environment's PYTHON* variables (PYTHONOPTIMIZE, ...) nor a module in the working directory
+        # reaches it; it imports from where this process does (lutb_server may be on a path set up in code)
+        paths = [p for p in sys.path if p]
+        args = ["--host", host, "--port", str(port), "--front-end-ports", ",".join(map(str, front_end_ports))]
+        code = f"import sys; sys.path[:] = {paths!r}; from lutb_server.metrics_gateway import main; main({args!r})"
+        process = subprocess.Popen([sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        return cls(process)
+
+    def wait_serving(self, timeout_s: float = 30.0) -> None:
+        """Wait until the process serves (sets :attr:`port`); blocking (a fraction of a second).
+
+        Raises:
+            OSError: it could not bind its address (``cannot bind metrics to ...``), exited, or did not answer
+                within ``timeout_s`` seconds; it is stopped then.
+        """
+        out = self.process.stdout
+        assert out is not None
+        ready = bool(select.select([out], [], [], timeout_s)[0])
+        line = out.readline() if ready else b""
+        out.close()
+        words = line.decode(errors="replace").split(maxsplit=1)
+        if words[:1] == ["serving"] and len(words) == 2:
+            self.port = int(words[1])
+            return
+        if ready and not line:  # its stdout ended: it is exiting
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        exited = self.process.poll()
+        self.close(0)
+        if words[:1] == ["failed"] and len(words) == 2:
+            raise OSError(words[1].strip())
+        if line:
+            raise OSError(f"the metrics process said {line[:200]!r} instead of serving")
+        if exited is not None:
+            raise OSError(f"the metrics process exited with code {exited} before serving (its error is in the log above)")
+        raise OSError(f"the metrics process did not serve within {timeout_s:g} s")
 
     @classmethod
     def start(cls, host: str, port: int, front_end_ports: list[int], *, timeout_s: float = 30.0) -> MetricsGateway:
-        """Start the process serving ``host:port`` (0: a free port) with the metrics of the front ends listening on
-        loopback ``front_end_ports`` (front end k's at index k); return once it is serving. Blocking (a fraction of a
-        second).
+        """:meth:`spawn`, then :meth:`wait_serving`; returns the serving process's handle."""
+        gateway = cls.spawn(host, port, front_end_ports)
+        gateway.wait_serving(timeout_s)
+        return gateway
 
-        Raises:
-            OSError: it could not bind ``host:port`` (``cannot bind metrics to ...``), or did not start within
-                ``timeout_s`` seconds.
-        """
-        command = [sys.executable, "-m", "lutb_server.metrics_gateway", "--host", host, "--port", str(port),
-                   "--front-end-ports", ",".join(map(str, front_end_ports)), "--parent", str(os.getpid())]
-        here = str(Path(__file__).resolve().parents[1])  # where this process found lutb_server (maybe not installed)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
-        assert process.stdout is not None
-        line = b""
-        if select.select([process.stdout], [], [], timeout_s)[0]:
-            line = process.stdout.readline()
-        process.stdout.close()
-        words = line.decode(errors="replace").split(maxsplit=1)
-        if words[:1] == ["serving"]:
-            return cls(process, int(words[1]))
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-        raise OSError(words[1].strip() if words[:1] == ["failed"] and len(words) > 1
-                      else f"the metrics process did not start within {timeout_s:g} s (exit code {process.returncode})")
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the process (SIGTERM, then SIGKILL after ``timeout_s``)."""
-        if self.process.poll() is None:
-            self.process.terminate()
+        """Stop the process: end its stdin, then SIGKILL it if it has not exited within ``timeout_s``."""
+        if self.process.stdin is not None and not self.process.stdin.closed:
             try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                self.process.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
     """The metrics process: serve the merged endpoint; say ``serving PORT`` (or ``failed MESSAGE``) on stdout; exit
-    when the process ``--parent`` is gone."""
-    p = argparse.ArgumentParser(prog="python -m lutb_server.metrics_gateway", description=__doc__.split("\n\n")[0])
+    when stdin ends (front end 0 closed it, or is gone)."""
+    # the process group's signals are front end 0's to act on: it drains (its metrics served meanwhile), then closes
+    # this process's stdin
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    p = argparse.ArgumentParser(prog="python -m lutb_server.metrics_gateway",
+                                description="serve the merged metrics of a server's front ends")
     p.add_argument("--host", required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--front-end-ports", required=True, help="comma-separated loopback ports of front ends 0..N-1")
-    p.add_argument("--parent", type=int, required=True, help="the pid of front end 0: exit once it is gone")
     args = p.parse_args(argv)
-    # Ctrl-C reaches the whole process group: front end 0 drains first, its metrics served meanwhile, then stops this
-    # process (SIGTERM, whose default ends it quietly)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FrontEndsCollector([int(port) for port in args.front_end_ports.split(",")]))
     try:
@@ -187,8 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"failed cannot bind metrics to {where}: {exc.strerror or exc}", flush=True)
         sys.exit(1)
     print(f"serving {http.server_port}", flush=True)
-    while os.getppid() == args.parent:  # front end 0 gone (killed too): this process is re-parented
-        time.sleep(_PARENT_POLL_S)
+    sys.stdout.close()
+    sys.stdin.buffer.read()  # until front end 0 closes it or exits
 
 
 if __name__ == "__main__":

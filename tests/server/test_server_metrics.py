@@ -261,22 +261,43 @@ def test_the_metrics_process_serves_every_front_ends_metrics() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_the_metrics_process_outlasts_a_ctrl_c() -> None:
-    """Ctrl-C reaches the whole process group: the metrics process goes on serving while front end 0 drains (and then
-    stops it), instead of dying at once with a traceback."""
+def test_the_metrics_process_outlasts_the_process_groups_signals() -> None:
+    """Ctrl-C (SIGINT) and a SIGTERM to the whole process group reach the metrics process too: it goes on serving while
+    front end 0 drains, instead of dying at once (with a traceback, for SIGINT); front end 0 then closes its stdin."""
     import signal
 
     zero = ServerMetrics()
     gateway = MetricsGateway.start("127.0.0.1", 0, [zero.serve("127.0.0.1", 0)])
     try:
-        os.kill(gateway.process.pid, signal.SIGINT)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(gateway.process.pid, sig)
         time.sleep(0.3)
-        assert gateway.process.poll() is None
+        assert gateway.running
         assert _get(_scrape(gateway.port), "lutb_front_end_up", front_end="0") == 1
     finally:
         gateway.close()
         zero.close()
-    assert gateway.process.returncode == -signal.SIGTERM
+    assert gateway.process.returncode == 0  # it ended at its stdin's end, not killed
+
+
+def test_a_metrics_process_that_cannot_start_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One that exits before serving (here: at once, with status 1) fails the start with its exit code, not after the
+    timeout; PYTHON* variables of the environment (here -OO, which strips docstrings) do not reach it."""
+    import subprocess
+
+    monkeypatch.setenv("PYTHONOPTIMIZE", "2")
+    gateway = MetricsGateway.start("127.0.0.1", 0, [free_port()], timeout_s=20)  # PYTHONOPTIMIZE ignored: it serves
+    gateway.close()
+    real = subprocess.Popen
+
+    def failing(command, **kwargs):
+        return real([*command[:-1], command[-1].replace("from lutb_server", "sys.exit(1); from lutb_server")], **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", failing)
+    start = time.monotonic()
+    with pytest.raises(OSError, match="exited with code 1 before serving"):
+        MetricsGateway.start("127.0.0.1", 0, [free_port()], timeout_s=20)
+    assert time.monotonic() - start < 10
 
 
 def test_the_metrics_process_reports_a_taken_port() -> None:

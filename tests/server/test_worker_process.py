@@ -721,6 +721,29 @@ def test_lutb_serve_fails_to_start_when_a_front_end_cannot(tiny_checkpoint: Path
             serving.kill()
 
 
+def test_a_metrics_process_that_dies_is_started_again(tiny_checkpoint: Path) -> None:
+    """The metrics of a server with several front ends outlive their process: killed, another serves the same port."""
+    metrics = _two_free_ports()
+    serving = ServeProcess("--checkpoint", str(tiny_checkpoint), "--compute-worker", "process", "--front-ends", "2",
+                           "--metrics-port", str(metrics), "--no-validate-checkpoint").wait_ready()
+
+    def gateways() -> list[int]:
+        return [int(m.group(1)) for m in (re.search(r"metrics process (\d+) serves", line) for line in serving.lines) if m]
+
+    try:
+        (first,) = gateways()
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while len(gateways()) < 2:
+            assert time.monotonic() < deadline, "".join(serving.lines)
+            time.sleep(0.05)
+        assert gateways()[1] != first and any("the metrics process exited" in line for line in serving.lines)
+        assert _forward_requests_by_front_end(metrics) == {}  # served again, every front end up (no request yet)
+        assert serving.stop(60) == 0, "".join(serving.lines)
+    finally:
+        serving.kill()
+
+
 def test_front_ends_and_compute_process_go_when_the_server_is_killed(tiny_checkpoint: Path) -> None:
     """SIGKILL of front end 0 (no drain): front end 1 must not keep serving the port, nor keep the compute process
     alive through its connection, nor the metrics process the metrics port."""
