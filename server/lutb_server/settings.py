@@ -158,6 +158,9 @@ class ServerSettings(BaseSettings):
         if self.metrics_port and self.metrics_port + self.front_ends - 1 > 65535:  # front end k listens on metrics_port + k
             raise ValueError(f"metrics_port = {self.metrics_port} leaves no port for front ends 1..{self.front_ends - 1} "
                              f"(metrics_port + k, at most 65535)")
+        if self.cuda_graph_top_k > self.max_top_k:
+            raise ValueError(f"cuda_graph_top_k = {self.cuda_graph_top_k} exceeds max_top_k = {self.max_top_k}: its "
+                             "graphs would serve no request")
         return self
 
     @field_validator("backend")

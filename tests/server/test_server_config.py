@@ -105,6 +105,12 @@ def test_an_empty_flag_or_file_value_is_unset(tmp_path: Path, monkeypatch: pytes
     assert _parse(["--checkpoint", ""]).checkpoint == tmp_path / "env"  # the variable's
 
 
+def test_graphs_are_not_captured_for_a_top_k_no_request_may_carry() -> None:
+    with pytest.raises(ValidationError, match="cuda_graph_top_k = 16 exceeds max_top_k = 8"):
+        load_settings({"cuda_graph_top_k": 16, "max_top_k": 8})
+    assert load_settings({"cuda_graph_top_k": 8, "max_top_k": 8}).max_top_k == 8
+
+
 def test_front_ends_need_metrics_ports_within_range() -> None:
     kwargs = {"compute_worker": "process", "front_ends": 2}
     with pytest.raises(ValidationError, match="no port for front ends 1..1"):

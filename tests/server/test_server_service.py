@@ -356,13 +356,13 @@ def test_a_stalled_compute_worker_takes_the_server_out_of_service(tiny_checkpoin
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(ReferenceExperts, "forward", hanging)
-    with ServerThread(checkpoint=tiny_checkpoint, compute_stall_s=0.3) as running, \
+    with ServerThread(checkpoint=tiny_checkpoint, compute_stall_s=1.0) as running, \
             grpc.insecure_channel(running.address) as channel, ExpertClient(running.address) as client:
         health = health_pb2_grpc.HealthStub(channel)
         assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
         stuck = threading.Thread(target=_swallow, args=(client.forward, 0, *_batch(4, 2, seed=1)), daemon=True)
         stuck.start()
-        time.sleep(0.2)
+        time.sleep(0.3)
         assert not running.server.failed.is_set()  # silent for less than compute_stall_s
         deadline = time.monotonic() + 10
         while not running.server.failed.is_set():
@@ -377,9 +377,9 @@ def test_a_stalled_compute_worker_takes_the_server_out_of_service(tiny_checkpoin
 
 def test_a_busy_compute_worker_is_not_a_stalled_one(tiny_checkpoint: Path) -> None:
     """Calls that keep answering, however many are queued behind them, never trip compute_stall_s."""
-    with ServerThread(checkpoint=tiny_checkpoint, compute_stall_s=0.5) as running, \
+    with ServerThread(checkpoint=tiny_checkpoint, compute_stall_s=1.0) as running, \
             ExpertClient(running.address) as client:
-        end = time.monotonic() + 1.5
+        end = time.monotonic() + 2.5
         while time.monotonic() < end:
             client.forward(0, *_batch(16, 2, seed=2))
         assert not running.server.failed.is_set()
