@@ -334,6 +334,16 @@ class ExpertServer:
                 # silently receive part of the first one's connections. Fail the bind instead, unless
                 # this is one of several front ends, which share the port on purpose.
                 ("grpc.so_reuseport", 1 if shared_port else 0),
+                # Clients ping every 20 s (lutb_client.client.KEEPALIVE_OPTIONS) to find a vanished server: accept
+                # pings every second, with or without calls (500 ms apart at least: jitter; gRPC's default answers a
+                # client pinging more often than every 5 minutes without data with GOAWAY, too_many_pings, ending its
+                # streams; the key is GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS's), and ping idle
+                # clients every 60 s to let go of the connections and streams of vanished ones.
+                ("grpc.http2.min_ping_interval_without_data_ms", 500),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.keepalive_time_ms", 60_000),
+                ("grpc.keepalive_timeout_ms", 20_000),
+                ("grpc.http2.ping_timeout_ms", 20_000),
             ]
             server = grpc.aio.server(
                 interceptors=[MetricsInterceptor(self.metrics), GateInterceptor(self.gate, (SERVICE_NAME,))],

@@ -87,7 +87,8 @@ class ServerSettings(BaseSettings):
         "replay the graphs in chunks; 0 disables graphs"
     )
     cuda_graph_top_k: int = Field(
-        8, ge=0, description="top-k whose CUDA graphs are captured at startup (others on first use); 0: all on first use"
+        8, ge=0, description="top-k whose CUDA graphs are captured at startup (others on first use); 0: all on first use; "
+        "at most max_top_k (the default 8 becomes max_top_k where that is lower)"
     )
     intra_op_threads: int = Field(
         0, ge=0, description="torch CPU threads of the serving process (torch.set_num_threads); 0: 1 on a CUDA device "
@@ -158,9 +159,11 @@ class ServerSettings(BaseSettings):
         if self.metrics_port and self.metrics_port + self.front_ends - 1 > 65535:  # front end k listens on metrics_port + k
             raise ValueError(f"metrics_port = {self.metrics_port} leaves no port for front ends 1..{self.front_ends - 1} "
                              f"(metrics_port + k, at most 65535)")
-        if self.cuda_graph_top_k > self.max_top_k:
-            raise ValueError(f"cuda_graph_top_k = {self.cuda_graph_top_k} exceeds max_top_k = {self.max_top_k}: its "
-                             "graphs would serve no request")
+        if self.cuda_graph_top_k > self.max_top_k:  # its graphs would serve no request
+            if "cuda_graph_top_k" in self.model_fields_set:
+                raise ValueError(f"cuda_graph_top_k = {self.cuda_graph_top_k} exceeds max_top_k = {self.max_top_k}: its "
+                                 "graphs would serve no request")
+            self.cuda_graph_top_k = self.max_top_k  # the default, for a server bounded below it
         return self
 
     @field_validator("backend")

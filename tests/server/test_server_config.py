@@ -109,6 +109,8 @@ def test_graphs_are_not_captured_for_a_top_k_no_request_may_carry() -> None:
     with pytest.raises(ValidationError, match="cuda_graph_top_k = 16 exceeds max_top_k = 8"):
         load_settings({"cuda_graph_top_k": 16, "max_top_k": 8})
     assert load_settings({"cuda_graph_top_k": 8, "max_top_k": 8}).max_top_k == 8
+    assert load_settings({"max_top_k": 2}).cuda_graph_top_k == 2  # the default follows a lower bound
+    assert load_settings({}).cuda_graph_top_k == 8
 
 
 def test_front_ends_need_metrics_ports_within_range() -> None:
