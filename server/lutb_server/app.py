@@ -278,9 +278,9 @@ class ExpertServer:
         self._watchdog: asyncio.Task[None] | None = None
         """Watches the compute worker for a stall (``compute_stall_s``) while serving."""
         self._metrics_gateway: MetricsGateway | None = None
+        """The process serving every front end's metrics, where this is front end 0 of several."""
         self._metrics_ports: list[int] = []
         """The loopback metrics ports of front ends 0..N-1, which the metrics process reads."""
-        """The process serving every front end's metrics, where this is front end 0 of several."""
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.failed = asyncio.Event()
@@ -439,7 +439,7 @@ class ExpertServer:
     async def _watch(self, scheduler: BatchScheduler) -> None:
         """While serving: take the server out of service, as for a dead compute process, once the compute worker has
         held batches without answering any for ``compute_stall_s`` seconds (a hung device or compute process: nothing
-        else would tell); start the metrics process again should it exit (once: if that fails, the metrics are off)."""
+        else would tell); start the metrics process again should it exit (if that fails, the metrics are off)."""
         stall_s = self.settings.compute_stall_s
         period = max(0.05, min(1.0, stall_s / 4)) if stall_s else 1.0
         while self.gate.state == "serving":
