@@ -117,8 +117,8 @@ class ServerSettings(BaseSettings):
         120.0, ge=0, description="seconds the compute worker may hold batches without answering any before the server "
         "takes itself out of service (health NOT_SERVING; lutb serve drains and exits 1, so that a supervisor restarts "
         "it): a device or compute process that hangs would otherwise leave every request waiting for its deadline "
-        "while the server still reports SERVING; 0: never. Calls take milliseconds; a first compile or CUDA-graph "
-        "capture, seconds",
+        "while the server still reports SERVING; 0: never. Calls take milliseconds on a GPU; a first compile or "
+        "CUDA-graph capture, seconds; on a CPU a large layer's call can take minutes: raise it there",
     )
     compute_cpu: str = Field(
         "none", description="with compute_worker = process: a CPU of the compute process's own, which the serving "
