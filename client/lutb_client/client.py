@@ -189,8 +189,8 @@ class _HiddenWire:
 
     def learn(self, info: pb.ModelInfo) -> None:
         """Take the model dtype and MXFP8 scale mode from the server's ``ModelInfo``."""
+        self.scale_mode = info.mxfp8_scale_mode or "rceil"  # first: another thread takes dtype as ``ready``
         self.dtype = PROTO_TO_TORCH.get(info.dtype, torch.bfloat16)
-        self.scale_mode = info.mxfp8_scale_mode or "rceil"
 
     def encode(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(hidden_states to send, hidden_scales or None)``."""
@@ -240,6 +240,17 @@ def _call_timeout(timeout: Any) -> float | None:
 
 def _closed_error() -> ExpertServiceError:
     return ExpertServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the client is closed")
+
+
+def _cancelled_by_close(closed: bool) -> bool:
+    """Whether a ``CancelledError`` out of a ``grpc.aio`` call came from the client's ``close()`` (grpc cancels the calls
+    of a channel it closes), not from a cancellation of the calling task. Python 3.10 cannot tell them apart
+    (``Task.cancelling`` is 3.11's): there it counts as the task's, so that a real cancellation is never swallowed."""
+    if not closed:
+        return False
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is not None and cancelling() == 0
 
 
 class _Connections:
@@ -326,6 +337,8 @@ class ExpertClient(_Connections):
             try:
                 return fn(max(remaining, 0.0))
             except grpc.RpcError as err:
+                if self._closed:  # closed by another thread while the call ran (grpc says CANCELLED: Channel closed!)
+                    raise _closed_error() from None
                 error = ExpertServiceError.from_rpc_error(err)
             except ValueError:  # grpc's "Cannot invoke RPC on closed channel!" (closed by another thread meanwhile)
                 if self._closed:
@@ -519,6 +532,9 @@ class ForwardStream:
         with self._lock:
             self._error = error
             pending, self._pending = self._pending, deque()
+            if not self._closed:  # end the requests too: grpc's thread taking them would wait for the next for ever
+                self._closed = True
+                self._requests.put(_CLOSE)
         if settling is not None and not settling[1].done():
             settling[1].set_exception(ExpertServiceError(error.code, error.message, settling[0]))
         for request_id, future, _ in pending:
@@ -631,6 +647,10 @@ class AsyncExpertClient(_Connections):
                 error = ExpertServiceError.from_rpc_error(err)
             except grpc.aio.UsageError:  # "Channel is closed." (closed by another task meanwhile)
                 if self._closed:
+                    raise _closed_error() from None
+                raise
+            except asyncio.CancelledError:  # the call's channel closed under it (close()), or this task cancelled
+                if _cancelled_by_close(self._closed):
                     raise _closed_error() from None
                 raise
             if error.code not in RETRYABLE or attempt >= self._backoff.retries:
@@ -771,6 +791,7 @@ class AsyncForwardStream:
             error = ExpertServiceError.from_rpc_error(err)
         except asyncio.CancelledError:
             error = ExpertServiceError(grpc.StatusCode.CANCELLED, "stream cancelled")
+            self._call.cancel()
         except Exception as exc:  # noqa: BLE001 - a dead reader would leave every future of the stream pending
             error = _reader_error(exc)
             self._call.cancel()
@@ -847,8 +868,12 @@ class AsyncForwardStream:
         if not self._closed:
             self._closed = True
             self._requests.put_nowait(None)
-        await asyncio.gather(self._writer, return_exceptions=True)
-        await self._reader
+        try:
+            await asyncio.gather(self._writer, return_exceptions=True)
+            await asyncio.shield(self._reader)  # a cancellation of the caller must reach the caller, not end the reader
+        except asyncio.CancelledError:  # the caller was cancelled while it waited: the stream is aborted, not left open
+            self.cancel()
+            raise
 
     async def __aenter__(self) -> AsyncForwardStream:
         return self

@@ -78,6 +78,7 @@ from lutb_client.client import (
     AsyncForwardStream,
     ForwardStream,
     _call_timeout,
+    _cancelled_by_close,
     _check_timeout,
     build_request,
     channel_opener,
@@ -1210,6 +1211,10 @@ class AsyncShardedExpertClient(_ShardedCore):
                 return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, wait_for_ready=True)
             except grpc.RpcError as err:
                 raise _info_error(target, err) from None
+            except asyncio.CancelledError:  # the channel closed under it (close()), or this task cancelled
+                if _cancelled_by_close(self._closed):
+                    self._check_open()
+                raise
 
         infos = await asyncio.gather(*(one(t, stubs[0]) for t, stubs in zip(self.targets, self._stubs)))
         self._set_infos(infos)
@@ -1244,6 +1249,10 @@ class AsyncShardedExpertClient(_ShardedCore):
                     response = await self._unary_stub(sub.shard).Forward(request, timeout=timeout)
                 except grpc.aio.UsageError:  # grpc's closed channel: closed by another task meanwhile
                     self._check_open()
+                    raise
+                except asyncio.CancelledError:  # the channel closed under it (close()), or this task cancelled
+                    if _cancelled_by_close(self._closed):
+                        self._check_open()
                     raise
                 return response
             lane = self._lane(sub.shard)

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -202,3 +203,124 @@ def test_a_bad_wire_opens_no_connection(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ValueError):
         ExpertClient("127.0.0.1:1", wire="fp4")
     assert not opened
+
+
+def test_a_call_running_when_its_client_closes_fails_as_closed(slow_server: ServerThread) -> None:
+    """``ExpertClient.close()`` from another thread while a call waits: the call fails with FAILED_PRECONDITION, as
+    the docstring says, not with grpc's CANCELLED ``Channel closed!``."""
+    client = ExpertClient(slow_server.address)
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.forward(0, *_batch(2))
+        except BaseException as exc:  # noqa: BLE001 - examined below
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(0.5)
+    client.close()
+    caller.join(30)
+    (error,) = outcome
+    assert isinstance(error, ExpertServiceError) and error.code.name == "FAILED_PRECONDITION", error
+
+
+needs_cancelling = pytest.mark.skipif(not hasattr(asyncio.Task, "cancelling"),
+                                      reason="Python 3.10 cannot tell a closed channel's cancellation from the task's")
+
+
+@needs_cancelling
+@pytest.mark.parametrize("kind", ["client", "sharded unary", "sharded stream"])
+def test_an_async_call_running_when_its_client_closes_fails_as_closed(slow_server: ServerThread, kind: str) -> None:
+    """grpc.aio cancels the calls of a channel it closes: the caller's task, never cancelled itself, got a bare
+    asyncio.CancelledError (which TaskGroup and wait_for take for its own cancellation) instead of the client's one
+    exception type."""
+
+    async def body() -> BaseException | None:
+        if kind == "client":
+            client: Any = AsyncExpertClient(slow_server.address)
+        else:
+            client = AsyncShardedExpertClient([slow_server.address], transport=kind.split()[1])
+            await client.connect()
+        call = asyncio.ensure_future(client.forward(0, *_batch(2)))
+        await asyncio.sleep(0.5)
+        await client.close()
+        try:
+            await call
+        except BaseException as exc:  # noqa: BLE001 - examined below
+            return exc
+        return None
+
+    error = asyncio.run(body())
+    assert isinstance(error, ExpertServiceError) and error.code.name == "FAILED_PRECONDITION", repr(error)
+
+
+def test_a_task_cancelled_while_it_closes_a_stream_is_cancelled(slow_server: ServerThread) -> None:
+    """``AsyncForwardStream.close()`` waits for the answers; a cancellation of the waiting task used to end the stream's
+    reader instead, and close() returned as if nothing happened. Now the task is cancelled, and the stream aborted: the
+    request still in flight fails with CANCELLED."""
+
+    async def body() -> tuple[bool, BaseException | None]:
+        async with AsyncExpertClient(slow_server.address) as client:
+            stream = client.stream()
+            answer = await stream.submit(0, *_batch(2))
+            closing = asyncio.ensure_future(stream.close())
+            await asyncio.sleep(0.3)
+            closing.cancel()
+            try:
+                await closing
+            except asyncio.CancelledError:
+                pass
+            try:
+                await answer
+            except BaseException as exc:  # noqa: BLE001 - examined below
+                return closing.cancelled(), exc
+            return closing.cancelled(), None
+
+    cancelled, error = asyncio.run(body())
+    assert cancelled
+    assert isinstance(error, ExpertServiceError) and error.code.name == "CANCELLED", repr(error)
+
+
+def test_a_broken_stream_dropped_unclosed_leaves_no_thread(server: ServerThread) -> None:
+    """A stream whose call ended (a server restart; here cancelled from outside) and that its owner drops without
+    close(): grpc's thread taking its requests used to wait for the next one for ever, one thread per such stream."""
+    import gc
+
+    with ExpertClient(server.address) as client:
+        client.forward(0, *_batch(2))
+        before = threading.active_count()
+        for _ in range(5):
+            stream = client.stream()
+            stream.submit(0, *_batch(2)).result(30)
+            stream._call.cancel()
+            deadline = time.monotonic() + 10
+            while not stream.broken:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            del stream
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while threading.active_count() > before:
+            assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+            time.sleep(0.05)
+
+
+def test_mxfp8_wire_learns_its_scale_mode_before_it_reports_ready() -> None:
+    """Another thread takes ``ready`` (the dtype learned) as its cue to encode: the scale mode must be there first, or
+    that thread quantized with none (INVALID_ARGUMENT from the server)."""
+    from lutb_client._proto.lutb.v1 import expert_service_pb2 as pb
+    from lutb_client.client import _HiddenWire
+
+    order: list[str] = []
+
+    class Recording(_HiddenWire):
+        def __setattr__(self, name: str, value: object) -> None:
+            order.append(name)
+            super().__setattr__(name, value)
+
+    wire = Recording("mxfp8")
+    order.clear()
+    wire.learn(pb.ModelInfo(dtype=pb.BFLOAT16, mxfp8_scale_mode="floor"))
+    assert order.index("scale_mode") < order.index("dtype") and wire.ready and wire.scale_mode == "floor"
