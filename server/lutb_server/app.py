@@ -321,8 +321,8 @@ class ExpertServer:
             if s.metrics_port and self._compute_connection is not None:  # front end k > 0: read by the metrics process
                 self.metrics_port = self.metrics.serve("127.0.0.1", s.metrics_port)
             elif s.metrics_port and s.front_ends > 1:  # every front end's, merged by a process of its own
-                own = self.metrics.serve("127.0.0.1", 0)
-                ports = [own] + [s.metrics_port + k for k in range(1, s.front_ends)]
+                ports = [s.metrics_port + k for k in range(1, s.front_ends)]
+                ports.insert(0, self._serve_own_metrics(ports))
                 self._metrics_ports = ports
                 self.metrics_port = await self._start_metrics_process()
             elif s.metrics_port:
@@ -425,6 +425,16 @@ class ExpertServer:
                  engine.content_hash[:19], engine.backend.name, engine.device)
         if s.compute_stall_s or self._metrics_gateway is not None:
             self._watchdog = asyncio.create_task(self._watch(scheduler), name="lutb-watchdog")
+
+    def _serve_own_metrics(self, reserved: list[int]) -> int:
+        """Serve front end 0's metrics on a free loopback port that is none of ``reserved`` (the other front ends'
+        fixed ports: where ``metrics_port`` lies in the ephemeral range, the kernel could hand one of them out)."""
+        for _ in range(16):
+            port = self.metrics.serve("127.0.0.1", 0)
+            if port not in reserved:
+                return port
+            self.metrics.close()
+        raise OSError(f"no free loopback port for front end 0's metrics outside {reserved[0]}..{reserved[-1]}")
 
     async def _start_metrics_process(self) -> int:
         """Start the process that serves every front end's metrics on ``metrics_port`` (kept in ``_metrics_gateway``

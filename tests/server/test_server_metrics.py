@@ -577,3 +577,27 @@ def test_merged_front_ends_endpoint_is_valid_in_either_format(others: int) -> No
         zero.close()
         for m in rest:
             m.close()
+
+
+def test_front_end_0_does_not_take_another_front_ends_metrics_port() -> None:
+    """Front end 0's own loopback port is the kernel's pick: where metrics_port lies in the ephemeral range, that pick
+    could be metrics_port + k, and front end k would then fail to bind it. Such a pick is given back."""
+    from lutb_server.app import ExpertServer
+
+    class Picks:
+        def __init__(self, ports: list[int]) -> None:
+            self.ports, self.closed = ports, 0
+
+        def serve(self, host: str, port: int) -> int:
+            assert (host, port) == ("127.0.0.1", 0)
+            return self.ports.pop(0)
+
+        def close(self) -> None:
+            self.closed += 1
+
+    server = ExpertServer.__new__(ExpertServer)  # only its metrics matter here
+    server.metrics = Picks([40002, 40001, 51234])  # type: ignore[assignment]
+    assert server._serve_own_metrics([40001, 40002, 40003]) == 51234 and server.metrics.closed == 2
+    server.metrics = Picks([40001] * 16)  # type: ignore[assignment]
+    with pytest.raises(OSError, match="no free loopback port"):
+        server._serve_own_metrics([40001, 40002])
