@@ -98,6 +98,10 @@ CONFIG_FIELDS = (
     "format", "format_version", "hidden_size", "intermediate_size", "num_experts", "activation", "dtype", "mxfp8_scale_mode",
 )
 """``ModelInfo`` fields every shard of one deployment must agree on."""
+STALE_REFRESH_WAIT_S = 1.0
+"""How long the retry of a call that met a stale shard waits, at most, for a shard that is reconnecting to answer
+``GetModelInfo`` (half the call's remaining time where that is less); one that has not answered by then is marked down
+and keeps its last placement."""
 _LATENCY_SAMPLES = 4096
 
 
@@ -693,6 +697,22 @@ class _ShardedCore:
         self._topology = _Topology(self.targets, infos)
         self.infos = tuple(infos)
 
+    def _set_answered_infos(self, answers: Sequence[pb.ModelInfo | ExpertServiceError]) -> None:
+        """The placement from the shards that answered ``GetModelInfo`` (a stale shard's retry): a shard that did not
+        keeps its last ``ModelInfo`` and is marked down, so that the retry goes to replicas instead of failing the
+        call on a shard unrelated to the stale one (a rolling restart takes them down one after another).
+
+        Raises:
+            ExpertServiceError: no shard answered (the first one's error).
+        """
+        if all(isinstance(a, ExpertServiceError) for a in answers):
+            raise next(a for a in answers if isinstance(a, ExpertServiceError))
+        infos = [info if isinstance(a, ExpertServiceError) else a for a, info in zip(answers, self.infos)]
+        self._set_infos(infos)
+        for shard, answer in enumerate(answers):
+            if isinstance(answer, ExpertServiceError):
+                self._mark_down(shard)
+
     @property
     def hidden_size(self) -> int:
         return self._topo().hidden_size
@@ -1026,6 +1046,20 @@ class ShardedExpertClient(_ShardedCore):
                 raise _info_error(target, err) from None
         self._set_infos(infos)
 
+    def _refresh_answering(self, timeout: float) -> None:
+        """:meth:`refresh` from the shards that answer within :data:`STALE_REFRESH_WAIT_S` (at most half of
+        ``timeout``): :meth:`_set_answered_infos`."""
+        wait = min(STALE_REFRESH_WAIT_S, timeout / 2)
+        futures = [stubs[0].GetModelInfo.future(pb.GetModelInfoRequest(), timeout=wait, wait_for_ready=True)
+                   for stubs in self._stubs]
+        answers: list[pb.ModelInfo | ExpertServiceError] = []
+        for target, future in zip(self.targets, futures):
+            try:
+                answers.append(future.result())
+            except grpc.RpcError as err:
+                answers.append(_info_error(target, err))
+        self._set_answered_infos(answers)
+
     def close(self) -> None:
         """Close the streams and connections; calls made afterwards fail with FAILED_PRECONDITION."""
         self._closed = True
@@ -1061,7 +1095,7 @@ class ShardedExpertClient(_ShardedCore):
         try:
             return self._run(call, deadline)
         except _StaleShard:  # a shard restarted with another checkpoint: read the placement again, retry once
-            self.refresh(timeout=_remaining(deadline))
+            self._refresh_answering(_remaining(deadline))
             self._count_retry()
             return self._run(_Call(self, *args), deadline)
 
@@ -1219,6 +1253,19 @@ class AsyncShardedExpertClient(_ShardedCore):
         infos = await asyncio.gather(*(one(t, stubs[0]) for t, stubs in zip(self.targets, self._stubs)))
         self._set_infos(infos)
 
+    async def _refresh_answering(self, timeout: float) -> None:
+        """:meth:`ShardedExpertClient._refresh_answering`."""
+
+        wait = min(STALE_REFRESH_WAIT_S, timeout / 2)
+
+        async def one(target: str, stub: pb_grpc.ExpertServiceStub) -> pb.ModelInfo | ExpertServiceError:
+            try:
+                return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=wait, wait_for_ready=True)
+            except grpc.RpcError as err:
+                return _info_error(target, err)
+
+        self._set_answered_infos(await asyncio.gather(*(one(t, stubs[0]) for t, stubs in zip(self.targets, self._stubs))))
+
     async def close(self) -> None:
         """Close the streams and connections; calls made afterwards fail with FAILED_PRECONDITION."""
         self._closed = True
@@ -1302,7 +1349,7 @@ class AsyncShardedExpertClient(_ShardedCore):
         try:
             return await self._run(call, deadline)
         except _StaleShard:  # a shard restarted with another checkpoint: read the placement again, retry once
-            await self.refresh(timeout=_remaining(deadline))
+            await self._refresh_answering(_remaining(deadline))
             self._count_retry()
             return await self._run(_Call(self, *args), deadline)
 

@@ -295,3 +295,66 @@ def test_a_refusal_that_survives_the_refresh_is_raised(asynchronous: bool) -> No
         server.stop(0)
     assert error.code == grpc.StatusCode.FAILED_PRECONDITION and "'sha256:abc'" in error.message, error
     assert fake.info_calls == 2  # connecting, and the one refresh
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["blocking", "async"])
+def test_a_stale_shard_retried_while_another_shard_is_down(whole: Path, tmp_path: Path, asynchronous: bool) -> None:
+    """A rolling restart: shard 0 comes back with another checkpoint while shard 1 is down (its replica, shard 2, up).
+    The call that meets the stale shard reads the placement again and retries. That read used to wait for every shard,
+    the down one too, until the call's deadline; now it takes the shards that answer within about a second, marks the
+    silent one down, and the retry computes on shard 0's new placement and shard 1's replica."""
+    old = write_shards(Checkpoint(whole), tmp_path / "old", {0: [[0, 1], [2, 3, 4, 5, 6, 7], [2, 3, 4, 5, 6, 7]]})
+    new = write_shards(Checkpoint(whole), tmp_path / "new", {0: [[0, 1, 2], [3, 4, 5, 6, 7]]})
+    ports = [free_port() for _ in range(3)]
+    targets = [f"127.0.0.1:{p}" for p in ports]
+    x, _, w = _batch(4, 2, seed=5)
+    ids = torch.tensor([[0, 5], [1, 6], [0, 7], [1, 4]], dtype=torch.int32)  # shard 0 alone holds 0 and 1
+    with ServerThread(checkpoint=whole) as single, ExpertClient(single.address) as c:
+        expected = c.forward(0, x, ids, w)
+    servers = [ServerThread(checkpoint=d, port=p, metrics_port=0).start() for d, p in zip(old, ports)]
+
+    def first_answer(forward) -> torch.Tensor:  # noqa: ANN001
+        start = time.monotonic()
+        while time.monotonic() - start < 15:
+            try:
+                return forward()
+            except ExpertServiceError as exc:
+                assert exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), exc
+                time.sleep(0.1)
+        raise AssertionError("no answer 15 s after the restart")
+
+    try:
+        def rolling_restart() -> None:
+            servers[0].stop()
+            servers[1].stop()  # down for the rest of the test
+            servers[0] = ServerThread(checkpoint=new[0], port=ports[0], metrics_port=0).start()
+
+        # the restart breaks the client's connections to shard 0: calls fail with UNAVAILABLE until they are back
+        retryable = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        if asynchronous:
+            async def body() -> tuple[torch.Tensor, float]:
+                async with AsyncShardedExpertClient(targets, down_s=0.1) as client:
+                    await client.forward(0, x, ids, w)
+                    rolling_restart()
+                    start = time.monotonic()
+                    while time.monotonic() - start < 15:
+                        try:
+                            return await client.forward(0, x, ids, w, timeout=5), time.monotonic() - start
+                        except ExpertServiceError as exc:
+                            assert exc.code in retryable, exc
+                            await asyncio.sleep(0.1)
+                    raise AssertionError("no answer 15 s after the restart")
+
+            got, took = asyncio.run(body())
+        else:
+            with ShardedExpertClient(targets, down_s=0.1) as client:
+                client.forward(0, x, ids, w)
+                rolling_restart()
+                start = time.monotonic()
+                got = first_answer(lambda: client.forward(0, x, ids, w, timeout=5))
+                took = time.monotonic() - start
+    finally:
+        for s in servers:
+            s.stop()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert took < 10, took  # each call waited for the down shard until its 5 s deadline, and failed
