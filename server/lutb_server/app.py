@@ -260,7 +260,7 @@ class ExpertServer:
         self.metrics = ServerMetrics(expert_metrics=settings.expert_metrics)
         self.gate = Gate()
         self.health = health.aio.HealthServicer()
-        self.servicer = ExpertServicer(metrics=self.metrics, accepting=lambda: self.gate.open,
+        self.servicer = ExpertServicer(metrics=self.metrics, accepting=lambda: self.gate.open, draining=self.gate.draining,
                                        max_response_bytes=settings.max_message_bytes)
         self.engine: ExpertEngine | None = None
         self.scheduler: BatchScheduler | None = None

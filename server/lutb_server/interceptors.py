@@ -152,10 +152,22 @@ class Gate:
     """The server's state for gated services: ``loading`` -> ``serving`` -> ``draining``."""
 
     def __init__(self) -> None:
-        self.state = "loading"
+        self._state = "loading"
         self.active = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.draining = asyncio.Event()
+        """Set once the state is ``draining`` (open streams end then: :class:`~lutb_server.servicer.ExpertServicer`)."""
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self._state = value
+        if value == "draining":
+            self.draining.set()
 
     @property
     def open(self) -> bool:

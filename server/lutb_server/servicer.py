@@ -188,6 +188,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     Args:
         metrics: counts forward requests by RPC and status.
         accepting: returns False while the server drains; stream requests then get UNAVAILABLE.
+        draining: set when the server starts draining: each open ``ForwardStream`` stops reading, answers the requests
+            it has read, and ends with UNAVAILABLE (the client opens its next stream elsewhere), instead of holding
+            the drain until its client half-closes or the grace runs out.
         max_response_bytes: the largest message the server sends (its ``max_message_bytes``): a
             request whose output would not fit is refused before it is computed.
     """
@@ -199,9 +202,11 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         *,
         metrics: ServerMetrics | None = None,
         accepting: Callable[[], bool] = lambda: True,
+        draining: asyncio.Event | None = None,
         max_response_bytes: int | None = None,
     ) -> None:
         self._metrics = metrics
+        self._draining = draining
         self._max_response_bytes = max_response_bytes
         self._counters: dict[tuple[str, grpc.StatusCode], Any] = {}
         self._accepting = accepting
@@ -264,6 +269,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 window.put_nowait(None)
 
         reader = asyncio.create_task(read())
+        watch = asyncio.create_task(self._end_on_drain(reader)) if self._draining is not None else None
         try:
             while True:
                 task = await window.get()
@@ -272,13 +278,24 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 response = await task
                 slots.release()
                 yield response
+            if reader.cancelled() and self._draining is not None and self._draining.is_set():
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    "server is draining: the stream ends; open the next one to another replica")
             await reader  # surfaces an error of the request stream itself
         finally:
+            if watch is not None:
+                watch.cancel()
             reader.cancel()
             while not window.empty():
                 leftover = window.get_nowait()
                 if leftover is not None:
                     leftover.cancel()
+
+    async def _end_on_drain(self, reader: asyncio.Task[None]) -> None:
+        """Stop a stream's reading once the server drains (the requests read so far are still answered)."""
+        assert self._draining is not None
+        await self._draining.wait()
+        reader.cancel()
 
     async def _stream_one(self, request: pb.ForwardRequest | MalformedRequest,
                           deadline: float | None) -> pb.ForwardResponse | SplicedResponse:

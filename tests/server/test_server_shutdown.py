@@ -166,3 +166,33 @@ def test_bad_setting_exits_with_a_reason() -> None:
     proc = _start(["--device", "tpu"])
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 2 and "device" in out
+
+
+def test_an_open_stream_ends_when_the_server_drains(tiny_checkpoint: Path) -> None:
+    """A client keeps its ForwardStream open between requests (a decode loop): draining used to wait for it to
+    half-close, so every stop took the whole grace. Now the stream's requests read so far are answered, then it ends
+    with UNAVAILABLE (the client opens its next stream elsewhere), and the server stops at once."""
+    from lutb_server.testing import ServerThread
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    w = torch.full((3, 2), 0.5)
+    server = ServerThread(checkpoint=tiny_checkpoint).start()
+    try:
+        with ExpertClient(server.address, retries=0) as client:
+            stream = client.stream()
+            stream.submit(0, x, ids, w).result(30)
+            start = time.monotonic()
+            server.run(server.server.stop(20.0), timeout=60)
+            took = time.monotonic() - start
+            deadline = time.monotonic() + 10
+            while not stream.broken:
+                assert time.monotonic() < deadline, "the stream did not end"
+                time.sleep(0.02)
+            with pytest.raises(ExpertServiceError) as ended:
+                stream.submit(0, x, ids, w).result(10)
+            assert ended.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in ended.value.message, ended.value
+    finally:
+        server.stop()
+    assert took < 5, took
