@@ -207,6 +207,19 @@ def test_blocking_close_during_a_call_reports_the_close(slow_server: ServerThrea
 # -- a shard restarted with another placement --------------------------------------------------
 
 
+def _first_answer(forward) -> torch.Tensor:  # noqa: ANN001
+    """``forward()`` again while it fails with UNAVAILABLE or DEADLINE_EXCEEDED (the connections come back after a
+    restart), for at most 15 s."""
+    start = time.monotonic()
+    while time.monotonic() - start < 15:
+        try:
+            return forward()
+        except ExpertServiceError as exc:
+            assert exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), exc
+            time.sleep(0.1)
+    raise AssertionError("no answer 15 s after the restart")
+
+
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["blocking", "async"])
 @pytest.mark.parametrize("transport", ["unary", "stream"])
 def test_shards_restarted_with_another_placement_give_the_right_sum(
@@ -230,15 +243,6 @@ def test_shards_restarted_with_another_placement_give_the_right_sum(
             s.stop()
         servers[:] = [ServerThread(checkpoint=d, port=p, metrics_port=0).start() for d, p in zip(new, ports)]
 
-    def first_answer(forward) -> torch.Tensor:  # noqa: ANN001
-        for _ in range(40):  # the connections come back after the restart
-            try:
-                return forward()
-            except ExpertServiceError as exc:
-                assert exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), exc
-                time.sleep(0.1)
-        raise AssertionError("no answer after the restart")
-
     try:
         if asynchronous:
             async def body() -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,7 +262,7 @@ def test_shards_restarted_with_another_placement_give_the_right_sum(
             with ShardedExpertClient(targets, transport=transport, down_s=0.1) as client:
                 before = client.forward(0, x, ids, w)
                 restart()
-                after = first_answer(lambda: client.forward(0, x, ids, w, timeout=5))
+                after = _first_answer(lambda: client.forward(0, x, ids, w, timeout=5))
                 holders_of_2 = client.placement()[0][2]
     finally:
         for s in servers:
@@ -313,16 +317,6 @@ def test_a_stale_shard_retried_while_another_shard_is_down(whole: Path, tmp_path
         expected = c.forward(0, x, ids, w)
     servers = [ServerThread(checkpoint=d, port=p, metrics_port=0).start() for d, p in zip(old, ports)]
 
-    def first_answer(forward) -> torch.Tensor:  # noqa: ANN001
-        start = time.monotonic()
-        while time.monotonic() - start < 15:
-            try:
-                return forward()
-            except ExpertServiceError as exc:
-                assert exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), exc
-                time.sleep(0.1)
-        raise AssertionError("no answer 15 s after the restart")
-
     try:
         def rolling_restart() -> None:
             servers[0].stop()
@@ -351,7 +345,7 @@ def test_a_stale_shard_retried_while_another_shard_is_down(whole: Path, tmp_path
                 client.forward(0, x, ids, w)
                 rolling_restart()
                 start = time.monotonic()
-                got = first_answer(lambda: client.forward(0, x, ids, w, timeout=5))
+                got = _first_answer(lambda: client.forward(0, x, ids, w, timeout=5))
                 took = time.monotonic() - start
     finally:
         for s in servers:
