@@ -840,16 +840,23 @@ class ProcessComputeWorker:
         inputs = [[r.x for r in requests], [r.topk_ids for r in requests], [r.topk_weights for r in requests]]
         if first.x_scales is not None:  # MXFP8 carried to the device
             inputs.append([r.x_scales for r in requests])  # type: ignore[misc]
-        if slots is not None:  # concatenated straight into the shared memory: the requests' bytes, one copy each
-            assert self._arena is not None
-            *placed, out = (tuple(slot) for slot in slots)  # plain tuples pickle ~3x cheaper than Slots
-            for parts, slot in zip(inputs, placed):
-                self._arena.write(slot, parts)
-            x, ids, w, *scales = placed
-        else:
-            self.inline_batches += 1
-            x, ids, w, *scales = (encode_tensor(_joined(parts, shape)) for parts, (_, shape) in zip(inputs, shapes))
-            out = None
+        try:
+            if slots is not None:  # concatenated straight into the shared memory: the requests' bytes, one copy each
+                assert self._arena is not None
+                *placed, out = (tuple(slot) for slot in slots)  # plain tuples pickle ~3x cheaper than Slots
+                for parts, slot in zip(inputs, placed):
+                    self._arena.write(slot, parts)
+                x, ids, w, *scales = placed
+            else:
+                self.inline_batches += 1
+                x, ids, w, *scales = (encode_tensor(_joined(parts, shape)) for parts, (_, shape) in zip(inputs, shapes))
+                out = None
+        except BaseException:  # nothing was sent: the job and its span are given back (the span would stay taken)
+            with self._lock:
+                self._pending.pop(job, None)
+                if slots is not None and self._arena is not None and self._gone is None:
+                    self._arena.release(slots[0].offset)
+            raise
         dtype = None if first.x_dtype is None else dtype_name(first.x_dtype)
         batch = (job, (first.layer, x, ids, w, first.apply_router_weight_on_input, first.output_mode,
                        scales[0] if scales else None, dtype), out, deadline)

@@ -1232,3 +1232,28 @@ def test_server_with_several_batches_in_flight_to_a_compute_process(tiny_checkpo
         assert float((out.float() - want).norm() / want.norm()) <= 1e-2
     assert max(most_in_flight) > 1, most_in_flight  # batches did go over while others computed
     assert max(most_in_flight) <= 3, most_in_flight
+
+
+def test_a_batch_that_cannot_be_copied_gives_its_job_and_span_back(process_worker: ProcessComputeWorker,
+                                                                   tiny_checkpoint: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """submit() takes a job and an arena span before it copies the batch in: a copy that fails left both taken (the
+    span for good, and a close() waiting for the job's answer). Then the next batch goes through as usual."""
+    catalog, _ = _engines(tiny_checkpoint)
+    requests = _requests(catalog, 0, (3, 2), seed=41)
+    arena = process_worker._arena
+    spans = arena.spans if arena is not None else 0
+    jobs = len(process_worker._pending)
+
+    def broken(*args, **kwargs):
+        raise OSError("copy failed")
+
+    if arena is not None:
+        monkeypatch.setattr(arena, "write", broken)
+    monkeypatch.setattr("lutb_server.worker_process.encode_tensor", broken)
+    with pytest.raises(OSError, match="copy failed"):
+        process_worker.submit(requests)
+    assert len(process_worker._pending) == jobs and (arena.spans if arena is not None else 0) == spans
+    monkeypatch.undo()
+    out = process_worker.submit(requests).result(30)
+    assert [tuple(o.shape) for o in out.outputs] == [(3, 128), (2, 128)]
