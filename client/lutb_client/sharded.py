@@ -697,6 +697,17 @@ class _ShardedCore:
         self._topology = _Topology(self.targets, infos)
         self.infos = tuple(infos)
 
+    def _set_all_infos(self, answers: Sequence[pb.ModelInfo | ExpertServiceError]) -> None:
+        """The placement from every shard's ``ModelInfo`` (:meth:`refresh`).
+
+        Raises:
+            ExpertServiceError: a shard did not answer (the first such shard's error, its target named).
+        """
+        for answer in answers:
+            if isinstance(answer, ExpertServiceError):
+                raise answer
+        self._set_infos(answers)  # type: ignore[arg-type]
+
     def _set_answered_infos(self, answers: Sequence[pb.ModelInfo | ExpertServiceError]) -> None:
         """The placement from the shards that answered ``GetModelInfo`` (a stale shard's retry): a shard that did not
         keeps its last ``ModelInfo`` and is marked down, so that the retry goes to replicas instead of failing the
@@ -1033,24 +1044,17 @@ class ShardedExpertClient(_ShardedCore):
             ExpertServiceError: a shard did not answer (its target named); INVALID_ARGUMENT naming ``timeout``
                 when it is not a positive finite number of seconds (None: no deadline), before any call.
         """
-        timeout = _call_timeout(timeout)
-        futures = [stubs[0].GetModelInfo.future(pb.GetModelInfoRequest(), timeout=timeout, wait_for_ready=True)
-                   for stubs in self._stubs]
-        infos = []
-        for target, future in zip(self.targets, futures):
-            try:
-                infos.append(future.result())
-            except grpc.RpcError as err:
-                for f in futures:
-                    f.cancel()
-                raise _info_error(target, err) from None
-        self._set_infos(infos)
+        self._set_all_infos(self._ask_all(_call_timeout(timeout)))
 
     def _refresh_answering(self, timeout: float) -> None:
         """:meth:`refresh` from the shards that answer within :data:`STALE_REFRESH_WAIT_S` (at most half of
         ``timeout``): :meth:`_set_answered_infos`."""
-        wait = min(STALE_REFRESH_WAIT_S, timeout / 2)
-        futures = [stubs[0].GetModelInfo.future(pb.GetModelInfoRequest(), timeout=wait, wait_for_ready=True)
+        self._set_answered_infos(self._ask_all(min(STALE_REFRESH_WAIT_S, timeout / 2)))
+
+    def _ask_all(self, timeout: float | None) -> list[pb.ModelInfo | ExpertServiceError]:
+        """Every shard's ``ModelInfo``, asked in parallel (waiting for a shard that is reconnecting), or the error it
+        ended with within ``timeout`` seconds."""
+        futures = [stubs[0].GetModelInfo.future(pb.GetModelInfoRequest(), timeout=timeout, wait_for_ready=True)
                    for stubs in self._stubs]
         answers: list[pb.ModelInfo | ExpertServiceError] = []
         for target, future in zip(self.targets, futures):
@@ -1058,7 +1062,7 @@ class ShardedExpertClient(_ShardedCore):
                 answers.append(future.result())
             except grpc.RpcError as err:
                 answers.append(_info_error(target, err))
-        self._set_answered_infos(answers)
+        return answers
 
     def close(self) -> None:
         """Close the streams and connections; calls made afterwards fail with FAILED_PRECONDITION."""
@@ -1238,33 +1242,26 @@ class AsyncShardedExpertClient(_ShardedCore):
     async def refresh(self, *, timeout: float = 30.0) -> None:
         """Ask every shard for its ``ModelInfo`` again and rebuild the placement (``timeout`` as for
         :meth:`ShardedExpertClient.refresh`)."""
-        timeout = _call_timeout(timeout)
+        self._set_all_infos(await self._ask_all(_call_timeout(timeout)))
 
-        async def one(target: str, stub: pb_grpc.ExpertServiceStub) -> pb.ModelInfo:
+    async def _refresh_answering(self, timeout: float) -> None:
+        """:meth:`ShardedExpertClient._refresh_answering`."""
+        self._set_answered_infos(await self._ask_all(min(STALE_REFRESH_WAIT_S, timeout / 2)))
+
+    async def _ask_all(self, timeout: float | None) -> list[pb.ModelInfo | ExpertServiceError]:
+        """:meth:`ShardedExpertClient._ask_all`."""
+
+        async def one(target: str, stub: pb_grpc.ExpertServiceStub) -> pb.ModelInfo | ExpertServiceError:
             try:
                 return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, wait_for_ready=True)
             except grpc.RpcError as err:
-                raise _info_error(target, err) from None
+                return _info_error(target, err)
             except asyncio.CancelledError:  # the channel closed under it (close()), or this task cancelled
                 if _cancelled_by_close(self._closed):
                     self._check_open()
                 raise
 
-        infos = await asyncio.gather(*(one(t, stubs[0]) for t, stubs in zip(self.targets, self._stubs)))
-        self._set_infos(infos)
-
-    async def _refresh_answering(self, timeout: float) -> None:
-        """:meth:`ShardedExpertClient._refresh_answering`."""
-
-        wait = min(STALE_REFRESH_WAIT_S, timeout / 2)
-
-        async def one(target: str, stub: pb_grpc.ExpertServiceStub) -> pb.ModelInfo | ExpertServiceError:
-            try:
-                return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=wait, wait_for_ready=True)
-            except grpc.RpcError as err:
-                return _info_error(target, err)
-
-        self._set_answered_infos(await asyncio.gather(*(one(t, stubs[0]) for t, stubs in zip(self.targets, self._stubs))))
+        return list(await asyncio.gather(*(one(t, stubs[0]) for t, stubs in zip(self.targets, self._stubs))))
 
     async def close(self) -> None:
         """Close the streams and connections; calls made afterwards fail with FAILED_PRECONDITION."""
