@@ -854,8 +854,7 @@ class ProcessComputeWorker:
         except BaseException:  # nothing was sent: the job and its span are given back (the span would stay taken)
             with self._lock:
                 self._pending.pop(job, None)
-                if slots is not None and self._arena is not None and self._gone is None:
-                    self._arena.release(slots[0].offset)
+            self._release(slots)
             raise
         dtype = None if first.x_dtype is None else dtype_name(first.x_dtype)
         batch = (job, (first.layer, x, ids, w, first.apply_router_weight_on_input, first.output_mode,
@@ -949,10 +948,7 @@ class ProcessComputeWorker:
             whole = WireTensor.from_message(result)
             outputs = [whole] if len(tokens) == 1 else _split_rows(
                 lambda at, n: whole.data[at:at + n], 0, whole.dtype, whole.shape, tokens)
-        if slots is not None:
-            with self._lock:
-                if self._arena is not None and self._gone is None:
-                    self._arena.release(slots[0].offset)
+        self._release(slots)
         if not future.set_running_or_notify_cancel():
             return
         if isinstance(result, BaseException):
@@ -960,6 +956,14 @@ class ProcessComputeWorker:
         else:
             self.batches += 1
             future.set_result(BatchOutput(outputs, seconds, call_tokens, path, started))  # type: ignore[arg-type]
+
+    def _release(self, slots: list[Slot] | None) -> None:
+        """Give back the arena span of a batch's ``slots`` (None: it travelled inline); once the child is gone every
+        span was given back at once."""
+        if slots is not None:
+            with self._lock:
+                if self._arena is not None and self._gone is None:
+                    self._arena.release(slots[0].offset)
 
     def _on_lost(self, exc: Exception | None) -> None:
         code = self._process.exitcode if self._process is not None else None
