@@ -261,7 +261,8 @@ class ExpertServer:
         self.gate = Gate()
         self.health = health.aio.HealthServicer()
         self.servicer = ExpertServicer(metrics=self.metrics, accepting=lambda: self.gate.open, draining=self.gate.draining,
-                                       max_response_bytes=settings.max_message_bytes)
+                                       max_response_bytes=settings.max_message_bytes,
+                                       stream_budget_bytes=settings.stream_budget_bytes)
         self.engine: ExpertEngine | None = None
         self.scheduler: BatchScheduler | None = None
         self.port: int | None = None

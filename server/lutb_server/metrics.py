@@ -25,6 +25,9 @@ lutb_tokens_processed_total              counter   backend, layer               
 lutb_deadline_dropped_total              counter   layer                                 requests dropped unrun: deadline passed in the
                                                                                          queue or at the compute worker
 lutb_queue_depth                         gauge                                           requests waiting in the scheduler
+lutb_stream_held_bytes                   gauge                                           bytes of ForwardStream responses held: read,
+                                                                                         computing, or computed and not yet taken by
+                                                                                         gRPC (bounded by stream_budget_bytes)
 lutb_backend_info                        info      backend, device, compute_capability,  what runs the experts
                                                    dtype, activation, content_hash
 lutb_weight_bytes                        gauge                                           weight bytes held on the device
@@ -187,6 +190,10 @@ class ServerMetrics:
             "lutb_deadline_dropped", "Requests dropped without computing: their deadline passed in the queue or at the compute worker", ["layer"], registry=r
         )
         self.queue_depth = Gauge("lutb_queue_depth", "Requests waiting in the scheduler", registry=r)
+        self.stream_held_bytes = Gauge(
+            "lutb_stream_held_bytes", "Bytes of ForwardStream responses held: from the request's read to gRPC taking the "
+            "response (bounded by stream_budget_bytes; near it, streams pause reading)", registry=r,
+        )
         self.backend_info = Info("lutb_backend", "What runs the experts", registry=r)
         self.weight_bytes = Gauge("lutb_weight_bytes", "Weight bytes the backend holds on its device", registry=r)
         self.expert_load: ExpertLoad | None = ExpertLoad() if expert_metrics else None

@@ -31,6 +31,7 @@ from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_client.codec import WireTensor, encode_tensor, tensor_field_parts, to_proto_dtype
 from lutb_kernels.checkpoint import FORMAT, FORMAT_VERSION
 from lutb_server import __version__
+from lutb_server.byte_budget import ByteBudget
 from lutb_server.engine import FLOAT_DTYPES, ID_DTYPES, ExpertEngine
 from lutb_server.errors import (
     ContentHashMismatch, InvalidArgument, ResponseTooLarge, Unavailable, cancelled_status, status_code_value, to_status,
@@ -43,6 +44,11 @@ log = logging.getLogger(__name__)
 _OUTPUT_MODES = {pb.OUTPUT_MODE_UNSPECIFIED: "combined", pb.COMBINED: "combined", pb.ROUTE_MAJOR: "route_major"}
 STREAM_WINDOW = 256
 """Most requests of one ForwardStream in flight at once (reading pauses beyond it)."""
+DEFAULT_STREAM_BUDGET_BYTES = 512 * 1024 * 1024
+"""``ServerSettings.stream_budget_bytes``'s default: bytes of stream responses a serving process holds at once."""
+STREAM_SHARE = 8
+"""One stream holds at most ``1 / STREAM_SHARE`` of the stream budget (one response alone may exceed it), so that a
+client that stops reading pauses its own stream, not every stream of the serving process."""
 RESPONSE_ENVELOPE_BYTES = 1024
 """Room left in a response message for everything but the output tensor's bytes (ids, status, timing)."""
 
@@ -193,6 +199,10 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             the drain until its client half-closes or the grace runs out.
         max_response_bytes: the largest message the server sends (its ``max_message_bytes``): a
             request whose output would not fit is refused before it is computed.
+        stream_budget_bytes: bytes of ``ForwardStream`` responses held at once over all streams (each stream at most
+            ``1 / STREAM_SHARE`` of it), from a request's read until gRPC takes its response. A stream reads its next
+            request only once its response's bytes fit (:meth:`_held_bytes`), so a client that does not read its
+            responses stops being read, and its requests wait in HTTP/2 flow control instead of memory.
     """
 
     def __init__(
@@ -204,8 +214,11 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         accepting: Callable[[], bool] = lambda: True,
         draining: asyncio.Event | None = None,
         max_response_bytes: int | None = None,
+        stream_budget_bytes: int = DEFAULT_STREAM_BUDGET_BYTES,
     ) -> None:
         self._metrics = metrics
+        self._stream_budget = ByteBudget(stream_budget_bytes,
+                                         on_change=metrics.stream_held_bytes.set if metrics is not None else None)
         self._draining = draining
         self._max_response_bytes = max_response_bytes
         self._counters: dict[tuple[str, grpc.StatusCode], Any] = {}
@@ -257,14 +270,27 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self, request_iterator: AsyncIterator[pb.ForwardRequest | MalformedRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ForwardResponse | SplicedResponse]:
         deadline = _deadline(context)
-        window: asyncio.Queue[asyncio.Task[pb.ForwardResponse | SplicedResponse] | None] = asyncio.Queue()
+        window: asyncio.Queue[tuple[asyncio.Task[pb.ForwardResponse | SplicedResponse], int] | None] = asyncio.Queue()
         slots = asyncio.Semaphore(STREAM_WINDOW)  # requests being computed; reading pauses while none is free
+        shared = self._stream_budget
+        own = ByteBudget(max(1, shared.limit // STREAM_SHARE))  # this stream's share; reading pauses beyond it
+
+        def give_back(held: int) -> None:
+            own.release(held)
+            shared.release(held)
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
                     await slots.acquire()
-                    window.put_nowait(asyncio.ensure_future(self._stream_one(request, deadline)))
+                    held = self._held_bytes(request)
+                    await own.acquire(held)
+                    try:
+                        await shared.acquire(held)
+                    except BaseException:
+                        own.release(held)
+                        raise
+                    window.put_nowait((asyncio.ensure_future(self._stream_one(request, deadline)), held))
             finally:
                 window.put_nowait(None)
 
@@ -272,12 +298,16 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         watch = asyncio.create_task(self._end_on_drain(reader)) if self._draining is not None else None
         try:
             while True:
-                task = await window.get()
-                if task is None:
+                item = await window.get()
+                if item is None:
                     break
-                response = await task
-                slots.release()
-                yield response
+                task, held = item
+                try:
+                    response = await task
+                    slots.release()
+                    yield response  # returns once gRPC has taken the response
+                finally:
+                    give_back(held)
             if reader.cancelled() and self._draining is not None and self._draining.is_set():
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     "server is draining: the stream ends; open the next one to another replica")
@@ -289,13 +319,31 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             while not window.empty():
                 leftover = window.get_nowait()
                 if leftover is not None:
-                    leftover.cancel()
+                    leftover[0].cancel()
+                    give_back(leftover[1])
 
     async def _end_on_drain(self, reader: asyncio.Task[None]) -> None:
         """Stop a stream's reading once the server drains (the requests read so far are still answered)."""
         assert self._draining is not None
         await self._draining.wait()
         reader.cancel()
+
+    def _held_bytes(self, request: pb.ForwardRequest | MalformedRequest) -> int:
+        """What a stream request holds until its response is taken, from its shapes alone (read before it is decoded):
+        its output ``[T, H]`` (route-major ``[T, k, H]``) in the model dtype and the response's envelope, at most the
+        stream budget; a request that is not well formed (it is answered with an error) its envelope only. Its input
+        is about its output's size or less (the same ``[T, H]``; ``k`` times less than route-major), so the budget bounds
+        the requests' bytes too, to about twice."""
+        if isinstance(request, MalformedRequest) or self._engine is None:
+            return RESPONSE_ENVELOPE_BYTES
+        shape = request.topk_ids.shape
+        if len(shape) != 2:
+            return RESPONSE_ENVELOPE_BYTES
+        tokens, k = max(0, shape[0]), max(0, shape[1])
+        config = self._engine.config
+        rows = tokens * k if request.output_mode == pb.ROUTE_MAJOR else tokens
+        output = rows * config.hidden_size * config.torch_dtype.itemsize
+        return min(RESPONSE_ENVELOPE_BYTES + output, self._stream_budget.limit)
 
     async def _stream_one(self, request: pb.ForwardRequest | MalformedRequest,
                           deadline: float | None) -> pb.ForwardResponse | SplicedResponse:
@@ -392,6 +440,7 @@ __all__ = [
     "RESPONSE_ENVELOPE_BYTES",
     "SERVICE",
     "SPLICE_OUTPUT_BYTES",
+    "STREAM_SHARE",
     "STREAM_WINDOW",
     "ExpertServicer",
     "MalformedRequest",

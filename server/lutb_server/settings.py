@@ -76,6 +76,13 @@ class ServerSettings(BaseSettings):
         256 * 1024 * 1024, ge=4 * 1024 * 1024, le=2**31 - 1,  # gRPC's channel arguments are C ints
         description="largest gRPC message received or sent, in bytes (at most 2147483647)",
     )
+    stream_budget_bytes: int = Field(
+        512 * 1024 * 1024, ge=1024 * 1024,
+        description="bytes of ForwardStream responses a serving process holds at once, from a request's read to gRPC "
+        "taking its response (computing, or waiting for a client that does not read); beyond it streams pause reading "
+        "requests, and HTTP/2 flow control holds their clients back. One stream holds at most an eighth of it (one "
+        "response alone may exceed that)",
+    )
     shutdown_grace_s: float = Field(
         20.0, ge=0, description="on SIGTERM/SIGINT, seconds in-flight calls get to finish before they are cancelled"
     )

@@ -204,3 +204,48 @@ def test_a_stream_computes_up_to_its_window_of_requests_at_once(tiny_checkpoint,
                 largest[window] = max(r.timing.batch_tokens for r in responses) // tokens
     assert largest[3] <= 3  # never more than the window in flight
     assert largest[max(largest)] > 3  # and with the default window the requests sent ahead do pool beyond it
+
+
+def _stream_answers(server: ServerThread) -> float:
+    value = server.server.metrics.registry.get_sample_value(  # type: ignore[union-attr]
+        "lutb_forward_requests_total", {"rpc": "ForwardStream", "code": "OK"})
+    return value or 0.0
+
+
+def test_a_stream_whose_client_does_not_read_stops_being_read(tiny_checkpoint) -> None:
+    """With responses unread, a stream holds at most its share of ``stream_budget_bytes``: the server stops reading
+    its requests (they wait in HTTP/2 flow control) instead of computing them all into memory; another stream is
+    served meanwhile; once the client reads, every response arrives, in order, and nothing stays held."""
+    import grpc
+
+    from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
+    from lutb_client.client import build_request
+    from lutb_server.servicer import STREAM_SHARE
+
+    budget = 8 * 1024 * 1024
+    hidden, tokens, k, count = 128, 64, 8, 200
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    ids = torch.randint(0, 8, (tokens, k), dtype=torch.int32)
+    w = torch.full((tokens, k), 0.125)
+    # route-major [64, 8, 128] bf16: 128 KiB a response, 26 MB for the stream; a share (1 MiB) holds 7 of them
+    requests = [build_request(0, x, ids, w, output_mode="route_major", request_id=i + 1) for i in range(count)]
+    with ServerThread(checkpoint=tiny_checkpoint, stream_budget_bytes=budget) as server:
+        servicer = server.server.servicer  # type: ignore[union-attr]
+        with grpc.insecure_channel(server.address) as stalled, grpc.insecure_channel(server.address) as other:
+            unread = pb_grpc.ExpertServiceStub(stalled).ForwardStream(iter(requests), timeout=60)
+            time.sleep(1.0)  # the server reads what its share lets it, gRPC what the transport's windows take
+            answered = _stream_answers(server)
+            held = servicer._stream_budget.held
+            assert 0 < held <= budget // STREAM_SHARE
+            # more than the 7 held went to gRPC's buffers (its flow-control windows: ~4 MB on the sandbox), but nowhere
+            # near all 200 (before the budget: all 200)
+            assert answered < count // 2, answered
+            served = list(pb_grpc.ExpertServiceStub(other).ForwardStream(iter(requests[:20]), timeout=30))
+            assert [r.status.code for r in served] == [0] * 20
+            responses = list(unread)
+        assert [r.request_id for r in responses] == list(range(1, count + 1))
+        assert all(r.status.code == 0 and list(r.output.shape) == [tokens, k, hidden] for r in responses)
+        deadline = time.monotonic() + 5
+        while servicer._stream_budget.held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert servicer._stream_budget.held == 0
