@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
 
 
 class ByteBudget:
@@ -21,16 +20,14 @@ class ByteBudget:
 
     Args:
         limit: the bound, in bytes (>= 1).
-        on_change: called with the bytes held after each change (e.g. a gauge's ``set``).
     """
 
-    def __init__(self, limit: int, on_change: Callable[[int], object] | None = None) -> None:
+    def __init__(self, limit: int) -> None:
         if limit < 1:
             raise ValueError(f"limit: {limit} bytes; must be at least 1")
         self.limit = limit
         self.held = 0
         """Bytes granted and not yet released."""
-        self._on_change = on_change
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
     @property
@@ -46,7 +43,7 @@ class ByteBudget:
         if nbytes < 0:
             raise ValueError(f"nbytes: {nbytes}; must be >= 0")
         if not self._waiters and self._fits(nbytes):
-            self._take(nbytes)
+            self.held += nbytes
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (nbytes, future)
@@ -69,15 +66,10 @@ class ByteBudget:
         if nbytes < 0 or nbytes > self.held:
             raise ValueError(f"release of {nbytes} bytes with {self.held} held")
         self.held -= nbytes
-        self._changed()
         self._grant()
 
     def _fits(self, nbytes: int) -> bool:
         return self.held == 0 or self.held + nbytes <= self.limit
-
-    def _take(self, nbytes: int) -> None:
-        self.held += nbytes
-        self._changed()
 
     def _grant(self) -> None:
         while self._waiters:
@@ -88,12 +80,8 @@ class ByteBudget:
             if not self._fits(nbytes):
                 return
             self._waiters.popleft()
-            self._take(nbytes)
+            self.held += nbytes
             future.set_result(None)
-
-    def _changed(self) -> None:
-        if self._on_change is not None:
-            self._on_change(self.held)
 
 
 __all__ = ["ByteBudget"]

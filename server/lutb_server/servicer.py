@@ -217,8 +217,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         stream_budget_bytes: int = DEFAULT_STREAM_BUDGET_BYTES,
     ) -> None:
         self._metrics = metrics
-        self._stream_budget = ByteBudget(stream_budget_bytes,
-                                         on_change=metrics.stream_held_bytes.set if metrics is not None else None)
+        self._stream_budget = ByteBudget(stream_budget_bytes)
+        if metrics is not None:  # read at each scrape: nothing per request
+            metrics.stream_held_bytes.set_function(lambda: self._stream_budget.held)
         self._draining = draining
         self._max_response_bytes = max_response_bytes
         self._counters: dict[tuple[str, grpc.StatusCode], Any] = {}

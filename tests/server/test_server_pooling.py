@@ -237,6 +237,7 @@ def test_a_stream_whose_client_does_not_read_stops_being_read(tiny_checkpoint) -
             answered = _stream_answers(server)
             held = servicer._stream_budget.held
             assert 0 < held <= budget // STREAM_SHARE
+            assert server.server.metrics.registry.get_sample_value("lutb_stream_held_bytes") == held  # type: ignore[union-attr]
             # more than the 7 held went to gRPC's buffers (its flow-control windows: ~4 MB on the sandbox), but nowhere
             # near all 200 (before the budget: all 200)
             assert answered < count // 2, answered
