@@ -1,10 +1,10 @@
 """A bound on the bytes that one event loop's tasks hold at once, waited for in the order asked.
 
-The servicer holds one for the responses of all ``ForwardStream`` calls of a serving process, and one per stream
-(docs/serving.md, "Memory held by streams"): a stream acquires a request's response bytes before it reads the next
-request, and gives them back once gRPC has taken the response. A client that stops reading its responses therefore
-stops the server reading its requests (HTTP/2 flow control then holds the client back), instead of leaving them to
-pile up in the server's memory.
+The servicer holds one :class:`ByteBudget` for the responses of all ``ForwardStream`` calls of a serving process, and
+gives each stream a :class:`BudgetShare` of it (docs/serving.md, "Memory held by streams"): a stream waits for room
+before it reads its next request, sets that request's response bytes aside, and gives them back once gRPC has taken
+the response. A client that stops reading its responses therefore stops the server reading its requests (HTTP/2
+flow control then holds the client back), instead of leaving them to pile up in the server's memory.
 """
 
 from __future__ import annotations
@@ -61,6 +61,14 @@ class ByteBudget:
                 self._grant()  # an ask at the head that did not fit may have held smaller ones back
             raise
 
+    async def room(self, nbytes: int = 1) -> None:
+        """Return once ``nbytes`` would fit and no earlier ask waits (holding nothing): where a holder waits before it
+        takes on work whose exact size it learns only afterwards."""
+        if not self._waiters and self.held + nbytes <= self.limit:
+            return
+        await self.acquire(nbytes)
+        self.release(nbytes)
+
     def release(self, nbytes: int) -> None:
         """Give back ``nbytes`` acquired earlier, and grant the waiting asks that now fit, in order."""
         if nbytes < 0 or nbytes > self.held:
@@ -84,4 +92,70 @@ class ByteBudget:
             future.set_result(None)
 
 
-__all__ = ["ByteBudget"]
+class BudgetShare:
+    """One holder's part of a shared :class:`ByteBudget`, at most ``limit`` bytes of it at once (a stream's).
+
+    An ask above ``limit`` counts as ``limit``, so that one large ask cannot hold the shared budget's other holders
+    back until nothing is held. :meth:`close` gives back what is still held, once, and from then on :meth:`give_back`
+    does nothing: a holder's clean-up may run late, or twice, without releasing another holder's bytes.
+
+    Args:
+        shared: the budget this is a part of.
+        limit: the most this part holds at once (>= 1).
+    """
+
+    def __init__(self, shared: ByteBudget, limit: int) -> None:
+        self.shared = shared
+        self._own = ByteBudget(limit)
+        self._taken = 0  # bytes of ``shared`` this part holds
+        self.closed = False
+        self._expected = 1  # the last ask: what the next one probably is
+
+    @property
+    def held(self) -> int:
+        """Bytes of the shared budget this part holds."""
+        return self._taken
+
+    async def room(self) -> None:
+        """Return once this part and the shared budget have room for an ask of the last ask's size (1 byte before the
+        first), behind the asks already waiting; holds nothing."""
+        await self._own.room(self._expected)
+        await self.shared.room(self._expected)
+
+    async def take(self, nbytes: int) -> int:
+        """Hold ``nbytes`` (at most ``limit``: see the class) of this part and of the shared budget, waiting for them in
+        that order; returns the bytes held, for :meth:`give_back`. Cancelled, it holds nothing. Raises
+        ``asyncio.CancelledError`` when the part was closed meanwhile."""
+        nbytes = min(max(0, nbytes), self._own.limit)
+        self._expected = max(1, nbytes)
+        await self._own.acquire(nbytes)
+        try:
+            await self.shared.acquire(nbytes)
+        except BaseException:
+            self._own.release(nbytes)
+            raise
+        if self.closed:
+            self.shared.release(nbytes)
+            self._own.release(nbytes)
+            raise asyncio.CancelledError("the budget share was closed")
+        self._taken += nbytes
+        return nbytes
+
+    def give_back(self, nbytes: int) -> None:
+        """Release ``nbytes`` that :meth:`take` returned (nothing once closed)."""
+        if self.closed:
+            return
+        self._taken -= nbytes
+        self._own.release(nbytes)
+        self.shared.release(nbytes)
+
+    def close(self) -> None:
+        """Give back everything still held, and make :meth:`give_back` a no-op (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        taken, self._taken = self._taken, 0
+        self.shared.release(taken)
+
+
+__all__ = ["BudgetShare", "ByteBudget"]

@@ -31,7 +31,7 @@ from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
 from lutb_client.codec import WireTensor, encode_tensor, tensor_field_parts, to_proto_dtype
 from lutb_kernels.checkpoint import FORMAT, FORMAT_VERSION
 from lutb_server import __version__
-from lutb_server.byte_budget import ByteBudget
+from lutb_server.byte_budget import BudgetShare, ByteBudget
 from lutb_server.engine import FLOAT_DTYPES, ID_DTYPES, ExpertEngine
 from lutb_server.errors import (
     ContentHashMismatch, InvalidArgument, ResponseTooLarge, Unavailable, cancelled_status, status_code_value, to_status,
@@ -47,8 +47,8 @@ STREAM_WINDOW = 256
 DEFAULT_STREAM_BUDGET_BYTES = 512 * 1024 * 1024
 """``ServerSettings.stream_budget_bytes``'s default: bytes of stream responses a serving process holds at once."""
 STREAM_SHARE = 8
-"""One stream holds at most ``1 / STREAM_SHARE`` of the stream budget (one response alone may exceed it), so that a
-client that stops reading pauses its own stream, not every stream of the serving process."""
+"""One stream holds at most ``1 / STREAM_SHARE`` of the stream budget (a larger response counts as that much), so that
+a client that stops reading pauses its own stream, not every stream of the serving process."""
 RESPONSE_ENVELOPE_BYTES = 1024
 """Room left in a response message for everything but the output tensor's bytes (ids, status, timing)."""
 
@@ -201,8 +201,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             request whose output would not fit is refused before it is computed.
         stream_budget_bytes: bytes of ``ForwardStream`` responses held at once over all streams (each stream at most
             ``1 / STREAM_SHARE`` of it), from a request's read until gRPC takes its response. A stream reads its next
-            request only once its response's bytes fit (:meth:`_held_bytes`), so a client that does not read its
-            responses stops being read, and its requests wait in HTTP/2 flow control instead of memory.
+            request only when its share and the budget have room for another response of its last one's size, then
+            sets that request's bytes aside (:meth:`_held_bytes`), so a client that does not read its responses stops
+            being read, and its requests wait in HTTP/2 flow control instead of memory.
     """
 
     def __init__(
@@ -273,29 +274,30 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         deadline = _deadline(context)
         window: asyncio.Queue[tuple[asyncio.Task[pb.ForwardResponse | SplicedResponse], int] | None] = asyncio.Queue()
         slots = asyncio.Semaphore(STREAM_WINDOW)  # requests being computed; reading pauses while none is free
-        shared = self._stream_budget
-        own = ByteBudget(max(1, shared.limit // STREAM_SHARE))  # this stream's share; reading pauses beyond it
-
-        def give_back(held: int) -> None:
-            own.release(held)
-            shared.release(held)
+        share = BudgetShare(self._stream_budget, max(1, self._stream_budget.limit // STREAM_SHARE))
 
         async def read() -> None:
+            requests = request_iterator.__aiter__()
             try:
-                async for request in request_iterator:
+                while True:
                     await slots.acquire()
-                    held = self._held_bytes(request)
-                    await own.acquire(held)
+                    await share.room()  # reading pauses while this stream's share or the budget is full
                     try:
-                        await shared.acquire(held)
-                    except BaseException:
-                        own.release(held)
-                        raise
+                        request = await requests.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    held = await share.take(self._held_bytes(request))
                     window.put_nowait((asyncio.ensure_future(self._stream_one(request, deadline)), held))
             finally:
                 window.put_nowait(None)
 
         reader = asyncio.create_task(read())
+
+        def ended(_: object) -> None:  # the call is over, however it ended: whatever the stream still holds goes back
+            reader.cancel()
+            share.close()
+
+        context.add_done_callback(ended)
         watch = asyncio.create_task(self._end_on_drain(reader)) if self._draining is not None else None
         try:
             while True:
@@ -308,7 +310,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                     slots.release()
                     yield response  # returns once gRPC has taken the response
                 finally:
-                    give_back(held)
+                    share.give_back(held)
             if reader.cancelled() and self._draining is not None and self._draining.is_set():
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     "server is draining: the stream ends; open the next one to another replica")
@@ -321,7 +323,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 leftover = window.get_nowait()
                 if leftover is not None:
                     leftover[0].cancel()
-                    give_back(leftover[1])
+                    share.give_back(leftover[1])
 
     async def _end_on_drain(self, reader: asyncio.Task[None]) -> None:
         """Stop a stream's reading once the server drains (the requests read so far are still answered)."""
@@ -331,8 +333,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     def _held_bytes(self, request: pb.ForwardRequest | MalformedRequest) -> int:
         """What a stream request holds until its response is taken, from its shapes alone (read before it is decoded):
-        its output ``[T, H]`` (route-major ``[T, k, H]``) in the model dtype and the response's envelope, at most the
-        stream budget; a request that is not well formed (it is answered with an error) its envelope only. Its input
+        its output ``[T, H]`` (route-major ``[T, k, H]``) in the model dtype and the response's envelope; a request that
+        is not well formed (it is answered with an error) its envelope only. Its input
         is about its output's size or less (the same ``[T, H]``; ``k`` times less than route-major), so the budget bounds
         the requests' bytes too, to about twice."""
         if isinstance(request, MalformedRequest) or self._engine is None:
@@ -344,7 +346,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         config = self._engine.config
         rows = tokens * k if request.output_mode == pb.ROUTE_MAJOR else tokens
         output = rows * config.hidden_size * config.torch_dtype.itemsize
-        return min(RESPONSE_ENVELOPE_BYTES + output, self._stream_budget.limit)
+        return RESPONSE_ENVELOPE_BYTES + output
 
     async def _stream_one(self, request: pb.ForwardRequest | MalformedRequest,
                           deadline: float | None) -> pb.ForwardResponse | SplicedResponse:

@@ -80,8 +80,8 @@ class ServerSettings(BaseSettings):
         512 * 1024 * 1024, ge=1024 * 1024,
         description="bytes of ForwardStream responses a serving process holds at once, from a request's read to gRPC "
         "taking its response (computing, or waiting for a client that does not read); beyond it streams pause reading "
-        "requests, and HTTP/2 flow control holds their clients back. One stream holds at most an eighth of it (one "
-        "response alone may exceed that)",
+        "requests, and HTTP/2 flow control holds their clients back. One stream holds at most an eighth of it (a "
+        "larger response counts as an eighth)",
     )
     shutdown_grace_s: float = Field(
         20.0, ge=0, description="on SIGTERM/SIGINT, seconds in-flight calls get to finish before they are cancelled"

@@ -1,4 +1,5 @@
-"""ByteBudget: grants in the order asked, one oversized ask alone, and cancellation that leaves nothing held."""
+"""ByteBudget and BudgetShare: grants in the order asked, one oversized ask alone, shares that cap an ask, and
+cancellation and closing that leave nothing held."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 
 import pytest
 
-from lutb_server.byte_budget import ByteBudget
+from lutb_server.byte_budget import BudgetShare, ByteBudget
 
 
 async def _settle() -> None:
@@ -121,3 +122,89 @@ def test_bad_values_are_refused(call: str) -> None:
 
     with pytest.raises(ValueError):
         asyncio.run(body())
+
+
+def test_room_waits_for_the_asked_size_behind_waiting_asks_and_holds_nothing() -> None:
+    async def body() -> None:
+        budget = ByteBudget(10)
+        await budget.acquire(7)
+        await budget.room(3)  # fits: returns at once
+        gate = asyncio.ensure_future(budget.room(4))
+        await _settle()
+        assert not gate.done()
+        budget.release(7)
+        await gate
+        assert budget.held == 0
+
+    asyncio.run(body())
+
+
+def test_a_share_counts_a_larger_ask_as_its_limit_so_the_others_go_on() -> None:
+    """One stream's huge response (or a request claiming one) holds its share, not the whole budget."""
+    async def body() -> None:
+        budget = ByteBudget(100)
+        first, second = BudgetShare(budget, 25), BudgetShare(budget, 25)
+        assert await first.take(10**12) == 25
+        assert await second.take(20) == 20
+        assert budget.held == 45 and first.held == 25
+        blocked = asyncio.ensure_future(first.take(1))  # its share is full
+        await _settle()
+        assert not blocked.done()
+        first.give_back(25)
+        assert await blocked == 1
+
+    asyncio.run(body())
+
+
+def test_a_share_waits_for_room_of_its_last_ask_before_reading_on() -> None:
+    async def body() -> None:
+        budget = ByteBudget(100)
+        share = BudgetShare(budget, 50)
+        await share.room()  # nothing asked yet: room for a byte
+        held = await share.take(30)
+        gate = asyncio.ensure_future(share.room())  # 30 + 30 > 50: no room for another such ask
+        await _settle()
+        assert not gate.done()
+        share.give_back(held)
+        await gate
+        assert budget.held == 0
+
+    asyncio.run(body())
+
+
+def test_closing_a_share_gives_everything_back_once() -> None:
+    async def body() -> None:
+        budget = ByteBudget(100)
+        share, other = BudgetShare(budget, 50), BudgetShare(budget, 50)
+        a = await share.take(20)
+        await share.take(10)
+        await other.take(5)
+        waiting = asyncio.ensure_future(share.take(30))  # 30 + 30 > 50: waits on its own share
+        await _settle()
+        share.close()
+        share.close()
+        share.give_back(a)  # a late clean-up: must not release the other share's bytes
+        assert budget.held == 5
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert budget.held == 5 and other.held == 5
+
+    asyncio.run(body())
+
+
+def test_a_take_granted_as_its_share_closes_gives_the_bytes_back() -> None:
+    async def body() -> None:
+        budget = ByteBudget(10)
+        holder = BudgetShare(budget, 10)
+        await holder.take(10)
+        share = BudgetShare(budget, 10)
+        pending = asyncio.ensure_future(share.take(4))  # waits on the shared budget
+        await _settle()
+        holder.give_back(10)  # grants the 4; the take has not resumed yet
+        share.close()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        assert budget.held == 0
+
+    asyncio.run(body())

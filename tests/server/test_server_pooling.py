@@ -6,6 +6,7 @@ import asyncio
 import statistics
 import threading
 import time
+from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
@@ -212,10 +213,24 @@ def _stream_answers(server: ServerThread) -> float:
     return value or 0.0
 
 
-def test_a_stream_whose_client_does_not_read_stops_being_read(tiny_checkpoint) -> None:
+def _counting_reads(servicer: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the stream requests ``servicer`` reads (each is sized by ``_held_bytes`` right after its read)."""
+    reads: list[int] = []
+    sized = servicer._held_bytes
+
+    def counted(request: Any) -> int:
+        reads.append(request.request_id)
+        return sized(request)
+
+    monkeypatch.setattr(servicer, "_held_bytes", counted)
+    return reads
+
+
+def test_a_stream_whose_client_does_not_read_stops_being_read(tiny_checkpoint, monkeypatch) -> None:
     """With responses unread, a stream holds at most its share of ``stream_budget_bytes``: the server stops reading
-    its requests (they wait in HTTP/2 flow control) instead of computing them all into memory; another stream is
-    served meanwhile; once the client reads, every response arrives, in order, and nothing stays held."""
+    its requests (they wait in HTTP/2 flow control) instead of computing them all into memory, and reads none ahead
+    of its bytes; another stream is served meanwhile; once the client reads, every response arrives, in order, and
+    nothing stays held."""
     import grpc
 
     from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
@@ -231,6 +246,7 @@ def test_a_stream_whose_client_does_not_read_stops_being_read(tiny_checkpoint) -
     requests = [build_request(0, x, ids, w, output_mode="route_major", request_id=i + 1) for i in range(count)]
     with ServerThread(checkpoint=tiny_checkpoint, stream_budget_bytes=budget) as server:
         servicer = server.server.servicer  # type: ignore[union-attr]
+        reads = _counting_reads(servicer, monkeypatch)
         with grpc.insecure_channel(server.address) as stalled, grpc.insecure_channel(server.address) as other:
             unread = pb_grpc.ExpertServiceStub(stalled).ForwardStream(iter(requests), timeout=60)
             time.sleep(1.0)  # the server reads what its share lets it, gRPC what the transport's windows take
@@ -241,6 +257,7 @@ def test_a_stream_whose_client_does_not_read_stops_being_read(tiny_checkpoint) -
             # more than the 7 held went to gRPC's buffers (its flow-control windows: ~4 MB on the sandbox), but nowhere
             # near all 200 (before the budget: all 200)
             assert answered < count // 2, answered
+            assert len(reads) == answered  # every request read holds its bytes: none waits for them, read ahead
             served = list(pb_grpc.ExpertServiceStub(other).ForwardStream(iter(requests[:20]), timeout=30))
             assert [r.status.code for r in served] == [0] * 20
             responses = list(unread)
@@ -250,3 +267,58 @@ def test_a_stream_whose_client_does_not_read_stops_being_read(tiny_checkpoint) -
         while servicer._stream_budget.held and time.monotonic() < deadline:
             time.sleep(0.01)
         assert servicer._stream_budget.held == 0
+
+
+def test_a_request_claiming_a_huge_output_does_not_stop_the_other_streams(tiny_checkpoint) -> None:
+    """A request whose shapes claim a huge output (refused once decoded) counts as one stream's share, not the whole
+    budget: with a stream whose client does not read holding its share as well, a third stream is still served."""
+    import grpc
+
+    from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
+    from lutb_client.client import build_request
+
+    hidden, tokens, k = 128, 64, 8
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    ids = torch.randint(0, 8, (tokens, k), dtype=torch.int32)
+    w = torch.full((tokens, k), 0.125)
+    stalling = [build_request(0, x, ids, w, output_mode="route_major", request_id=i + 1) for i in range(100)]
+    claim = build_request(0, x[:1], ids[:1], w[:1], request_id=7)
+    del claim.topk_ids.shape[:]
+    claim.topk_ids.shape.extend([10**9, 8])  # the data holds 8 ids: INVALID_ARGUMENT once decoded
+    small = [build_request(0, x[:2], ids[:2, :2], w[:2, :2], request_id=i + 1) for i in range(3)]
+    with ServerThread(checkpoint=tiny_checkpoint, stream_budget_bytes=8 * 1024 * 1024) as server:
+        with grpc.insecure_channel(server.address) as a, grpc.insecure_channel(server.address) as b, \
+                grpc.insecure_channel(server.address) as c:
+            unread = pb_grpc.ExpertServiceStub(a).ForwardStream(iter(stalling), timeout=60)
+            time.sleep(0.5)
+            claimed = list(pb_grpc.ExpertServiceStub(b).ForwardStream(iter([claim]), timeout=10))
+            assert [r.status.code for r in claimed] == [grpc.StatusCode.INVALID_ARGUMENT.value[0]]
+            served = list(pb_grpc.ExpertServiceStub(c).ForwardStream(iter(small), timeout=10))
+            assert [r.status.code for r in served] == [0, 0, 0]
+            assert len(list(unread)) == 100
+
+
+@pytest.mark.parametrize("end", ["cancel", "deadline"])
+def test_a_stalled_stream_that_ends_gives_its_bytes_back(tiny_checkpoint, end: str) -> None:
+    import grpc
+
+    from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
+    from lutb_client.client import build_request
+
+    hidden, tokens, k = 128, 64, 8
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    ids = torch.randint(0, 8, (tokens, k), dtype=torch.int32)
+    requests = [build_request(0, x, ids, torch.full((tokens, k), 0.125), output_mode="route_major", request_id=i + 1)
+                for i in range(100)]
+    with ServerThread(checkpoint=tiny_checkpoint, stream_budget_bytes=8 * 1024 * 1024) as server:
+        budget = server.server.servicer._stream_budget  # type: ignore[union-attr]
+        with grpc.insecure_channel(server.address) as channel:
+            unread = pb_grpc.ExpertServiceStub(channel).ForwardStream(iter(requests), timeout=2 if end == "deadline" else 60)
+            time.sleep(1.0)
+            assert budget.held > 0
+            if end == "cancel":
+                unread.cancel()
+            deadline = time.monotonic() + 10
+            while budget.held and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert budget.held == 0 and budget.waiting == 0
