@@ -178,6 +178,13 @@ def test_response_splice_bench_smoke() -> None:
     assert len(rows) == 2 and rows[0].endswith("| whole |") and rows[1].endswith("| spliced |"), proc.stdout
 
 
+def test_stream_budget_cost_bench_smoke() -> None:
+    """bench/stream_budget_cost.py: one line per repeat, a positive time per request."""
+    proc = _run_bench("stream_budget_cost.py", ["--requests", "100", "--repeats", "2"], timeout=60)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("room + take + give_back:")]
+    assert len(lines) == 2 and all(float(line.split()[-4]) > 0 for line in lines), proc.stdout
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_metrics_scrape_bench_smoke() -> None:
     """bench/metrics_scrape.py: one row, the merged answer holding every front end's lines (2 front ends, 2 layers
