@@ -367,8 +367,16 @@ class ExpertClient(_Connections):
             raise _closed_error()
         try:
             fronts = spread(self._channels, self._open_channel, timeout=self.timeout if timeout is None else timeout)
-        except grpc.RpcError as err:
+        except (grpc.RpcError, ValueError) as err:  # ValueError: grpc's "Channel closed!" (close() in another thread)
+            if self._closed:
+                raise _closed_error() from None
+            if isinstance(err, ValueError):
+                raise
             raise ExpertServiceError.from_rpc_error(err) from None
+        if self._closed:  # close() ran meanwhile: the connections spread swapped in are closed too
+            for channel in self._channels:
+                channel.close()
+            raise _closed_error()
         self._take_stubs()
         return fronts
 
@@ -446,7 +454,13 @@ class ExpertClient(_Connections):
         Raises:
             ExpertServiceError: INVALID_ARGUMENT: a ``timeout`` neither None nor a positive finite number of seconds.
         """
-        return ForwardStream(self._stub, timeout=_call_timeout(timeout), max_in_flight=max_in_flight, ids=self._ids, hidden=self._hidden)
+        timeout = _call_timeout(timeout)
+        try:
+            return ForwardStream(self._stub, timeout=timeout, max_in_flight=max_in_flight, ids=self._ids, hidden=self._hidden)
+        except ValueError:  # grpc's "Channel closed!": close() in another thread between the check and the call
+            if self._closed:
+                raise _closed_error() from None
+            raise
 
 
 _CLOSE = object()
@@ -668,8 +682,16 @@ class AsyncExpertClient(_Connections):
             raise _closed_error()
         try:
             fronts = await spread_async(self._channels, self._open_channel, timeout=self.timeout if timeout is None else timeout)
-        except grpc.RpcError as err:
+        except (grpc.RpcError, grpc.aio.UsageError) as err:  # UsageError: "Channel is closed" (close() meanwhile)
+            if self._closed:
+                raise _closed_error() from None
+            if isinstance(err, grpc.aio.UsageError):
+                raise
             raise ExpertServiceError.from_rpc_error(err) from None
+        if self._closed:  # close() ran meanwhile: the connections spread swapped in are closed too
+            for channel in self._channels:
+                await channel.close()
+            raise _closed_error()
         self._take_stubs()
         return fronts
 
@@ -729,7 +751,13 @@ class AsyncExpertClient(_Connections):
     def stream(self, *, timeout: float | None = None, max_in_flight: int = 64) -> AsyncForwardStream:
         """Open an :class:`AsyncForwardStream` (``async with client.stream() as s: await s.forward(...)``); ``timeout``
         as for :meth:`ExpertClient.stream`."""
-        return AsyncForwardStream(self._stub, timeout=_call_timeout(timeout), max_in_flight=max_in_flight, ids=self._ids, hidden=self._hidden)
+        timeout = _call_timeout(timeout)
+        try:
+            return AsyncForwardStream(self._stub, timeout=timeout, max_in_flight=max_in_flight, ids=self._ids, hidden=self._hidden)
+        except grpc.aio.UsageError:  # "Channel is closed": close() in another task or thread between the check and the call
+            if self._closed:
+                raise _closed_error() from None
+            raise
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

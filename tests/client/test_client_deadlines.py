@@ -324,3 +324,54 @@ def test_mxfp8_wire_learns_its_scale_mode_before_it_reports_ready() -> None:
     order.clear()
     wire.learn(pb.ModelInfo(dtype=pb.BFLOAT16, mxfp8_scale_mode="floor"))
     assert order.index("scale_mode") < order.index("dtype") and wire.ready and wire.scale_mode == "floor"
+
+
+def test_a_stream_opened_as_another_thread_closes_the_client_fails_as_closed(server: ServerThread,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``close()`` in another thread between ``stream()``'s closed check and grpc's call: grpc raised its raw
+    ``ValueError`` ("Channel closed!") instead of the client's FAILED_PRECONDITION. The check is made to pass here,
+    as the other thread's timing would have it."""
+    import lutb_client.client as client_module
+
+    client = ExpertClient(server.address)
+    client.close()
+    monkeypatch.setattr(client_module._Connections, "_stub", property(lambda self: next(self._stubs)))
+    with pytest.raises(ExpertServiceError) as caught:
+        client.stream()
+    assert caught.value.code.name == "FAILED_PRECONDITION"
+
+
+@pytest.mark.parametrize("aio", [False, True], ids=["sync", "async"])
+def test_spreading_connections_as_the_client_closes_fails_as_closed(server: ServerThread, aio: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``close()`` while ``spread_connections()`` probes the front ends: its probes met closed channels, and grpc's
+    raw error (``ValueError``, or ``UsageError`` from grpc.aio) reached the caller."""
+    import lutb_client.client as client_module
+
+    if aio:
+        real_async = client_module.spread_async
+        opened: list[AsyncExpertClient] = []
+
+        async def closing_first_async(channels: Any, *args: Any, **kwargs: Any) -> Any:
+            await opened[0].close()
+            return await real_async(channels, *args, **kwargs)
+
+        async def spread_one() -> None:
+            opened.append(AsyncExpertClient(server.address))  # its channels belong to this event loop
+            await opened[0].spread_connections()
+
+        monkeypatch.setattr(client_module, "spread_async", closing_first_async)
+        with pytest.raises(ExpertServiceError) as caught:
+            asyncio.run(spread_one())
+    else:
+        real = client_module.spread
+
+        def closing_first(channels: Any, *args: Any, **kwargs: Any) -> Any:
+            client.close()
+            return real(channels, *args, **kwargs)
+
+        monkeypatch.setattr(client_module, "spread", closing_first)
+        client = ExpertClient(server.address)
+        with pytest.raises(ExpertServiceError) as caught:
+            client.spread_connections()
+    assert caught.value.code.name == "FAILED_PRECONDITION"
