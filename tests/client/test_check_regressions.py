@@ -208,6 +208,54 @@ def test_an_output_in_another_dtype_fails(server: ServerThread, client_checkpoin
         run_check(NodeSide(server.address), _Float32Answers(twin.address), suites=["normal"], **SMALL)
 
 
+# 5b. rows of very different magnitudes -------------------------------------------------------------------------
+
+
+class _WrongSmallRows(NodeSide):
+    """Right on the large rows, wrong on the others: ``huge`` doubles the output of each batch's token of the smallest
+    input (100% off); ``tiny`` answers the tokens whose input is tiny throughout (the judge's output there is exactly
+    zero) with small noise."""
+
+    def __init__(self, address: str, mode: str) -> None:
+        super().__init__(address)
+        self.mode = mode
+
+    def forward(self, batch):
+        out = super().forward(batch)
+        amax = batch.hidden_states.float().abs().amax(-1)
+        bad = amax < 1e-30 if self.mode == "tiny" else amax == amax.min()
+        if not bool(bad.any()):
+            return out
+        out = out.clone()
+        if self.mode == "tiny":
+            out[bad] = (1e-3 * torch.randn_like(out[bad].float())).to(out.dtype)
+        else:
+            out[bad] = (out[bad].float() * 2).to(out.dtype)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["huge", "tiny"])
+def test_rows_wrong_beside_much_larger_rows_fail(server: ServerThread, client_checkpoint: Path, mode: str) -> None:
+    """The pooled rel L2 of a magnitudes part is its largest rows' alone: a node wrong on every smaller row passed
+    (3.5e-6 pooled with two tokens doubled; 1.3e-3 with noise where the judge's output is exactly zero)."""
+    report = run_check(_WrongSmallRows(server.address, mode), ReferenceSide(client_checkpoint, device="cpu"),
+                       suites=["magnitudes"], tokens=64, topk=4, progress=False)
+    part = f"magnitudes/{mode}"
+    rows = [r for r in report.layer_rows if r.suite == part]
+    assert rows and not any(r.ok for r in rows) and not report.ok
+    reason = "an output row's rel L2" if mode == "huge" else "not zero where the judge's is exactly zero"
+    assert all(any(reason in why for why in r.reasons) for r in rows), [r.reasons for r in rows]
+    other = "magnitudes/tiny" if mode == "huge" else "magnitudes/huge"
+    assert all(r.ok for r in report.layer_rows if r.suite == other)
+
+
+def test_a_right_node_passes_the_row_by_row_judging(server: ServerThread, client_checkpoint: Path) -> None:
+    report = run_check(NodeSide(server.address), ReferenceSide(client_checkpoint, device="cpu"),
+                       suites=["magnitudes", "heavy_tailed"], tokens=64, topk=4, progress=False)
+    assert report.ok, report.format_text()
+    assert all(r.stats.worst_row <= r.limit for r in report.layer_rows) and report.layer_rows
+
+
 # 6. worst first ---------------------------------------------------------------------------------------------------
 
 

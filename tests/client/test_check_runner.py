@@ -28,7 +28,7 @@ MODEL_INFO_KEYS = {"format", "format_version", "hidden_size", "intermediate_size
 SUMMARY_KEYS = {"batches", "layer_rows", "expert_rows", "failing_layer_rows", "failing_expert_rows", "failing_layers",
                 "failing_experts", "worst_rel_l2", "errors"}
 STAT_KEYS = {"suite", "layer", "rel_l2", "max_abs", "cosine", "exact_share", "elements", "nan", "inf",
-             "nonfinite_mismatch", "judged", "limit", "ok", "reasons", "errors"}
+             "nonfinite_mismatch", "worst_row_rel_l2", "zero_rows_wrong", "judged", "limit", "ok", "reasons", "errors"}
 
 
 def validate_report(data: dict) -> None:

@@ -6,6 +6,12 @@ the largest absolute error, the share of elements that match bit for bit, and
 NaN/Inf counts on both sides. Elements that are not finite on either side are
 left out of the sums and counted instead; an element whose class (finite, NaN,
 +Inf, -Inf) differs between the sides is a ``nonfinite_mismatch``.
+
+Two per-row figures (a row: one token, or one route of a route-major output) serve inputs whose rows differ in
+magnitude by orders, where the pooled error is the largest rows' alone: ``worst_row``, the largest relative L2
+error of a row whose reference reaches :data:`ROW_FLOOR_BINADES` binades above the dtype's smallest normal (below
+that, a row's output is subnormal and holds too few bits for a relative error to mean anything), and
+``zero_rows_wrong``, rows whose reference is exactly zero and the target's is not.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import torch
 
 MAX_SAMPLES = 4096
 """Per-row relative errors kept per statistic (for the plot)."""
+ROW_FLOOR_BINADES = 10
+"""A row counts in ``worst_row`` when its reference's largest magnitude is at least ``2**ROW_FLOOR_BINADES`` times the
+smallest normal of the reference's dtype."""
 
 
 @dataclass
@@ -36,12 +45,15 @@ class ErrorStats:
     nan_ref: int = 0
     inf_ref: int = 0
     nonfinite_mismatch: int = 0
+    worst_row: float = 0.0
+    zero_rows_wrong: int = 0
     samples: list[float] = field(default_factory=list)
 
     def add(self, got: torch.Tensor, ref: torch.Tensor) -> None:
         """Pool ``got`` and ``ref`` (same shape ``[rows, H]``, any float dtype) into the statistics."""
         if got.shape != ref.shape:
             raise ValueError(f"shapes differ: {tuple(got.shape)} vs {tuple(ref.shape)}")
+        tiny = torch.finfo(ref.dtype).tiny if ref.dtype.is_floating_point else 0.0
         g = got.detach().to("cpu", torch.float64).reshape(-1, got.shape[-1] if got.dim() else 1)
         r = ref.detach().to("cpu", torch.float64).reshape(g.shape)
         self.rows += g.shape[0]
@@ -65,13 +77,17 @@ class ErrorStats:
         self.sum_sq_got += float(gz.pow(2).sum())
         self.dot += float((gz * rz).sum())
         self.max_abs = max(self.max_abs, float(diff.abs().max()))
+        row_diff = diff.pow(2).sum(-1).sqrt()
+        row_ref = rz.pow(2).sum(-1).sqrt()
+        row_rel = torch.where(row_ref > 0, row_diff / row_ref.clamp_min(1e-300),
+                              torch.where(row_diff > 0, torch.full_like(row_diff, math.inf), torch.zeros_like(row_diff)))
+        judged = rz.abs().amax(-1) >= tiny * 2.0**ROW_FLOOR_BINADES
+        if bool(judged.any()):
+            self.worst_row = max(self.worst_row, float(row_rel[judged].max()))
+        self.zero_rows_wrong += int(((r == 0).all(-1) & (g != 0).any(-1)).sum())
         room = MAX_SAMPLES - len(self.samples)
         if room > 0:
-            row_diff = diff[:room].pow(2).sum(-1).sqrt()
-            row_ref = rz[:room].pow(2).sum(-1).sqrt()
-            row_rel = torch.where(row_ref > 0, row_diff / row_ref.clamp_min(1e-300),
-                                  torch.where(row_diff > 0, torch.full_like(row_diff, math.inf), torch.zeros_like(row_diff)))
-            self.samples.extend(float(v) for v in row_rel)
+            self.samples.extend(float(v) for v in row_rel[:room])
 
     def merge(self, other: ErrorStats) -> None:
         """Pool another statistic into this one."""
@@ -79,6 +95,8 @@ class ErrorStats:
                      "nan_ref", "inf_ref", "nonfinite_mismatch"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.max_abs = max(self.max_abs, other.max_abs)
+        self.worst_row = max(self.worst_row, other.worst_row)
+        self.zero_rows_wrong += other.zero_rows_wrong
         self.samples.extend(other.samples[: max(0, MAX_SAMPLES - len(self.samples))])
 
     @property
@@ -111,6 +129,8 @@ class ErrorStats:
             "nan": {"target": self.nan_got, "against": self.nan_ref},
             "inf": {"target": self.inf_got, "against": self.inf_ref},
             "nonfinite_mismatch": self.nonfinite_mismatch,
+            "worst_row_rel_l2": _json_float(self.worst_row),
+            "zero_rows_wrong": self.zero_rows_wrong,
         }
 
 
@@ -133,4 +153,4 @@ def route_rows_by_expert(
     return {int(e): (g[ids == e], r[ids == e]) for e in torch.unique(ids).tolist()}
 
 
-__all__ = ["MAX_SAMPLES", "ErrorStats", "route_rows_by_expert"]
+__all__ = ["MAX_SAMPLES", "ROW_FLOOR_BINADES", "ErrorStats", "route_rows_by_expert"]

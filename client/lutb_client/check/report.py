@@ -14,7 +14,13 @@ Judging (spec section 6; see docs/checking.md):
   requests of 2 to 63 tokens) hold at least 64 tokens each, so their own rows are
   judged strictly, undiluted by the large batches of the pooled row;
 - every row fails on any NaN/Inf the judge does not have (or the reverse), on a
-  shape mismatch, and on a request that failed on either side.
+  shape mismatch, on a request that failed on either side, and on an output row
+  (a token, or a route of a route-major output) that is not zero where the judge's
+  is exactly zero;
+- in the parts whose rows differ in magnitude by orders (``ROW_JUDGED_PARTS``:
+  heavy-tailed, tiny and huge inputs), where the pooled error is the largest rows'
+  alone, every row whose reference is well above the subnormal range must also be
+  within ``GROSS_FACTOR`` x the tolerance on its own (``ErrorStats.worst_row``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from lutb_client.check.compare import ErrorStats
+from lutb_client.check.suites import ROW_JUDGED_PARTS
 
 SCHEMA = "lutb-check-report/1"
 TOLERANCE = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 2e-3}
@@ -65,9 +72,14 @@ class Row:
             reasons.append(f"{self.stats.nonfinite_mismatch} NaN/Inf element(s) not matching the judge's")
         if self.stats.nan_ref or self.stats.inf_ref:  # spec section 6: no NaN; matching ones would prove nothing
             reasons.append(f"the judge's output holds {self.stats.nan_ref + self.stats.inf_ref} NaN/Inf element(s)")
+        if self.stats.zero_rows_wrong:
+            reasons.append(f"{self.stats.zero_rows_wrong} output row(s) not zero where the judge's is exactly zero")
         rel = self.stats.rel_l2
         if not rel <= self.limit:
             reasons.append(f"rel L2 {rel:.3e} > {self.limit:g} ({self.judged})")
+        row_limit = tolerance * GROSS_FACTOR
+        if self.suite in ROW_JUDGED_PARTS and not self.stats.worst_row <= row_limit:
+            reasons.append(f"an output row's rel L2 {self.stats.worst_row:.3e} > {row_limit:g} (each row)")
         self.reasons = reasons
         self.ok = not reasons
 

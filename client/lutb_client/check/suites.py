@@ -96,6 +96,9 @@ SUITES: dict[str, tuple[Part, ...]] = {
     "weights_on_input": (Part("weights_on_input", "normal", "random", "combined", "standard", weights_on_input=True),),
     "route_major": (Part("route_major", "normal", "random", "route_major", "standard"),),
 }
+ROW_JUDGED_PARTS = frozenset(part.name for parts in SUITES.values() for part in parts if part.inputs != "normal")
+"""Parts whose rows differ in magnitude by orders (heavy tails, tiny and huge blocks): the pooled error is their
+largest rows' alone, so each row is judged as well (``lutb_client.check.report``)."""
 """Every suite by name, in report order."""
 
 
