@@ -21,6 +21,8 @@ import os
 import re
 import secrets
 import shutil
+import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -43,6 +45,8 @@ _TENSOR_NAME = re.compile(r"layers\.(0|[1-9][0-9]*)\.(w13|w2|expert_ids)", re.AS
 """A tensor name the format defines (whole name, ``fullmatch``): the layer index spelled as ``str(int)`` would, so
 ``layers.00.w13`` or a non-ASCII digit is an unknown tensor, never a second spelling of a layer's tensor."""
 _INT_FIELDS = ("hidden_size", "intermediate_size", "num_experts")
+MAX_LAYER = 2**31 - 1
+"""The largest layer index: requests and ``ModelInfo`` carry layers as int32."""
 
 
 @dataclass(frozen=True)
@@ -137,8 +141,9 @@ def check_layer(config: CheckpointConfig, layer: int, weights: LayerWeights, *, 
         tiles: also run every per-tile rule of spec section 1 (reads all tile bytes).
     """
     prefix = f"{where}: " if where else ""
-    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-        raise LutBFormatError(f"{prefix}layer index must be an integer >= 0, got {layer!r}")  # (the reader's names need it)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= MAX_LAYER:
+        # (the reader's names need >= 0; requests and ModelInfo carry the index as int32)
+        raise LutBFormatError(f"{prefix}layer index must be an integer in [0, {MAX_LAYER}], got {layer!r}")
     ids = weights.expert_ids
     name = f"{prefix}layers.{layer}.expert_ids"
     _check_ids_tensor(ids, name)
@@ -243,19 +248,29 @@ class StagedDirectory:
                  sources: Iterable[str | Path] = ()) -> None:
         self.path = Path(path)
         self._target = self.path.resolve()
-        _check_replaceable(self.path, self._target, owns, what, overwrite=overwrite, sources=sources)
+        self._rules = (owns, what, overwrite, tuple(sources))
+        self._check()
         parent = self._target.parent
         parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_staging(parent, self._target.name)
         self.staging = parent / f".{self._target.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
         self.staging.mkdir()
-        if self._target.is_dir():
-            shutil.copymode(self._target, self.staging)
         self.done = False
 
+    def _check(self) -> None:
+        owns, what, overwrite, sources = self._rules
+        _check_replaceable(self.path, self._target, owns, what, overwrite=overwrite, sources=sources)
+
     def commit(self) -> None:
-        """Make :attr:`staging` the directory ``path`` (durably), replacing what ``path`` held."""
+        """Make :attr:`staging` the directory ``path`` (durably), replacing what ``path`` held.
+
+        The constructor's checks run again first: what ``path`` holds may have changed while the output was written
+        (another writer's output, without ``overwrite``, is refused then: FileExistsError). The new directory takes
+        the old one's permissions (not before: a read-only old directory would have made the staging unwritable)."""
         self._close()
+        self._check()
+        if self._target.is_dir():
+            shutil.copymode(self._target, self.staging)
         _fsync_tree(self.staging)
         old = self._set_aside()
         try:
@@ -266,7 +281,7 @@ class StagedDirectory:
             raise
         _fsync(self._target.parent)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_old(old)
 
     def discard(self) -> None:
         """Remove :attr:`staging`; ``path`` keeps what it held."""
@@ -287,13 +302,33 @@ class StagedDirectory:
         return old
 
 
+def _remove_old(old: Path) -> None:
+    """Remove the directory a commit set aside (made writable by its owner first: a read-only checkpoint directory's
+    files could not be unlinked); one that cannot be removed is named in a warning, not left silently."""
+    try:
+        old.chmod(old.stat().st_mode | 0o700)
+    except OSError:
+        pass
+    failed: list[str] = []
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(old, onexc=lambda _fn, p, exc: failed.append(f"{p}: {exc}"))
+    else:
+        shutil.rmtree(old, onerror=lambda _fn, p, info: failed.append(f"{p}: {info[1]}"))
+    if failed:
+        warnings.warn(f"the replaced output {old} could not be removed ({failed[0]}); delete it by hand", stacklevel=3)
+
+
 def _check_replaceable(path: Path, target: Path, owns: Callable[[Path], bool], what: str, *, overwrite: bool,
                        sources: Iterable[str | Path]) -> None:
-    """The checks of :class:`StagedDirectory`'s constructor; errors name ``path`` as given."""
+    """The checks of :class:`StagedDirectory`; errors name ``path`` as given."""
     if not os.path.lexists(target):
         return
     if not target.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory")
+    cwd = Path.cwd().resolve()
+    if cwd.is_relative_to(target):
+        raise FileExistsError(f"{path} is the working directory or holds it, and the output replaces the whole "
+                              f"directory: write to another one, or run from elsewhere")
     inputs = sorted(Path(f).name for f in sources if Path(f).resolve().is_relative_to(target))
     if inputs:
         raise FileExistsError(f"{path} holds the files being converted ({', '.join(inputs)}); write to another directory")
@@ -470,10 +505,15 @@ class Checkpoint:
         assert config is not None
         self.config = config
         layers = sorted({int(_TENSOR_NAME.fullmatch(n).group(1)) for n in self._where})  # type: ignore[union-attr]
+        if not layers:
+            raise LutBFormatError(f"{self.path}: holds no layers (no layers.<L>.w13, .w2, .expert_ids tensors)")
         for layer in layers:
             for part in ("w13", "w2", "expert_ids"):
                 if f"layers.{layer}.{part}" not in self._where:
                     raise LutBFormatError(f"{self.path}: layer {layer} lacks tensor layers.{layer}.{part}")
+        if layers[-1] > MAX_LAYER:
+            raise LutBFormatError(f"{self._where[f'layers.{layers[-1]}.w13'].name}: layer index {layers[-1]} is above "
+                                  f"{MAX_LAYER} (requests carry layers as int32)")
         self.layers: list[int] = layers
         self._hash: str | None = None
 

@@ -214,6 +214,8 @@ def write_shards(
         FileExistsError: ``out_dir`` cannot be replaced (see above).
     """
     out = Path(out_dir)
+    if not plan:
+        raise ValueError("the placement holds no layers: nothing to shard")
     shards = len(next(iter(plan.values())))
     staged = StagedDirectory(out, owns=_is_shard_output, what="shard checkpoints", overwrite=overwrite,
                              sources=checkpoint.files)

@@ -190,10 +190,79 @@ def test_a_tile_tensor_of_one_dimension_is_refused(ckpt_dir: Path) -> None:
         Checkpoint(ckpt_dir).layer(0)
 
 
-def test_writer_refuses_a_negative_layer_index(tmp_path: Path) -> None:
-    """``layers.-1.*`` was written, and then refused by the reader as an unexpected tensor name."""
-    with pytest.raises(LutBFormatError, match="layer index must be an integer >= 0"):
-        write_checkpoint(tmp_path / "neg", CONFIG, {-1: _layer([0], 1)})
+@pytest.mark.parametrize("layer", [-1, 2**31])
+def test_writer_refuses_a_layer_index_outside_int32(tmp_path: Path, layer: int) -> None:
+    """``layers.-1.*`` was written, and then refused by the reader as an unexpected tensor name; ``layers.2147483648.*``
+    was written and read, and the server failed only after loading it all (ModelInfo's layer is int32)."""
+    with pytest.raises(LutBFormatError, match=r"layer index must be an integer in \[0, 2147483647\]"):
+        write_checkpoint(tmp_path / "out", CONFIG, {layer: _layer([0], 1)})
+
+
+def test_a_checkpoint_of_a_layer_index_above_int32_is_refused_on_open(tmp_path: Path) -> None:
+    good = tmp_path / "good"
+    write_checkpoint(good, CONFIG, {0: _layer([0], 1)})
+    (file,) = good.glob("*.safetensors")
+    with safe_open(file, "pt") as f:
+        tensors = {name.replace("layers.0.", f"layers.{2**31}."): f.get_tensor(name) for name in f.keys()}
+        metadata = f.metadata()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file(tensors, bad / file.name, metadata=metadata)
+    with pytest.raises(LutBFormatError, match=f"{file.name}: layer index {2**31} is above 2147483647"):
+        Checkpoint(bad)
+
+
+def test_a_checkpoint_of_no_layers_is_refused_on_open(tmp_path: Path) -> None:
+    """A file of metadata alone opened as a valid checkpoint of no layers, which a server then served (holding
+    nothing) and ``lutb shard`` crashed on (StopIteration)."""
+    good = tmp_path / "good"
+    write_checkpoint(good, CONFIG, {0: _layer([0], 1)})
+    (file,) = good.glob("*.safetensors")
+    with safe_open(file, "pt") as f:
+        metadata = f.metadata()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    save_file({}, empty / file.name, metadata=metadata)
+    with pytest.raises(LutBFormatError, match="holds no layers"):
+        Checkpoint(empty)
+
+
+def test_an_output_another_writer_finished_meanwhile_is_not_replaced(tmp_path: Path) -> None:
+    """Two writers of one new directory without ``overwrite``: the checks ran only when each started, so the one that
+    finished second replaced the first one's checkpoint (and would have removed any file put there meanwhile)."""
+    out = tmp_path / "out"
+    first = CheckpointWriter(out, CONFIG)
+    second = CheckpointWriter(out, CONFIG)
+    first.write_layer(0, _layer([0], 1))
+    second.write_layer(0, _layer([1], 2))
+    first.finish()
+    with pytest.raises(FileExistsError, match="already holds"):
+        second.finish()
+    second.discard()
+    assert Checkpoint(out).expert_ids(0).tolist() == [0]  # the first writer's
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # the second's staging is gone
+
+
+def test_an_overwrite_of_the_working_directory_is_refused(ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--out .`` replaced the directory the shell stood in: it then stood in a deleted one."""
+    monkeypatch.chdir(ckpt_dir)
+    with pytest.raises(FileExistsError, match="is the working directory or holds it"):
+        write_checkpoint(Path("."), CONFIG, {0: _layer([0], 1)}, overwrite=True)
+
+
+def test_a_read_only_checkpoint_is_overwritten_and_removed(ckpt_dir: Path) -> None:
+    """The staging took the old directory's mode when made, so a read-only checkpoint made it unwritable and the first
+    layer failed with a path inside a hidden directory (for a user whom permissions bind: root, as CI runs, wrote it
+    anyway); the old directory's files then could not be removed either. The mode kept and the removal are checked
+    for every user."""
+    ckpt_dir.chmod(0o555)
+    try:
+        write_checkpoint(ckpt_dir, CONFIG, {0: _layer([2], 3)}, overwrite=True)
+        assert Checkpoint(ckpt_dir).expert_ids(0).tolist() == [2]
+        assert ckpt_dir.stat().st_mode & 0o777 == 0o555  # the old directory's mode, kept
+        assert not [p for p in ckpt_dir.parent.iterdir() if p.name.startswith(f".{ckpt_dir.name}.")]
+    finally:
+        ckpt_dir.chmod(0o755)
 
 
 def _siblings(path: Path) -> list[str]:

@@ -36,6 +36,14 @@ def test_placements_refuse_impossible_splits() -> None:
         balanced_placement({0: 1.0, 1: 2.0}, 1, replicas=1)
 
 
+def test_an_empty_placement_is_refused(tmp_path: Path) -> None:
+    """A placement of no layers (as from a checkpoint of none) crashed with a bare StopIteration."""
+    make_synthetic_checkpoint(tmp_path / "src", layers=1, experts=4, hidden=128, intermediate=128)
+    with pytest.raises(ValueError, match="holds no layers"):
+        write_shards(Checkpoint(tmp_path / "src"), tmp_path / "out", {})
+    assert not (tmp_path / "out").exists()
+
+
 def test_balanced_placement_spreads_hot_experts() -> None:
     gen = torch.Generator().manual_seed(0)
     load = {e: float(v) for e, v in enumerate((torch.rand(32, generator=gen) ** 4 * 1000).tolist())}
