@@ -23,7 +23,7 @@ import secrets
 import shutil
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -486,6 +486,7 @@ class Checkpoint:
         self.files = sorted(self.path.glob("*.safetensors"))
         if not self.files:
             raise LutBFormatError(f"{self.path}: holds no .safetensors files")
+        self._identity = {file: _file_identity(file) for file in self.files}
         self._where: dict[str, Path] = {}
         config: CheckpointConfig | None = None
         for file in self.files:
@@ -517,8 +518,30 @@ class Checkpoint:
         self.layers: list[int] = layers
         self._hash: str | None = None
 
+    @property
+    def identity(self) -> tuple[tuple[str, int, int, int, int], ...]:
+        """Which files were opened: per file (name, device, inode, size, mtime in ns), as when this object was made.
+        Another process that opens the same path compares it (:meth:`expect_identity`) to be sure it reads the same
+        files: an overwrite swaps in new ones."""
+        return tuple((file.name, *ident) for file, ident in self._identity.items())
+
+    def expect_identity(self, identity: Sequence[Sequence[object]], whose: str) -> None:
+        """Raise :class:`LutBFormatError` unless this checkpoint's :attr:`identity` is ``identity`` (``whose``: that
+        identity's holder, for the message)."""
+        if self.identity != tuple(tuple(part) for part in identity):
+            raise LutBFormatError(f"{self.path}: its files changed since {whose} opened them (replaced or rewritten); "
+                                  "start the server again to serve what the path holds now")
+
     def _tensor(self, name: str) -> torch.Tensor:
-        with open_safetensors(self._where[name]) as f:
+        file = self._where[name]
+        try:
+            changed = _file_identity(file) != self._identity[file]
+        except OSError:
+            changed = True
+        if changed:  # an overwrite swapped the directory: reading on would mix two checkpoints
+            raise LutBFormatError(f"{file}: changed since the checkpoint was opened (replaced or rewritten); open it "
+                                  "again to read what it holds now")
+        with open_safetensors(file) as f:
             return f.get_tensor(name)
 
     def layer(self, layer: int, *, check: bool = True, tiles: bool = False) -> LayerWeights:
@@ -604,6 +627,12 @@ class Checkpoint:
                         bar.update(tensor.nbytes)
             self._hash = f"sha256:{digest.hexdigest()}"
         return self._hash
+
+
+def _file_identity(file: Path) -> tuple[int, int, int, int]:
+    """(device, inode, size, mtime in ns) of ``file``: what tells a file replaced or rewritten from the one opened."""
+    st = os.stat(file)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _data_bytes(file: Path) -> int:

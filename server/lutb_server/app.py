@@ -247,13 +247,17 @@ class ExpertServer:
             set), as front end 0 computed it from that path before spawning this front end with it; it is not
             computed again. Front end 0 hashes the checkpoint once per server start and hands the hash to the
             compute process and the other front ends. None: hashed here.
+        checkpoint_identity: with ``content_hash``: ``Checkpoint.identity`` of the files front end 0 hashed; the
+            checkpoint opened here must be those files (not a copy swapped in by an overwrite meanwhile).
         instance_id: front end 0's :attr:`instance_id`, handed to front ends k > 0. None: drawn here.
     """
 
     def __init__(self, settings: ServerSettings, *, engine_loader: Callable[[], ExpertEngine] | None = None,
                  compute_connection: socket.socket | None = None, front_end: tuple[int, int] | None = None,
-                 content_hash: str | None = None, instance_id: str | None = None) -> None:
+                 content_hash: str | None = None, instance_id: str | None = None,
+                 checkpoint_identity: tuple | None = None) -> None:
         self.settings = settings
+        self._checkpoint_identity = checkpoint_identity
         self.instance_id = instance_id or uuid.uuid4().hex[:16]
         """This server's random id (``ModelInfo.instance_id``): the same from every front end, new at each start."""
         self.front_end = front_end if front_end is not None else (0, settings.front_ends)
@@ -305,6 +309,8 @@ class ExpertServer:
                              "(compute_connection) that serves that path")
         if loader is None:
             plan = await asyncio.to_thread(plan_engine, s)
+            if self._checkpoint_identity is not None:
+                plan.checkpoint.expect_identity(self._checkpoint_identity, "front end 0")
             log.info("backend %s on %s: %s", plan.backend.name, plan.backend.device, plan.backend.reason)
             loader = functools.partial(load_engine, plan, s, self._content_hash)
         elif s.compute_worker == "process":
@@ -376,13 +382,14 @@ class ExpertServer:
                 assert plan is not None  # an engine_loader was refused above
                 loop = asyncio.get_running_loop()
                 # the engine hashed plan.checkpoint, the very path the compute process and the front ends load
-                spec = replace(worker_spec(plan, s), compute_cpu=self._cpu_placement.cpu, content_hash=engine.content_hash)
+                spec = replace(worker_spec(plan, s), compute_cpu=self._cpu_placement.cpu, content_hash=engine.content_hash,
+                               checkpoint_identity=plan.checkpoint.identity)
                 connection, process = self._compute_connection, None
                 if connection is None and s.front_ends > 1:
                     process, connections = spawn_compute_process(spec, s.front_ends)
                     connection = connections[0]
                     self.front_ends.spawn(s, self.port, connections[1:], plan.checkpoint.path, engine.content_hash,
-                                          self.instance_id)
+                                          self.instance_id, plan.checkpoint.identity)
                     self.front_ends.watch(self._front_end_exited)
                 worker = ProcessComputeWorker(spec, connection=connection, process=process, loop=loop,
                                               on_gone=self._compute_gone, arena_bytes=arena_bytes(plan, s))
@@ -527,16 +534,17 @@ async def serve(
     front_end: tuple[int, int] | None = None,
     content_hash: str | None = None,
     instance_id: str | None = None,
+    checkpoint_identity: tuple | None = None,
 ) -> int:
     """Run a server until SIGTERM or SIGINT, then drain within ``settings.shutdown_grace_s``; returns 0.
 
     Returns 1 instead when the server stopped because it could no longer compute (its compute
     process died), so that a supervisor (Kubernetes) restarts it.
 
-    ``engine_loader``, ``compute_connection``, ``front_end``, ``content_hash`` and ``instance_id`` are passed to
-    :class:`ExpertServer` (benchmarks serve fake backends with the first; front ends k > 0 run on the second, say
-    which they are with the third and are handed front end 0's hash of the checkpoint and its instance id with the
-    last two).
+    ``engine_loader``, ``compute_connection``, ``front_end``, ``content_hash``, ``instance_id`` and
+    ``checkpoint_identity`` are passed to :class:`ExpertServer` (benchmarks serve fake backends with the first; front
+    ends k > 0 run on the second, say which they are with the third and are handed front end 0's hash of the
+    checkpoint, its instance id and which files it hashed with the last three).
     """
     log.info("%s", tune_malloc())  # this process moves large messages (lutb_client.allocator)
     loop = asyncio.get_running_loop()
@@ -544,7 +552,7 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
     server = ExpertServer(settings, engine_loader=engine_loader, compute_connection=compute_connection, front_end=front_end,
-                          content_hash=content_hash, instance_id=instance_id)
+                          content_hash=content_hash, instance_id=instance_id, checkpoint_identity=checkpoint_identity)
     starting = asyncio.create_task(server.start())
     stop_wait = asyncio.create_task(stop_requested.wait())
     failed_wait = asyncio.create_task(server.failed.wait())

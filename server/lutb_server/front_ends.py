@@ -49,12 +49,13 @@ class FrontEnds:
         return bool(self.processes)
 
     def spawn(self, settings: ServerSettings, port: int, connections: list[socket.socket], checkpoint: Path,
-              content_hash: str, instance_id: str) -> None:
+              content_hash: str, instance_id: str, checkpoint_identity: tuple | None = None) -> None:
         """Start front ends 1..len(connections), front end k on ``connections[k-1]`` (closed here: it holds its own copy).
 
         Each serves ``checkpoint``, the path front end 0 serves (resolved: the demo checkpoint when ``settings``
         name none), and takes ``content_hash``, front end 0's hash of that path, instead of hashing it again, and
-        ``instance_id``, front end 0's (one server, one id). Each
+        ``instance_id``, front end 0's (one server, one id); with ``checkpoint_identity`` (``Checkpoint.identity`` of
+        the files front end 0 hashed) each refuses to start on other files. Each
         gets every setting as front end 0 resolved it, without ``config``: the file is not read again, so one edited
         or removed while front end 0 loaded the checkpoint changes nothing.
         """
@@ -64,7 +65,7 @@ class FrontEnds:
                                               "metrics_port": settings.metrics_port + k if settings.metrics_port else 0})
             ready = ctx.Event()
             process = ctx.Process(target=front_end_main, args=(own.model_dump(), (k, settings.front_ends), connection, ready,
-                                                               os.getpid(), content_hash, instance_id),
+                                                               os.getpid(), content_hash, instance_id, checkpoint_identity),
                                   name=f"lutb-front-end-{k}", daemon=True)
             process.start()
             connection.close()
@@ -124,12 +125,13 @@ class FrontEnds:
 
 
 def front_end_main(settings: dict, front_end: tuple[int, int], connection: socket.socket, ready: Any, parent: int,
-                   content_hash: str, instance_id: str) -> None:
+                   content_hash: str, instance_id: str, checkpoint_identity: tuple | None = None) -> None:
     """Front end k > 0 of N (``front_end = (k, N)``; a spawned process): serve until SIGTERM, set ``ready`` (a
     multiprocessing Event) once SERVING, exit with :func:`~lutb_server.app.serve`'s code.
 
     ``content_hash`` is front end 0's hash of ``settings["checkpoint"]``, served as this front end's own, and
-    ``instance_id`` front end 0's (ModelInfo says one id for the whole server).
+    ``instance_id`` front end 0's (ModelInfo says one id for the whole server); ``checkpoint_identity`` which files
+    front end 0 hashed (this front end refuses to start on others).
 
     It drains and exits when front end 0 (``parent``) dies, even by SIGKILL: otherwise it would
     keep serving the port, and keep the compute process alive through its connection.
@@ -141,7 +143,8 @@ def front_end_main(settings: dict, front_end: tuple[int, int], connection: socke
     terminate_with_parent(parent)
     own = ServerSettings(**settings)
     sys.exit(event_loop.run(serve(own, compute_connection=connection, front_end=front_end, content_hash=content_hash,
-                                  instance_id=instance_id, on_ready=lambda _: ready.set()), own.event_loop))
+                                  instance_id=instance_id, checkpoint_identity=checkpoint_identity,
+                                  on_ready=lambda _: ready.set()), own.event_loop))
 
 
 def terminate_with_parent(parent: int) -> None:

@@ -135,6 +135,9 @@ class WorkerSpec:
     content_hash: str | None = None
     """``Checkpoint(checkpoint).content_hash()``, as the serving process that spawns the child computed it (the
     child's engine then does not read every byte again); None: the child computes it."""
+    checkpoint_identity: tuple | None = None
+    """``Checkpoint.identity`` of the files that ``content_hash`` was computed from: the child refuses to load other
+    files (the path overwritten meanwhile); None: not checked."""
 
 
 # -- framing ---------------------------------------------------------------------------------------
@@ -342,6 +345,8 @@ def _child_main(spec: WorkerSpec, socks: list[socket.socket]) -> None:
 
         log.info("%s", tune_malloc())  # inline batches (no shared arena) are large messages
         checkpoint = Checkpoint(spec.checkpoint)
+        if spec.checkpoint_identity is not None:
+            checkpoint.expect_identity(spec.checkpoint_identity, "the serving process that hashed it")
         device = resolve_device(spec.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)

@@ -384,3 +384,18 @@ def test_a_wrong_last_dimension_is_reported_with_the_real_shape(tiles: bool) -> 
     bad = layer._replace(w13=layer.w13[..., :6000].contiguous())
     with pytest.raises(LutBFormatError, match=r"layers\.0\.w13: last dimension must be 6672 tile bytes, got shape \(3, 2, 2, 6000\)"):
         check_layer(CONFIG, 0, bad, tiles=tiles)
+
+
+def test_a_checkpoint_overwritten_while_open_is_not_read_on(ckpt_dir: Path) -> None:
+    """An overwrite swapped in new files while a server loaded: the layers read after it came from the new checkpoint,
+    served under the old one's content hash. Reads after the swap are refused; a process that opens the path
+    again sees other files than the identity it was handed."""
+    opened = Checkpoint(ckpt_dir)
+    identity = opened.identity
+    opened.layer(0)
+    write_checkpoint(ckpt_dir, CONFIG, {0: _layer([1], 9), 3: _layer([4], 9)}, overwrite=True)
+    with pytest.raises(LutBFormatError, match="changed since the checkpoint was opened"):
+        opened.layer(3)
+    with pytest.raises(LutBFormatError, match="its files changed since front end 0 opened them"):
+        Checkpoint(ckpt_dir).expect_identity(identity, "front end 0")
+    Checkpoint(ckpt_dir).expect_identity(Checkpoint(ckpt_dir).identity, "front end 0")  # the same files: fine

@@ -555,7 +555,8 @@ def _spawn_front_ends(settings: object, checkpoint: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(front_ends, "mp", SimpleNamespace(get_context=lambda method: context))
     pairs = [socket.socketpair() for _ in range(settings.front_ends - 1)]  # type: ignore[attr-defined]
     try:
-        front_ends.FrontEnds().spawn(settings, 50051, [ours for ours, _ in pairs], checkpoint, "sha256:f0", "0123abcd")
+        front_ends.FrontEnds().spawn(settings, 50051, [ours for ours, _ in pairs], checkpoint, "sha256:f0", "0123abcd",
+                                     (("layer-00000.safetensors", 1, 2, 3, 4),))
     finally:
         for ours, theirs in pairs:
             ours.close()
@@ -567,15 +568,17 @@ def _spawn_front_ends(settings: object, checkpoint: Path, monkeypatch: pytest.Mo
 def test_front_ends_are_handed_the_checkpoint_and_hash_of_front_end_0(tiny_checkpoint: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Front ends k > 0 serve the path front end 0 resolved (here the demo checkpoint's stand-in: the settings name
-    none) and take front end 0's hash of it: none of them reads the checkpoint's bytes again to hash them."""
+    none) and take front end 0's hash of it and which files it hashed: none of them reads the checkpoint's bytes again
+    to hash them, and each refuses other files."""
     from lutb_server.settings import ServerSettings
 
     settings = ServerSettings(compute_worker="process", front_ends=3, metrics_port=9400)
     assert settings.checkpoint is None
     started = _spawn_front_ends(settings, tiny_checkpoint, monkeypatch)
     assert len(started) == 2
-    for k, (own, front_end, _, _, _, content_hash, instance_id) in enumerate(started, 1):
+    for k, (own, front_end, _, _, _, content_hash, instance_id, identity) in enumerate(started, 1):
         assert front_end == (k, 3) and content_hash == "sha256:f0" and instance_id == "0123abcd"
+        assert identity == (("layer-00000.safetensors", 1, 2, 3, 4),)
         assert ServerSettings(**own).checkpoint == tiny_checkpoint
 
 
@@ -1257,3 +1260,24 @@ def test_a_batch_that_cannot_be_copied_gives_its_job_and_span_back(process_worke
     monkeypatch.undo()
     out = process_worker.submit(requests).result(30)
     assert [tuple(o.shape) for o in out.outputs] == [(3, 128), (2, 128)]
+
+
+def test_a_front_end_refuses_other_files_than_front_end_0_hashed(tiny_checkpoint: Path) -> None:
+    """A front end k > 0 opens the path itself: one overwritten since front end 0 hashed it would have served the new
+    checkpoint's experts under the old hash. It refuses to start instead."""
+    import socket
+
+    from lutb_kernels.errors import LutBFormatError
+    from lutb_server.app import ExpertServer
+    from lutb_server.settings import ServerSettings
+
+    settings = ServerSettings(checkpoint=tiny_checkpoint, compute_worker="process", host="127.0.0.1", port=0, metrics_port=0)
+    ours, theirs = socket.socketpair()
+    try:
+        server = ExpertServer(settings, compute_connection=ours, content_hash="sha256:f0",
+                              checkpoint_identity=(("layer-00000.safetensors", 1, 2, 3, 4),))
+        with pytest.raises(LutBFormatError, match="its files changed since front end 0 opened them"):
+            asyncio.run(server.start())
+    finally:
+        ours.close()
+        theirs.close()
