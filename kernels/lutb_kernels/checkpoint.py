@@ -29,6 +29,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: staging directories go unlocked, and only the pid tells a live writer
+    fcntl = None  # type: ignore[assignment]
+
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -255,6 +260,7 @@ class StagedDirectory:
         _remove_stale_staging(parent, self._target.name)
         self.staging = parent / f".{self._target.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
         self.staging.mkdir()
+        self._lock = _lock_directory(self.staging)  # held while this writer lives: the staging is not stale
         self.done = False
 
     def _check(self) -> None:
@@ -280,6 +286,7 @@ class StagedDirectory:
                 old.rename(self._target)
             raise
         _fsync(self._target.parent)
+        self._unlock()
         if old is not None:
             _remove_old(old)
 
@@ -287,6 +294,12 @@ class StagedDirectory:
         """Remove :attr:`staging`; ``path`` keeps what it held."""
         self.done = True
         shutil.rmtree(self.staging, ignore_errors=True)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def _close(self) -> None:
         if self.done:
@@ -343,12 +356,38 @@ def _check_replaceable(path: Path, target: Path, owns: Callable[[Path], bool], w
         raise FileExistsError(f"{path} already holds {what}; choose an empty directory")
 
 
+def _lock_directory(path: Path) -> int | None:
+    """An exclusive ``flock`` on directory ``path``, held until the returned descriptor is closed (None where the
+    system has no ``flock``). A writer holds its staging directory's; the lock goes with its process, however it
+    ends, and another process, in any PID namespace of the host, sees it."""
+    if fcntl is None:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _remove_stale_staging(parent: Path, name: str) -> None:
-    """Remove staging directories of ``name`` left by writers that were killed (their process is gone)."""
+    """Remove staging directories of ``name`` left by writers that were killed: their process is gone (its pid is in
+    the name) and nothing holds the directory's lock (:func:`_lock_directory`: a live writer in another PID
+    namespace, e.g. another container on a shared volume, whose pid means nothing here, still holds it)."""
     for stale in parent.glob(f".{glob.escape(name)}.partial-*"):
         pid = stale.name.rsplit("-", 2)[-2]
-        if pid.isdigit() and not _process_alive(int(pid)):
+        if not pid.isdigit() or _process_alive(int(pid)):
+            continue
+        try:
+            lock = _lock_directory(stale)
+        except OSError:  # locked by a live writer, or gone meanwhile
+            continue
+        try:
             shutil.rmtree(stale, ignore_errors=True)
+        finally:
+            if lock is not None:
+                os.close(lock)
 
 
 def _process_alive(pid: int) -> bool:

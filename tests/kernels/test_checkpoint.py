@@ -328,6 +328,48 @@ def test_a_killed_writers_staging_directory_is_removed(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_a_live_writers_staging_directory_is_kept_whatever_its_pid(tmp_path: Path) -> None:
+    """A writer in another PID namespace (another container on a shared volume) has a pid that names no process
+    here: its staging directory was removed as a killed writer's while it wrote. Its lock on the directory now
+    says it lives."""
+    import fcntl
+    import os
+
+    live = tmp_path / f".ckpt.partial-{2**22 + 1}-0badf00d"  # a pid no process here has
+    live.mkdir()
+    (live / "layer-00000.safetensors").write_bytes(b"being written")
+    fd = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as the other writer's StagedDirectory holds it
+        write_checkpoint(tmp_path / "ckpt", CONFIG, {0: _layer([0], 1)})
+        assert (live / "layer-00000.safetensors").read_bytes() == b"being written"
+    finally:
+        os.close(fd)  # that writer is gone now: the next writer removes its leftovers
+    write_checkpoint(tmp_path / "ckpt", CONFIG, {0: _layer([1], 2)}, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_writer_holds_its_staging_lock_until_it_commits_or_discards(tmp_path: Path) -> None:
+    import fcntl
+    import os
+
+    writer = CheckpointWriter(tmp_path / "ckpt", CONFIG)
+    staging = next(tmp_path.glob(".ckpt.partial-*"))
+    fd = os.open(staging, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    writer.write_layer(0, _layer([0], 1))
+    writer.finish()
+    fd = os.open(tmp_path / "ckpt", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released at the commit
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("name", ["layers.00.w13", "layers.\u0661.w13", "layers.\uff10.w2", "layers.0.w13\n", "layers.+0.expert_ids"])
 def test_another_spelling_of_a_layer_tensor_is_an_unexpected_tensor(ckpt_dir: Path, name: str) -> None:
     """The name pattern once took any (Unicode) digits: a second w13 of layer 0 as "layers.00.w13" opened and
