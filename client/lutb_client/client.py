@@ -751,13 +751,8 @@ class AsyncExpertClient(_Connections):
     def stream(self, *, timeout: float | None = None, max_in_flight: int = 64) -> AsyncForwardStream:
         """Open an :class:`AsyncForwardStream` (``async with client.stream() as s: await s.forward(...)``); ``timeout``
         as for :meth:`ExpertClient.stream`."""
-        timeout = _call_timeout(timeout)
-        try:
-            return AsyncForwardStream(self._stub, timeout=timeout, max_in_flight=max_in_flight, ids=self._ids, hidden=self._hidden)
-        except grpc.aio.UsageError:  # "Channel is closed": close() in another task or thread between the check and the call
-            if self._closed:
-                raise _closed_error() from None
-            raise
+        # (no close() can come between the closed check in _stub and the call: close() sets the flag before it awaits)
+        return AsyncForwardStream(self._stub, timeout=_call_timeout(timeout), max_in_flight=max_in_flight, ids=self._ids, hidden=self._hidden)
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -4,15 +4,27 @@ cancellation and closing that leave nothing held."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import pytest
 
 from lutb_server.byte_budget import BudgetShare, ByteBudget
 
+T = TypeVar("T")
+
 
 async def _settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
+
+
+async def _blocked(ask: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+    """``ask`` started, and found still waiting once the loop has settled."""
+    future = asyncio.ensure_future(ask)
+    await _settle()
+    assert not future.done()
+    return future
 
 
 def test_asks_that_fit_are_granted_at_once() -> None:
@@ -64,9 +76,7 @@ def test_an_ask_above_the_limit_goes_alone(held_before: int) -> None:
             budget.release(held_before)
             await large
         assert budget.held == 25
-        after = asyncio.ensure_future(budget.acquire(1))
-        await _settle()
-        assert not after.done()  # nothing joins it while it is held
+        after = await _blocked(budget.acquire(1))  # nothing joins it while it is held
         budget.release(25)
         await after
         assert budget.held == 1
@@ -79,9 +89,7 @@ def test_a_cancelled_waiting_ask_holds_nothing_and_lets_the_next_ones_go() -> No
         budget = ByteBudget(10)
         await budget.acquire(6)
         big = asyncio.ensure_future(budget.acquire(8))
-        small = asyncio.ensure_future(budget.acquire(3))
-        await _settle()
-        assert not small.done()  # behind "big"
+        small = await _blocked(budget.acquire(3))  # behind "big"
         big.cancel()
         await _settle()
         assert big.cancelled() and small.done()
@@ -129,9 +137,7 @@ def test_room_waits_for_the_asked_size_behind_waiting_asks_and_holds_nothing() -
         budget = ByteBudget(10)
         await budget.acquire(7)
         await budget.room(3)  # fits: returns at once
-        gate = asyncio.ensure_future(budget.room(4))
-        await _settle()
-        assert not gate.done()
+        gate = await _blocked(budget.room(4))
         budget.release(7)
         await gate
         assert budget.held == 0
@@ -147,9 +153,7 @@ def test_a_share_counts_a_larger_ask_as_its_limit_so_the_others_go_on() -> None:
         assert await first.take(10**12) == 25
         assert await second.take(20) == 20
         assert budget.held == 45 and first.held == 25
-        blocked = asyncio.ensure_future(first.take(1))  # its share is full
-        await _settle()
-        assert not blocked.done()
+        blocked = await _blocked(first.take(1))  # its share is full
         first.give_back(25)
         assert await blocked == 1
 
@@ -162,9 +166,7 @@ def test_a_share_waits_for_room_of_its_last_ask_before_reading_on() -> None:
         share = BudgetShare(budget, 50)
         await share.room()  # nothing asked yet: room for a byte
         held = await share.take(30)
-        gate = asyncio.ensure_future(share.room())  # 30 + 30 > 50: no room for another such ask
-        await _settle()
-        assert not gate.done()
+        gate = await _blocked(share.room())  # 30 + 30 > 50: no room for another such ask
         share.give_back(held)
         await gate
         assert budget.held == 0
