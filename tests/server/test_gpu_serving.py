@@ -179,3 +179,20 @@ def test_front_ends_share_one_compute_process_on_the_gpu(checkpoint: Path, refer
         assert serving.stop(60) == 0, "".join(serving.lines[-30:])
     finally:
         serving.kill()
+
+
+def test_lutb_check_passes_against_the_reference(servers: tuple[ServerThread, ServerThread], checkpoint: Path,
+                                                 tmp_path: Path) -> None:
+    """``lutb check --suite all`` of the GPU backend (graphs and eager) against the CPU reference: the per-row bound of
+    ``heavy_tailed`` and ``magnitudes/*`` and the zero-row rule must not fail a correct GPU node."""
+    import json
+
+    from lutb_server.cli import build_parser
+
+    for server, name in zip(servers, ("graphs", "eager")):
+        report = tmp_path / f"{name}.json"
+        args = build_parser().parse_args(["check", server.address, "--checkpoint", str(checkpoint), "--suite", "all",
+                                          "--json", str(report)])
+        code = args.run(args)
+        data = json.loads(report.read_text())
+        assert code == 0 and data["verdict"] == "pass", (name, json.dumps(data)[:4000])
