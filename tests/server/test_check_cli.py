@@ -149,9 +149,58 @@ def test_check_refuses_what_it_cannot_run(server: ServerThread, tiny_checkpoint:
     for device in ("bogus", "cuda:7"):
         assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, "--device", device]) == 2
         assert f"device '{device}'" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
     assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, "--suite", "normal",
-                 "--json", str(tmp_path / "no" / "dir" / "r.json")]) == 2
+                 "--json", str(tmp_path / "a-file" / "r.json")]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_unwritable_report_paths_are_refused_before_the_node_is_asked(server: ServerThread, tiny_checkpoint: Path,
+                                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A check may take minutes: a --json or --plot it cannot write used to fail only after it ran."""
+    from lutb_client.check import runner
+
+    def never(*args, **kwargs):
+        raise AssertionError("the check ran")
+
+    monkeypatch.setattr(runner, "run_check", never)
+    for flag, name in (("--json", "r.json"), ("--plot", "r.png")):
+        assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, flag, str(tmp_path)]) == 2
+        assert f"cannot write {tmp_path}" in capsys.readouterr().err, flag
+        (tmp_path / "a-file").write_text("")
+        assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST,
+                     flag, str(tmp_path / "a-file" / name)]) == 2
+        assert "cannot write" in capsys.readouterr().err, flag
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, "--plot", str(tmp_path / "r.png")]) == 2
+    assert "cannot draw" in capsys.readouterr().err and not (tmp_path / "r.png").exists()
+
+
+@pytest.mark.parametrize("skew", [1.0, 1.05])
+def test_a_report_write_failing_after_the_check_keeps_a_fail_verdict(server: ServerThread, tiny_checkpoint: Path,
+                                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str], skew: float) -> None:
+    """The JSON write fails after the check ran: a pass becomes exit 2 (no report), a failing node stays exit 1."""
+    from lutb_client.check.report import CheckReport
+    from lutb_client.client import ExpertClient
+
+    original = ExpertClient.forward
+
+    def skewed(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        return (out.float() * skew).to(out.dtype)
+
+    monkeypatch.setattr(ExpertClient, "forward", skewed)
+
+    def disk_full(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(CheckReport, "write_json", disk_full)
+    code = _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, "--layers", "0", "--suite", "normal",
+                 "--json", str(tmp_path / "r.json")])
+    assert code == (2 if skew == 1.0 else 1)
+    assert "No space left on device" in capsys.readouterr().err
 
 
 def test_a_layer_named_twice_is_checked_once(server: ServerThread, tiny_checkpoint: Path, tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ not in the judge's output, an output of the wrong shape or dtype, a request the 
 failed or the judge refused as input); 2 the check could not run: a node unreachable, a
 bad checkpoint or record file, a layer not held, a device the reference cannot use, the
 judge failing on its own (a bad tile of its checkpoint, a node judge down), TARGET and
---against one node, or checkpoints / scale modes that differ (without ``--force``). ``lutb record`` follows them: 0 every
+--against one node, checkpoints / scale modes that differ (without ``--force``), or a report
+that cannot be written (checked before the check; after it, a failing node stays exit 1). ``lutb record`` follows them: 0 every
 request answered; 1 the node refused a request (the record is written all the same,
 its refusals kept as errors); 2 nothing recorded (node unreachable, a layer not held,
 an unknown suite, an unwritable ``--out``). The library is
@@ -15,6 +16,7 @@ an unknown suite, an unwritable ``--out``). The library is
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from lutb_server.cli._args import positive_float, positive_int
@@ -80,7 +82,7 @@ def _fail(command: str, message: str) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from lutb_client.check.record import RecordError
+    from lutb_client.check.record import RecordError, check_writable
     from lutb_client.check.runner import (
         CheckError,
         IdentityMismatch,
@@ -101,6 +103,17 @@ def run_check(args: argparse.Namespace) -> int:
                               "address and port): give --against another node or reference")
     if args.against != "reference" and args.checkpoint:
         print(f"lutb check: --checkpoint is only read with --against reference; judging by {args.against}", file=sys.stderr)
+    for path in (args.json, args.plot):  # before a node is asked anything: a check may take minutes
+        if path:
+            try:
+                check_writable(path)
+            except OSError as exc:
+                return _fail("check", f"cannot write {path}: {exc.strerror or exc}")
+    if args.plot:
+        try:
+            importlib.import_module("matplotlib")  # only whether it is there
+        except ImportError as exc:
+            return _fail("check", f"cannot draw {args.plot}: {exc} (pip install 'lutb-moe[plot]')")
     sides: list[Side] = []
     try:
         target: Side = open_recording(args.replay) if args.replay else NodeSide(args.target, timeout=args.timeout)
@@ -118,22 +131,26 @@ def run_check(args: argparse.Namespace) -> int:
         for side in sides:
             side.close()
     print(report.format_text(top=args.top))
-    code = EXIT_OK if report.ok else EXIT_MISMATCH
+    # A write that fails after the check ran (disk full, the folder gone meanwhile) turns a pass into exit 2; a node
+    # that failed the check stays exit 1, whatever became of its report's files.
+    written = True
     if args.json:
         try:
             report.write_json(args.json)
+            print(f"report written to {args.json}")
         except OSError as exc:
-            return _fail("check", f"cannot write {args.json}: {exc.strerror or exc}")
-        print(f"report written to {args.json}")
+            _fail("check", f"cannot write {args.json}: {exc.strerror or exc}")
+            written = False
     if args.plot:
         try:
             report.plot(args.plot)
-        except ImportError as exc:
-            return _fail("check", f"cannot draw {args.plot}: {exc} (pip install 'lutb-moe[plot]')")
-        except (OSError, ValueError) as exc:
-            return _fail("check", f"cannot draw {args.plot}: {exc}")
-        print(f"plot written to {args.plot}")
-    return code
+            print(f"plot written to {args.plot}")
+        except (ImportError, OSError, ValueError) as exc:
+            _fail("check", f"cannot draw {args.plot}: {exc}")
+            written = False
+    if not report.ok:
+        return EXIT_MISMATCH
+    return EXIT_OK if written else EXIT_ERROR
 
 
 def run_record(args: argparse.Namespace) -> int:
