@@ -266,7 +266,7 @@ class ExpertServer:
         self.health = health.aio.HealthServicer()
         self.servicer = ExpertServicer(metrics=self.metrics, accepting=lambda: self.gate.open, draining=self.gate.draining,
                                        max_response_bytes=settings.max_message_bytes,
-                                       stream_budget_bytes=settings.stream_budget_bytes)
+                                       stream_budget_bytes=settings.stream_budget_bytes, max_streams=settings.max_streams)
         self.engine: ExpertEngine | None = None
         self.scheduler: BatchScheduler | None = None
         self.port: int | None = None

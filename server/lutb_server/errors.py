@@ -44,6 +44,12 @@ class QueueFull(ServiceError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class TooManyStreams(ServiceError):
+    """The serving process holds ``max_streams`` open ``ForwardStream`` calls already; a new one is refused at its start."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 class ResponseTooLarge(ServiceError):
     """The request's output would not fit in one message of the server's ``max_message_bytes``."""
 
@@ -151,6 +157,7 @@ __all__ = [
     "QueueFull",
     "ResponseTooLarge",
     "ServiceError",
+    "TooManyStreams",
     "Unavailable",
     "cancelled_status",
     "deadline_reached",

@@ -34,7 +34,7 @@ from lutb_server import __version__
 from lutb_server.byte_budget import BudgetShare, ByteBudget
 from lutb_server.engine import FLOAT_DTYPES, ID_DTYPES, ExpertEngine
 from lutb_server.errors import (
-    ContentHashMismatch, InvalidArgument, ResponseTooLarge, Unavailable, cancelled_status, status_code_value, to_status,
+    ContentHashMismatch, InvalidArgument, ResponseTooLarge, TooManyStreams, Unavailable, cancelled_status, status_code_value, to_status,
 )
 from lutb_server.metrics import ServerMetrics
 from lutb_server.scheduler import BatchScheduler
@@ -46,6 +46,8 @@ STREAM_WINDOW = 256
 """Most requests of one ForwardStream in flight at once (reading pauses beyond it)."""
 DEFAULT_STREAM_BUDGET_BYTES = 512 * 1024 * 1024
 """``ServerSettings.stream_budget_bytes``'s default: bytes of stream responses a serving process holds at once."""
+DEFAULT_MAX_STREAMS = 1024
+"""``ServerSettings.max_streams``'s default: ``ForwardStream`` calls a serving process holds open at once."""
 STREAM_SHARE = 8
 """One stream holds at most ``1 / STREAM_SHARE`` of the stream budget (a larger response counts as that much), so that
 a client that stops reading pauses its own stream, not every stream of the serving process."""
@@ -204,6 +206,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             request only when its share and the budget have room for another response of its last one's size, then
             sets that request's bytes aside (:meth:`_held_bytes`), so a client that does not read its responses stops
             being read, and its requests wait in HTTP/2 flow control instead of memory.
+        max_streams: ``ForwardStream`` calls open at once; one more is refused at its start with RESOURCE_EXHAUSTED
+            (:class:`~lutb_server.errors.TooManyStreams`). Each open stream may hold one request outside the stream
+            budget while it waits for room, so this bounds those requests too (to ``max_streams`` messages).
     """
 
     def __init__(
@@ -216,8 +221,11 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         draining: asyncio.Event | None = None,
         max_response_bytes: int | None = None,
         stream_budget_bytes: int = DEFAULT_STREAM_BUDGET_BYTES,
+        max_streams: int = DEFAULT_MAX_STREAMS,
     ) -> None:
         self._metrics = metrics
+        self._max_streams = max_streams
+        self._open_streams = 0
         self._stream_budget = ByteBudget(stream_budget_bytes)
         if metrics is not None:  # read at each scrape: nothing per request
             metrics.stream_held_bytes.set_function(lambda: self._stream_budget.held)
@@ -271,6 +279,10 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     async def ForwardStream(
         self, request_iterator: AsyncIterator[pb.ForwardRequest | MalformedRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ForwardResponse | SplicedResponse]:
+        if self._open_streams >= self._max_streams:
+            await context.abort(*to_status(TooManyStreams(
+                f"too many streams: {self._open_streams} ForwardStream calls open on this serving process (max_streams = "
+                f"{self._max_streams}); retry later, or send requests of several callers on one stream")))
         deadline = _deadline(context)
         window: asyncio.Queue[tuple[asyncio.Task[pb.ForwardResponse | SplicedResponse], int] | None] = asyncio.Queue()
         slots = asyncio.Semaphore(STREAM_WINDOW)  # requests being computed; reading pauses while none is free
@@ -294,9 +306,11 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         reader = asyncio.create_task(read())
 
         def ended(_: object) -> None:  # the call is over, however it ended: whatever the stream still holds goes back
+            self._open_streams -= 1
             reader.cancel()
             share.close()
 
+        self._open_streams += 1
         context.add_done_callback(ended)
         watch = asyncio.create_task(self._end_on_drain(reader)) if self._draining is not None else None
         try:
@@ -440,6 +454,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
 
 __all__ = [
+    "DEFAULT_MAX_STREAMS",
     "RESPONSE_ENVELOPE_BYTES",
     "SERVICE",
     "SPLICE_OUTPUT_BYTES",

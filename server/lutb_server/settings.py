@@ -83,6 +83,11 @@ class ServerSettings(BaseSettings):
         "requests, and HTTP/2 flow control holds their clients back. One stream holds at most an eighth of it (a "
         "larger response counts as an eighth)",
     )
+    max_streams: int = Field(
+        1024, ge=1, description="ForwardStream calls a serving process holds open at once; one more is refused at its "
+        "start with RESOURCE_EXHAUSTED. Each open stream may hold one request outside the stream budget while it waits "
+        "for room, so this also bounds those requests (to max_streams messages)",
+    )
     shutdown_grace_s: float = Field(
         20.0, ge=0, description="on SIGTERM/SIGINT, seconds in-flight calls get to finish before they are cancelled"
     )

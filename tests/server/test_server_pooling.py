@@ -322,3 +322,48 @@ def test_a_stalled_stream_that_ends_gives_its_bytes_back(tiny_checkpoint, end: s
             while budget.held and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert budget.held == 0 and budget.waiting == 0
+
+
+def test_streams_beyond_max_streams_are_refused_at_their_start(tiny_checkpoint) -> None:
+    """``max_streams`` open ForwardStream calls: one more ends at once with RESOURCE_EXHAUSTED (the open ones go on);
+    once one of them ends, a new stream is served again. Before, nothing bounded the number of streams."""
+    import grpc
+
+    from lutb_client._proto.lutb.v1 import expert_service_pb2_grpc as pb_grpc
+    from lutb_client.client import build_request
+
+    x = torch.randn(4, 128).to(torch.bfloat16)
+    ids = torch.randint(0, 8, (4, 2), dtype=torch.int32)
+    request = build_request(0, x, ids, torch.full((4, 2), 0.5), request_id=1)
+    ends = [threading.Event() for _ in range(2)]
+
+    def held_open(end: threading.Event) -> Any:
+        yield request
+        end.wait(30)
+
+    with ServerThread(checkpoint=tiny_checkpoint, max_streams=2) as server:
+        servicer = server.server.servicer  # type: ignore[union-attr]
+        registry = server.server.metrics.registry  # type: ignore[union-attr]
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.ExpertServiceStub(channel)
+            open_streams = [stub.ForwardStream(held_open(end), timeout=60) for end in ends]
+            assert [next(s).status.code for s in open_streams] == [0, 0]  # both open and answering
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.ForwardStream(iter([request]), timeout=30))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_streams = 2" in refused.value.details()
+            assert registry.get_sample_value("lutb_grpc_requests_total", {
+                "service": "lutb.v1.ExpertService", "method": "ForwardStream", "code": "RESOURCE_EXHAUSTED"}) == 1
+            ends[0].set()
+            assert list(open_streams[0]) == []  # ended cleanly
+            deadline = time.monotonic() + 10
+            while servicer._open_streams > 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            served = list(stub.ForwardStream(iter([request]), timeout=30))
+            assert [r.status.code for r in served] == [0]
+            ends[1].set()
+            assert list(open_streams[1]) == []
+        deadline = time.monotonic() + 10
+        while servicer._open_streams and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert servicer._open_streams == 0
