@@ -42,12 +42,15 @@ def _layer(h: int, i: int, experts: int, held: tuple[int, ...], activation: str,
 
 
 def _run(backend: str, h: int, i: int, experts: int, held: tuple[int, ...], activation: str, dtype: str,
-         tokens: int, top_k: int, *, on_input: bool = False, mode: str = "combined") -> None:
+         tokens: int, top_k: int, *, on_input: bool = False, mode: str = "combined", repeat: bool = False) -> None:
+    """``repeat``: every token's second route names its first route's expert again (spec section 4 sums both)."""
     cfg, layer, ref, cache = _layer(h, i, experts, held, activation, dtype)
     if backend not in cache:
         cache[backend] = _make(backend, cfg, layer)
         assert _backend(backend).supports(cfg, torch.device("cuda")).ok
     x, ids, w = make_batch(tokens, top_k, experts, h, cfg.torch_dtype, device="cuda", seed=tokens)
+    if repeat:
+        ids[:, 1] = ids[:, 0]
     got = cache[backend].forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
     want = ref.forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -59,6 +62,13 @@ def _run(backend: str, h: int, i: int, experts: int, held: tuple[int, ...], acti
 @pytest.mark.parametrize("tokens", [1, 2, 7, 64, 255, 1024, 4096])
 def test_batch_sizes(backend: str, tokens: int) -> None:
     _run(backend, 256, 384, 8, tuple(range(8)), "silu", "bfloat16", tokens, 2)
+
+
+@pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
+@pytest.mark.parametrize(("tokens", "mode"), [(1, "combined"), (7, "combined"), (300, "combined"), (7, "route_major")])
+def test_an_expert_twice_in_one_token(backend: str, tokens: int, mode: str) -> None:
+    """Duplicate expert ids in a token are two routes (spec section 4): both computed, both summed."""
+    _run(backend, 256, 256, 8, tuple(range(8)), "silu", "bfloat16", tokens, 4, mode=mode, repeat=True)
 
 
 @pytest.mark.parametrize("backend", ["packed", "emulated"])
