@@ -31,10 +31,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 
 
 def _check(backend: str, activation: str, dtype: str, tokens: int, top_k: int, held: list[int], *,
-           on_input: bool = False, mode: str = "combined", experts: int = 4) -> None:
+           on_input: bool = False, mode: str = "combined", experts: int = 4, repeat: bool = False) -> None:
+    """``repeat``: every token's second route names its first route's expert again."""
     cfg = CheckpointConfig(hidden_size=128, intermediate_size=128, num_experts=experts, activation=activation, dtype=dtype)
     layer = make_layer(cfg, held, seed=tokens)
     x, ids, w = make_batch(tokens, top_k, experts, 128, cfg.torch_dtype, seed=tokens + 1)
+    if repeat:
+        ids[:, 1] = ids[:, 0]
     got = _make(backend, cfg, layer).forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
     want = ReferenceExperts(cfg, layer, "cpu").forward(x, ids, w, apply_router_weight_on_input=on_input, output_mode=mode)
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -52,6 +55,13 @@ def test_packed_every_activation(activation: str) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_expert_subset_and_odd_batch(backend: str, dtype: str) -> None:
     _check(backend, "silu", dtype, 33, 2, [1, 3])
+
+
+@pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
+@pytest.mark.parametrize("mode", ["combined", "route_major"])
+def test_an_expert_twice_in_one_token(backend: str, mode: str) -> None:
+    """Two routes of a token to one expert (spec section 4): both computed, and summed in combined output."""
+    _check(backend, "silu", "float32", 6, 3, [0, 1, 2, 3], mode=mode, repeat=True)
 
 
 @pytest.mark.parametrize("backend", ["packed", "packed_dense", "emulated"])
