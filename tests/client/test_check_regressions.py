@@ -322,3 +322,27 @@ def test_a_device_out_of_memory_is_a_finding_not_a_size_to_split() -> None:
             "send fewer tokens per request")
     assert _too_large(ExpertServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, size))
     assert _too_large(ExpertServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (5 vs. 4)"))
+
+
+def test_a_node_that_merges_an_experts_two_routes_fails_only_duplicates(server: ServerThread, client_checkpoint: Path,
+                                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No suite used to name one expert twice in a token, so a node that computed such an expert once (keeping the
+    first route's weight) passed every suite. ``duplicates`` does, and fails it; the other suites still pass."""
+    from lutb_client.client import ExpertClient
+
+    original = ExpertClient.forward
+
+    def merged(self, layer, hidden_states, topk_ids, topk_weights, *args, **kwargs):
+        ids, weights = topk_ids.clone(), topk_weights.clone()
+        repeated = ids[:, 1] == ids[:, 0] if ids.shape[1] > 1 else torch.zeros(0, dtype=torch.bool)
+        if repeated.any():
+            weights[repeated, 1] = 0.0  # the second route dropped
+        return original(self, layer, hidden_states, ids, weights, *args, **kwargs)
+
+    monkeypatch.setattr(ExpertClient, "forward", merged)
+    report = tmp_path / "r.json"
+    assert _run(["check", server.address, "--checkpoint", str(client_checkpoint), "--tokens", "16", "--topk", "4",
+                 "--suite", "normal,duplicates", "--json", str(report)]) == 1
+    rows = json.loads(report.read_text())["layers"]
+    assert {r["suite"] for r in rows if not r["ok"]} >= {"duplicates"}
+    assert all(r["ok"] for r in rows if r["suite"] == "normal")

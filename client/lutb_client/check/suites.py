@@ -30,6 +30,8 @@ Suites (``--suite`` names; the default is all of them):
 - ``weights_on_input``: ``k = 1`` with ``apply_router_weight_on_input``, combined.
 - ``route_major``: standard-normal ``x``, softmax top-k over all experts (routes to
   experts the node does not hold must come back zero), route-major output.
+- ``duplicates``: standard-normal ``x``, softmax top-k, then each token's second route names its
+  first route's expert again (spec section 4 computes both routes and sums them); combined.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class Part:
     Attributes:
         name: ``suite`` or ``suite/part``; rows of the report are keyed by it.
         inputs: ``normal``, ``heavy_tailed``, ``tiny`` or ``huge``.
-        routing: ``random`` (softmax top-k over all experts) or ``cover`` (round-robin over the experts held).
+        routing: ``random`` (softmax top-k over all experts), ``cover`` (round-robin over the experts held) or
+            ``repeated`` (``random``, then route 1 of each token names route 0's expert again).
         output_mode: ``combined`` or ``route_major``.
         tokens: ``standard`` (64, sent as requests of at most the cap), ``single`` (64 requests of 1 token),
             ``small`` (:func:`small_sizes`, one request each) or ``max`` (the cap).
@@ -95,6 +98,7 @@ SUITES: dict[str, tuple[Part, ...]] = {
     "max_tokens": (Part("max_tokens", "normal", "random", "combined", "max"),),
     "weights_on_input": (Part("weights_on_input", "normal", "random", "combined", "standard", weights_on_input=True),),
     "route_major": (Part("route_major", "normal", "random", "route_major", "standard"),),
+    "duplicates": (Part("duplicates", "normal", "repeated", "combined", "standard"),),
 }
 ROW_JUDGED_PARTS = frozenset(part.name for parts in SUITES.values() for part in parts if part.inputs != "normal")
 """Parts whose rows differ in magnitude by orders (heavy tails, tiny and huge blocks): the pooled error is their
@@ -315,6 +319,8 @@ def make_part_batches(
             tokens = int(ids.shape[0])
         else:
             ids, weights = _random_routes(tokens, k, shape.num_experts, gen)
+            if part.routing == "repeated" and k > 1:
+                ids[:, 1] = ids[:, 0]
             if part.weights_on_input:
                 weights = 0.25 + 0.75 * torch.rand(tokens, 1, generator=gen)
         x = _inputs(part.inputs, tokens, shape, gen, headroom)

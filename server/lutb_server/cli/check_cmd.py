@@ -30,7 +30,7 @@ def _add_batch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=None, metavar="L", help="layers to check (default: all the node holds)")
     parser.add_argument("--suite", action="append", default=None, metavar="NAME",
                         help="input suite(s), repeatable or comma-separated: normal, heavy_tailed, magnitudes, coverage, "
-                             "single_token, small_batches, max_tokens, weights_on_input, route_major, all (default: all)")
+                             "single_token, small_batches, max_tokens, weights_on_input, route_major, duplicates, all (default: all)")
     parser.add_argument("--tokens", type=positive_int, default=1024, metavar="N",
                         help="largest request in tokens: standard batches (64 tokens) go as requests of at most N, "
                              "the max_tokens batch is min(N, max_tokens_per_request); requests are also kept within "
