@@ -52,6 +52,12 @@ _TENSOR_NAME = re.compile(r"layers\.(0|[1-9][0-9]*)\.(w13|w2|expert_ids)", re.AS
 _INT_FIELDS = ("hidden_size", "intermediate_size", "num_experts")
 MAX_LAYER = 2**31 - 1
 """The largest layer index: requests and ``ModelInfo`` carry layers as int32."""
+CHECKSUMS = "SHA256SUMS"
+"""The file a writer puts beside a checkpoint's safetensors files: one line ``<sha256 hex>  <file name>`` per file,
+sorted by name, the format ``sha256sum`` writes (so ``sha256sum -c SHA256SUMS`` checks a copy too). Not part of the
+spec (docs/format.md, choice (o)): a checkpoint without it opens as before, unchecked."""
+_CHECKSUM_LINE = re.compile(r"([0-9a-f]{64}) [ *]([^/\\\x00]+)", re.ASCII)
+_HASH_CHUNK = 1 << 24  # bytes per read while hashing a file
 
 
 @dataclass(frozen=True)
@@ -418,8 +424,51 @@ def _fsync_tree(root: Path) -> None:
 
 def is_checkpoint_file(entry: Path) -> bool:
     """Whether ``entry`` is a file a checkpoint writer owns: ``*.safetensors`` (or an earlier version's
-    ``*.safetensors.partial``)."""
-    return entry.is_file() and not entry.is_symlink() and entry.name.endswith((".safetensors", ".safetensors.partial"))
+    ``*.safetensors.partial``) and :data:`CHECKSUMS`."""
+    return entry.is_file() and not entry.is_symlink() and (
+        entry.name.endswith((".safetensors", ".safetensors.partial")) or entry.name == CHECKSUMS)
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of ``path``'s bytes, hex (read in 16 MiB chunks; hashlib lets other threads run meanwhile)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(folder: Path, files: Iterable[Path]) -> Path:
+    """Write :data:`CHECKSUMS` into ``folder`` for ``files`` (which lie in it); returns its path."""
+    lines = [f"{file_sha256(file)}  {file.name}\n" for file in sorted(files, key=lambda f: f.name)]
+    out = folder / CHECKSUMS
+    out.write_text("".join(lines), encoding="ascii")
+    return out
+
+
+def read_checksums(folder: Path) -> dict[str, str] | None:
+    """``{file name: sha256 hex}`` from ``folder``'s :data:`CHECKSUMS`, or None when it has none.
+
+    Raises:
+        LutBFormatError: the file is not in ``sha256sum``'s format, or names a file twice.
+    """
+    path = folder / CHECKSUMS
+    try:
+        text = path.read_text(encoding="ascii")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LutBFormatError(f"{path}: unreadable ({exc})") from exc
+    sums: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        match = _CHECKSUM_LINE.fullmatch(line)
+        if match is None:
+            raise LutBFormatError(f"{path}, line {number}: not '<64 lowercase hex digits>  <file name>': {line[:120]!r}")
+        digest, name = match.groups()
+        if name in sums:
+            raise LutBFormatError(f"{path}, line {number}: {name} is listed twice")
+        sums[name] = digest
+    return sums
 
 
 class CheckpointWriter:
@@ -481,7 +530,13 @@ class CheckpointWriter:
         return self._written[layer]
 
     def finish(self) -> list[Path]:
-        """Swap the written layers in as the checkpoint ``path`` (replacing what it held); return their files."""
+        """Write :data:`CHECKSUMS` of the layer files, then swap them in as the checkpoint ``path`` (replacing what it
+        held); return the layer files."""
+        if not self._out.done:
+            try:
+                write_checksums(self._out.staging, [self._out.staging / file.name for file in self._written.values()])
+            except OSError as exc:
+                raise OSError(f"{self.path}: cannot write {CHECKSUMS} ({exc})") from exc
         self._out.commit()
         return list(self._written.values())
 
@@ -525,6 +580,18 @@ class Checkpoint:
         self.files = sorted(self.path.glob("*.safetensors"))
         if not self.files:
             raise LutBFormatError(f"{self.path}: holds no .safetensors files")
+        self.checksums: dict[str, str] | None = read_checksums(self.path)
+        """The writer's sha256 of each file (:data:`CHECKSUMS`; None without it): the files present must be the files
+        it lists, checked here; :meth:`verify_files` checks their bytes."""
+        if self.checksums is not None:
+            present = {file.name for file in self.files}
+            missing, unlisted = sorted(set(self.checksums) - present), sorted(present - set(self.checksums))
+            if missing:
+                raise LutBFormatError(f"{self.path}: {CHECKSUMS} lists {', '.join(missing)}, missing here (an "
+                                      "incomplete copy?)")
+            if unlisted:
+                raise LutBFormatError(f"{self.path}: {', '.join(unlisted)} not listed in {CHECKSUMS} (added after the "
+                                      "checkpoint was written?)")
         self._identity = {file: _file_identity(file) for file in self.files}
         self._where: dict[str, Path] = {}
         config: CheckpointConfig | None = None
@@ -622,8 +689,32 @@ class Checkpoint:
         _check_ids_tensor(ids, f"{self._where[name].name}: {name}")
         return ids
 
+    def verify_files(self, threads: int | None = None) -> bool:
+        """Check every file's bytes against :data:`CHECKSUMS` (files hashed in parallel, by up to ``threads`` threads;
+        default: one per file, at most 8 and the CPU count). Returns False when there is no such file to check
+        against, True when every file matches.
+
+        Raises:
+            LutBFormatError: a file's bytes differ from what its writer wrote (naming it): a corrupted or
+                truncated copy, or a file rewritten since.
+        """
+        if self.checksums is None:
+            return False
+        from concurrent.futures import ThreadPoolExecutor
+
+        workers = threads or max(1, min(8, len(self.files), os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lutb-sha256") as pool:
+            digests = dict(zip(self.files, pool.map(file_sha256, self.files)))
+        wrong = [file.name for file, digest in digests.items() if digest != self.checksums[file.name]]
+        if wrong:
+            raise LutBFormatError(f"{self.path}: {', '.join(wrong)} differ{'s' if len(wrong) == 1 else ''} from the "
+                                  f"sha256 in {CHECKSUMS} (a corrupted or truncated copy, or rewritten since)")
+        return True
+
     def validate(self, progress: Callable[[Iterable[int]], Iterable[int]] | None = None) -> None:
-        """Check every tensor and tile; raise :class:`LutBFormatError` naming file, tensor and tile."""
+        """Check every file's bytes against :data:`CHECKSUMS` (where the checkpoint has one), then every tensor and
+        tile; raise :class:`LutBFormatError` naming file, tensor and tile."""
+        self.verify_files()
         for layer in progress(self.layers) if progress else self.layers:
             weights = self.layer(layer, check=False)
             check_layer(self.config, layer, weights, tiles=True, where=self._files_of(layer))
@@ -689,6 +780,7 @@ def _numel(shape: Iterable[int]) -> int:
 
 
 __all__ = [
+    "CHECKSUMS",
     "FORMAT",
     "FORMAT_VERSION",
     "TILE_BYTES",
@@ -699,7 +791,10 @@ __all__ = [
     "SafetensorsFile",
     "StagedDirectory",
     "check_layer",
+    "file_sha256",
     "is_checkpoint_file",
     "open_safetensors",
+    "read_checksums",
     "write_checkpoint",
+    "write_checksums",
 ]

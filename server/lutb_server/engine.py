@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from lutb_client.codec import WireTensor, as_tensor, host_array
-from lutb_kernels.checkpoint import Checkpoint, CheckpointConfig
+from lutb_kernels.checkpoint import CHECKSUMS, Checkpoint, CheckpointConfig
 from lutb_kernels.experts.base import LayerExperts
 from lutb_kernels.reference import OutputMode
 from lutb_server.backends import BackendChoice
@@ -128,7 +128,8 @@ class ExpertEngine:
         backend: the chosen backend class and device (see :func:`lutb_server.backends.choose_backend`).
         max_tokens_per_request: requests with more tokens are refused.
         max_top_k: requests with more routes per token (``topk_ids``' k) are refused.
-        validate_tiles: check every tile of every layer before loading it.
+        validate_tiles: check every tile of every layer before loading it, and (where ``content_hash`` is None: the
+            first process to open the checkpoint) every file's bytes against the checkpoint's ``SHA256SUMS``.
         progress: optional wrapper around the layer iteration (e.g. tqdm).
         load_experts: False reads only which experts each layer holds (no weights): enough to
             validate requests and describe the model, for a process whose compute runs in another
@@ -158,6 +159,14 @@ class ExpertEngine:
         self.max_tokens_per_request = max_tokens_per_request
         self.max_top_k = max_top_k
         if content_hash is None:
+            if validate_tiles:  # the first process to open the checkpoint; the others compare its identity to this one's
+                verifying = time.perf_counter()
+                if checkpoint.verify_files():
+                    log.info("checked %d file(s) of %s against %s in %.2fs", len(checkpoint.files), checkpoint.path,
+                             CHECKSUMS, time.perf_counter() - verifying)
+                else:
+                    log.warning("%s has no %s: its files' integrity is not checked (checkpoints written by lutb have "
+                                "one)", checkpoint.path, CHECKSUMS)
             hashing = time.perf_counter()
             content_hash = checkpoint.content_hash()
             log.info("hashed %s in %.2fs: %s", checkpoint.path, time.perf_counter() - hashing, content_hash[:19])

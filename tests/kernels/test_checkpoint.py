@@ -10,7 +10,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lutb_kernels.checkpoint import Checkpoint, CheckpointConfig, CheckpointWriter, LayerWeights, check_layer, write_checkpoint
+from lutb_kernels.checkpoint import (
+    CHECKSUMS,
+    Checkpoint,
+    CheckpointConfig,
+    CheckpointWriter,
+    LayerWeights,
+    check_layer,
+    file_sha256,
+    write_checkpoint,
+    write_checksums,
+)
 from lutb_kernels.errors import LutBFormatError
 from lutb_kernels.tiles import pack_tiles
 
@@ -89,6 +99,8 @@ def _rewrite(path: Path, change) -> None:
         meta = dict(f.metadata())
     change(tensors, meta)
     save_file(tensors, str(path), metadata=meta)
+    if (path.parent / CHECKSUMS).exists():  # as a writer that wrote the bad tensor would: the format checks must find it
+        write_checksums(path.parent, sorted(path.parent.glob("*.safetensors")))
 
 
 LAYER0 = "layer-00000.safetensors"
@@ -375,6 +387,7 @@ def test_another_spelling_of_a_layer_tensor_is_an_unexpected_tensor(ckpt_dir: Pa
     """The name pattern once took any (Unicode) digits: a second w13 of layer 0 as "layers.00.w13" opened and
     validated (never checked nor served, but hashed)."""
     save_file({name: _layer([0, 2, 5], 7).w13}, str(ckpt_dir / "extra.safetensors"), metadata=CONFIG.to_metadata())
+    write_checksums(ckpt_dir, sorted(ckpt_dir.glob("*.safetensors")))
     with pytest.raises(LutBFormatError, match=re.escape(f"extra.safetensors: unexpected tensor {name!r}")):
         Checkpoint(ckpt_dir)
 
@@ -441,3 +454,87 @@ def test_a_checkpoint_overwritten_while_open_is_not_read_on(ckpt_dir: Path) -> N
     with pytest.raises(LutBFormatError, match="its files changed since front end 0 opened them"):
         Checkpoint(ckpt_dir).expect_identity(identity, "front end 0")
     Checkpoint(ckpt_dir).expect_identity(Checkpoint(ckpt_dir).identity, "front end 0")  # the same files: fine
+
+
+# -- SHA256SUMS: what the writer wrote, checked --------------------------------------------------------------------
+
+
+def test_the_writer_lists_every_file_with_its_sha256(ckpt_dir: Path) -> None:
+    """``sha256sum``'s format, sorted by name: ``sha256sum -c SHA256SUMS`` checks a copy too."""
+    files = sorted(ckpt_dir.glob("*.safetensors"))
+    assert [f.name for f in files] == ["layer-00000.safetensors", "layer-00003.safetensors"]
+    assert (ckpt_dir / CHECKSUMS).read_text() == "".join(f"{file_sha256(f)}  {f.name}\n" for f in files)
+    ckpt = Checkpoint(ckpt_dir)
+    assert ckpt.checksums == {f.name: file_sha256(f) for f in files}
+    assert ckpt.verify_files() is True
+    ckpt.validate()
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # tile data: the header still parses, every tile still passes the format's rules
+    path.write_bytes(bytes(data))
+
+
+def _zero_tail(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2:] = bytes(len(data) - len(data) // 2)  # an interrupted copy into a preallocated file
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_flip_last_byte, _zero_tail], ids=["bit-flip", "zero-tail"])
+def test_a_damaged_copy_is_refused_naming_its_file(ckpt_dir: Path, damage) -> None:
+    damage(ckpt_dir / "layer-00003.safetensors")
+    ckpt = Checkpoint(ckpt_dir)  # opening reads headers only
+    with pytest.raises(LutBFormatError, match=r"layer-00003\.safetensors differs from the sha256 in SHA256SUMS"):
+        ckpt.verify_files()
+    with pytest.raises(LutBFormatError, match=r"layer-00003\.safetensors differs"):
+        Checkpoint(ckpt_dir).validate()
+
+
+def test_a_zero_tail_passes_the_format_checks_alone(ckpt_dir: Path) -> None:
+    """Why the checksums: without them the same damaged copy validates (zero bytes are valid tiles)."""
+    _zero_tail(ckpt_dir / "layer-00003.safetensors")
+    (ckpt_dir / CHECKSUMS).unlink()
+    ckpt = Checkpoint(ckpt_dir)
+    assert ckpt.checksums is None and ckpt.verify_files() is False
+    ckpt.validate()
+
+
+def test_a_missing_or_an_added_file_is_refused_on_open(ckpt_dir: Path, tmp_path: Path) -> None:
+    layer3 = ckpt_dir / "layer-00003.safetensors"
+    kept = tmp_path / "kept.safetensors"
+    layer3.rename(kept)
+    with pytest.raises(LutBFormatError, match=r"SHA256SUMS lists layer-00003\.safetensors, missing here"):
+        Checkpoint(ckpt_dir)
+    kept.rename(layer3)
+    save_file({"layers.9.w13": _layer([1], 4).w13, "layers.9.w2": _layer([1], 4).w2,
+               "layers.9.expert_ids": torch.tensor([1], dtype=torch.int32)},
+              str(ckpt_dir / "layer-00009.safetensors"), metadata=CONFIG.to_metadata())
+    with pytest.raises(LutBFormatError, match=r"layer-00009\.safetensors not listed in SHA256SUMS"):
+        Checkpoint(ckpt_dir)
+
+
+@pytest.mark.parametrize("text", ["not a checksum\n", f"{'0' * 64} a/b.safetensors\n", f"{'A' * 64}  x.safetensors\n",
+                                  f"{'0' * 64}  layer-00000.safetensors\n{'1' * 64}  layer-00000.safetensors\n"])
+def test_a_malformed_checksums_file_is_refused(ckpt_dir: Path, text: str) -> None:
+    (ckpt_dir / CHECKSUMS).write_text(text)
+    with pytest.raises(LutBFormatError, match=r"SHA256SUMS, line \d"):
+        Checkpoint(ckpt_dir)
+
+
+def test_sha256sum_checks_a_checkpoint(ckpt_dir: Path) -> None:
+    import shutil
+    import subprocess
+
+    if shutil.which("sha256sum") is None:
+        pytest.skip("no sha256sum on this machine")
+    assert subprocess.run(["sha256sum", "--quiet", "-c", CHECKSUMS], cwd=ckpt_dir).returncode == 0
+    _flip_last_byte(ckpt_dir / "layer-00000.safetensors")
+    assert subprocess.run(["sha256sum", "--quiet", "-c", CHECKSUMS], cwd=ckpt_dir, capture_output=True).returncode != 0
+
+
+def test_overwrite_replaces_a_checkpoint_with_its_checksums(ckpt_dir: Path) -> None:
+    write_checkpoint(ckpt_dir, CONFIG, {1: _layer([3], 5)}, overwrite=True)
+    ckpt = Checkpoint(ckpt_dir)
+    assert ckpt.layers == [1] and set(ckpt.checksums or {}) == {"layer-00001.safetensors"} and ckpt.verify_files()

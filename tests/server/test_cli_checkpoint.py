@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import lutb_kernels.checkpoint as checkpoint_module
-from lutb_kernels.checkpoint import Checkpoint
+from lutb_kernels.checkpoint import Checkpoint, write_checksums
 from lutb_kernels.tiles import tiles_to_dense
 from lutb_server.cli import main
 from lutb_server.testing import make_tiny_checkpoint
@@ -111,6 +111,7 @@ def test_inspect_corrupted_scale_byte(tmp_path: Path, capsys: pytest.CaptureFixt
     # Expert 2, tile (3, 1) of w13; scale of row 7, group 2.
     tensors["layers.1.w13"][2, 3, 1, 16 + 4 * 7 + 2] = 255
     save_file(tensors, str(file), metadata=meta)
+    write_checksums(out, sorted(out.glob("*.safetensors")))  # as a converter that wrote the bad tile would
     capsys.readouterr()
     assert main(["inspect", str(out), "--no-progress"]) == 1
     captured = capsys.readouterr()
@@ -118,6 +119,22 @@ def test_inspect_corrupted_scale_byte(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["inspect", str(out), "--json"]) == 1
     info = json.loads(capsys.readouterr().out)
     assert info["valid"] is False and "layers.1.w13" in info["error"] and "(2, 3, 1)" in info["error"]
+
+
+def test_inspect_a_damaged_copy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bytes changed after the writer wrote them (a bad copy): inspect names the file; its tiles alone would pass."""
+    out = tmp_path / "ckpt"
+    assert main(["synth", "--out", str(out), "--layers", "2", "--experts", "3"]) == 0
+    assert main(["inspect", str(out), "--no-progress"]) == 0
+    assert "SHA256SUMS: every file checked" in capsys.readouterr().out
+    file = out / "layer-00001.safetensors"
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2:] = bytes(len(data) - len(data) // 2)
+    file.write_bytes(bytes(data))
+    assert main(["inspect", str(out), "--json"]) == 1
+    info = json.loads(capsys.readouterr().out)
+    assert info["valid"] is False and info["checksums"] is True
+    assert "layer-00001.safetensors differs from the sha256 in SHA256SUMS" in info["error"]
 
 
 def test_inspect_unreadable_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

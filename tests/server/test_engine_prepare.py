@@ -16,6 +16,7 @@ from lutb_kernels.checkpoint import Checkpoint
 from lutb_server.backends import choose_backend
 from lutb_server.engine import ExpertEngine
 from lutb_server.errors import InvalidArgument
+from lutb_server.testing import make_tiny_checkpoint
 
 HIDDEN, EXPERTS = 128, 8
 
@@ -154,3 +155,30 @@ def test_routes_per_token_are_bounded(tiny_checkpoint: Path, max_top_k: int, k: 
             assert not isinstance(result, str) and result.topk_ids.shape == (3, k)
         else:
             assert isinstance(result, str) and result.startswith(f"topk_ids: k = {k} routes per token") and refused in result
+
+
+def test_the_first_process_to_open_a_checkpoint_checks_its_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A damaged copy (bytes changed after the writer's SHA256SUMS) is refused when the server starts, where the
+    format's checks alone would pass it (zero bytes are valid tiles); skipped with validation off, and in a process
+    handed the content hash (front end 0 checked the same files)."""
+    from lutb_kernels.checkpoint import CHECKSUMS
+    from lutb_kernels.errors import LutBFormatError
+
+    path = make_tiny_checkpoint(tmp_path / "ckpt")
+    file = sorted(path.glob("*.safetensors"))[-1]
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2:] = bytes(len(data) - len(data) // 2)
+    file.write_bytes(bytes(data))
+
+    def engine(**kwargs):  # noqa: ANN202
+        ckpt = Checkpoint(path)
+        return ExpertEngine(ckpt, choose_backend("reference", ckpt.config, torch.device("cpu")), **kwargs)
+
+    with pytest.raises(LutBFormatError, match=rf"{file.name} differs from the sha256 in {CHECKSUMS}"):
+        engine()
+    engine(validate_tiles=False)
+    engine(content_hash="sha256:" + "0" * 64)
+    (path / CHECKSUMS).unlink()
+    with caplog.at_level("WARNING", logger="lutb_server.engine"):
+        engine()
+    assert f"has no {CHECKSUMS}" in caplog.text

@@ -156,6 +156,7 @@ def describe(path: str, *, progress: bool = False) -> dict[str, Any]:
         "bits_per_weight": weight_bytes * 8 / weights if weights else 0.0,
         "tile_bytes": TILE_BYTES,
         "content_hash": ckpt.content_hash(progress=hash_bar if progress else None),
+        "checksums": ckpt.checksums is not None,
     }
     bar = None
     if progress:
@@ -186,6 +187,7 @@ def _text(info: dict[str, Any]) -> str:
     lines += [
         f"weights     {info['weights']:,} in {info['weight_bytes']:,} bytes = {info['bits_per_weight']:.4f} bits per weight",
         f"hash        {info['content_hash']}",
+        f"checksums   {'SHA256SUMS: every file checked' if info['checksums'] else 'none (no SHA256SUMS): file bytes not checked'}",
         f"valid       {'yes' if info['valid'] else 'NO: ' + info['error']}",
     ]
     return "\n".join(lines)
