@@ -50,8 +50,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1
 synth qwen3-bf16 --experts 128 --hidden 2048 --intermediate 768 --dtype bfloat16
 synth qwen3-fp16 --experts 128 --hidden 2048 --intermediate 768 --dtype float16 --seed 1
 synth deepseek-e16 --experts 16 --hidden 7168 --intermediate 2048 --dtype bfloat16 --seed 2
-for name in qwen3-bf16 qwen3-fp16 deepseek-e16; do
-  for backend in packed emulated; do check "$name" "$backend"; done
+for backend in packed emulated; do  # packed first: the backend a GPU server picks
+  for name in qwen3-bf16 qwen3-fp16 deepseek-e16; do check "$name" "$backend"; done
 done
 
 echo "== check table"
