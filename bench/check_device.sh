@@ -70,9 +70,9 @@ for key, code in codes.items():
         print(f"{key:<24} {code:>4} {'-':>7}")
         continue
     data = json.loads(path.read_text())
-    rows = data["layers"] + data["experts"]
-    worst = max((r["rel_l2"] for r in rows), default=float("nan"))
-    worst_row = max((r["worst_row_rel_l2"] for r in rows if r["suite"] in ROW_JUDGED_PARTS), default=float("nan"))
+    rows = data["layers"] + data["experts"]  # non-finite figures are kept as the strings "inf" and "nan"
+    worst = max((float(r["rel_l2"]) for r in rows), default=float("nan"))
+    worst_row = max((float(r["worst_row_rel_l2"]) for r in rows if r["suite"] in ROW_JUDGED_PARTS), default=float("nan"))
     print(f"{key:<24} {code:>4} {data['verdict']:>7} {worst:>12.3e} {worst_row:>22.3e}")
 EOF
 exit $status
