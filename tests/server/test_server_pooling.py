@@ -352,8 +352,11 @@ def test_streams_beyond_max_streams_are_refused_at_their_start(tiny_checkpoint) 
                 list(stub.ForwardStream(iter([request]), timeout=30))
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "max_streams = 2" in refused.value.details()
-            assert registry.get_sample_value("lutb_grpc_requests_total", {
-                "service": "lutb.v1.ExpertService", "method": "ForwardStream", "code": "RESOURCE_EXHAUSTED"}) == 1
+            labels = {"service": "lutb.v1.ExpertService", "method": "ForwardStream", "code": "RESOURCE_EXHAUSTED"}
+            deadline = time.monotonic() + 10  # counted as the interceptor sees the call end: after the client's status
+            while registry.get_sample_value("lutb_grpc_requests_total", labels) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert registry.get_sample_value("lutb_grpc_requests_total", labels) == 1
             ends[0].set()
             assert list(open_streams[0]) == []  # ended cleanly
             deadline = time.monotonic() + 10
