@@ -429,12 +429,15 @@ def is_checkpoint_file(entry: Path) -> bool:
         entry.name.endswith((".safetensors", ".safetensors.partial")) or entry.name == CHECKSUMS)
 
 
-def file_sha256(path: Path) -> str:
-    """The sha256 of ``path``'s bytes, hex (read in 16 MiB chunks; hashlib lets other threads run meanwhile)."""
+def file_sha256(path: Path, update: Callable[[int], object] | None = None) -> str:
+    """The sha256 of ``path``'s bytes, hex (read in 16 MiB chunks; hashlib lets other threads run meanwhile);
+    ``update`` is told each chunk's bytes once hashed."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
+            if update is not None:
+                update(len(chunk))
     return digest.hexdigest()
 
 
@@ -461,10 +464,13 @@ def read_checksums(folder: Path) -> dict[str, str] | None:
         raise LutBFormatError(f"{path}: unreadable ({exc})") from exc
     sums: dict[str, str] = {}
     for number, line in enumerate(text.splitlines(), 1):
-        match = _CHECKSUM_LINE.fullmatch(line)
+        match = _CHECKSUM_LINE.fullmatch(line.replace("  ./", "  ", 1).replace(" *./", " *", 1))  # sha256sum ./*
         if match is None:
-            raise LutBFormatError(f"{path}, line {number}: not '<64 lowercase hex digits>  <file name>': {line[:120]!r}")
+            raise LutBFormatError(f"{path}, line {number}: not '<64 lowercase hex digits>  <file name>' (a file of "
+                                  f"this folder, its name without '/' or '\\'): {line[:120]!r}")
         digest, name = match.groups()
+        if name == CHECKSUMS:  # ``sha256sum * > SHA256SUMS`` hashes the file being written: nothing to check
+            continue
         if name in sums:
             raise LutBFormatError(f"{path}, line {number}: {name} is listed twice")
         sums[name] = digest
@@ -585,7 +591,8 @@ class Checkpoint:
         it lists, checked here; :meth:`verify_files` checks their bytes."""
         if self.checksums is not None:
             present = {file.name for file in self.files}
-            missing, unlisted = sorted(set(self.checksums) - present), sorted(present - set(self.checksums))
+            missing = sorted(name for name in set(self.checksums) - present if not (self.path / name).is_file())
+            unlisted = sorted(present - set(self.checksums))
             if missing:
                 raise LutBFormatError(f"{self.path}: {CHECKSUMS} lists {', '.join(missing)}, missing here (an "
                                       "incomplete copy?)")
@@ -638,8 +645,8 @@ class Checkpoint:
             raise LutBFormatError(f"{self.path}: its files changed since {whose} opened them (replaced or rewritten); "
                                   "start the server again to serve what the path holds now")
 
-    def _tensor(self, name: str) -> torch.Tensor:
-        file = self._where[name]
+    def _check_unchanged(self, file: Path) -> None:
+        """Raise :class:`LutBFormatError` when ``file`` is not the file opened (replaced or rewritten since)."""
         try:
             changed = _file_identity(file) != self._identity[file]
         except OSError:
@@ -647,6 +654,10 @@ class Checkpoint:
         if changed:  # an overwrite swapped the directory: reading on would mix two checkpoints
             raise LutBFormatError(f"{file}: changed since the checkpoint was opened (replaced or rewritten); open it "
                                   "again to read what it holds now")
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        file = self._where[name]
+        self._check_unchanged(file)
         with open_safetensors(file) as f:
             return f.get_tensor(name)
 
@@ -689,32 +700,51 @@ class Checkpoint:
         _check_ids_tensor(ids, f"{self._where[name].name}: {name}")
         return ids
 
-    def verify_files(self, threads: int | None = None) -> bool:
-        """Check every file's bytes against :data:`CHECKSUMS` (files hashed in parallel, by up to ``threads`` threads;
-        default: one per file, at most 8 and the CPU count). Returns False when there is no such file to check
-        against, True when every file matches.
+    def verify_files(self, progress: Callable[[int], AbstractContextManager[Any]] | None = None, *,
+                     threads: int | None = None) -> bool:
+        """Check the bytes of every file :data:`CHECKSUMS` lists (the safetensors files, and any other it names) against
+        it, hashed in parallel by up to ``threads`` threads (default: one per file, at most 8 and the CPU count).
+        Returns False when there is no such file to check against, True when every file matches.
+
+        Args:
+            progress: a progress bar for the pass, as for :meth:`content_hash` (told the bytes hashed).
 
         Raises:
             LutBFormatError: a file's bytes differ from what its writer wrote (naming it): a corrupted or
-                truncated copy, or a file rewritten since.
+                truncated copy; or a safetensors file was replaced or rewritten since the checkpoint was opened.
         """
         if self.checksums is None:
             return False
+        import threading
         from concurrent.futures import ThreadPoolExecutor
 
-        workers = threads or max(1, min(8, len(self.files), os.cpu_count() or 1))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lutb-sha256") as pool:
-            digests = dict(zip(self.files, pool.map(file_sha256, self.files)))
+        files = [self.path / name for name in sorted(self.checksums)]
+        workers = threads or max(1, min(8, len(files), os.cpu_count() or 1))
+        lock = threading.Lock()
+        with progress(sum(f.stat().st_size for f in files)) if progress else nullcontext() as bar:
+            def told(n: int) -> None:
+                with lock:  # the threads share one bar
+                    bar.update(n)
+
+            def digest(file: Path) -> str:
+                return file_sha256(file, told if bar is not None else None)
+
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lutb-sha256") as pool:
+                digests = dict(zip(files, pool.map(digest, files)))
+        for file in self.files:
+            self._check_unchanged(file)  # an overwrite swapped in meanwhile: not a damaged copy
         wrong = [file.name for file, digest in digests.items() if digest != self.checksums[file.name]]
         if wrong:
             raise LutBFormatError(f"{self.path}: {', '.join(wrong)} differ{'s' if len(wrong) == 1 else ''} from the "
                                   f"sha256 in {CHECKSUMS} (a corrupted or truncated copy, or rewritten since)")
         return True
 
-    def validate(self, progress: Callable[[Iterable[int]], Iterable[int]] | None = None) -> None:
-        """Check every file's bytes against :data:`CHECKSUMS` (where the checkpoint has one), then every tensor and
-        tile; raise :class:`LutBFormatError` naming file, tensor and tile."""
-        self.verify_files()
+    def validate(self, progress: Callable[[Iterable[int]], Iterable[int]] | None = None,
+                 file_progress: Callable[[int], AbstractContextManager[Any]] | None = None) -> None:
+        """Check every file's bytes against :data:`CHECKSUMS` (where the checkpoint has one; ``file_progress``: its
+        progress bar, as for :meth:`verify_files`), then every tensor and tile (``progress`` wraps the layers); raise
+        :class:`LutBFormatError` naming file, tensor and tile."""
+        self.verify_files(file_progress)
         for layer in progress(self.layers) if progress else self.layers:
             weights = self.layer(layer, check=False)
             check_layer(self.config, layer, weights, tiles=True, where=self._files_of(layer))

@@ -204,14 +204,15 @@ def write_shards(
         overwrite: replace the shards ``out_dir`` holds. An ``out_dir`` holding anything but shard
             directories and ``shards.json`` is refused either way, as is one holding the source.
         progress: wraps the layers as they are written (e.g. a tqdm bar).
-        hash_progress: a progress bar for hashing the source (``shards.json`` records its content hash,
-            which reads every byte); see :meth:`Checkpoint.content_hash`.
+        hash_progress: a progress bar for hashing the source: its files against its ``SHA256SUMS`` first (where it
+            has one), then its content hash, which ``shards.json`` records; see :meth:`Checkpoint.content_hash`.
 
     Returns:
         The shard directories, in shard order.
 
     Raises:
         FileExistsError: ``out_dir`` cannot be replaced (see above).
+        LutBFormatError: a source file's bytes differ from its ``SHA256SUMS`` (nothing is written).
     """
     out = Path(out_dir)
     if not plan:
@@ -220,6 +221,7 @@ def write_shards(
     staged = StagedDirectory(out, owns=_is_shard_output, what="shard checkpoints", overwrite=overwrite,
                              sources=checkpoint.files)
     try:
+        checkpoint.verify_files(hash_progress)  # shards of a damaged copy would carry checksums of its damage
         _write_shard_checkpoints(checkpoint, staged.staging, plan, progress)
         manifest = {
             "source": str(checkpoint.path),

@@ -538,3 +538,45 @@ def test_overwrite_replaces_a_checkpoint_with_its_checksums(ckpt_dir: Path) -> N
     write_checkpoint(ckpt_dir, CONFIG, {1: _layer([3], 5)}, overwrite=True)
     ckpt = Checkpoint(ckpt_dir)
     assert ckpt.layers == [1] and set(ckpt.checksums or {}) == {"layer-00001.safetensors"} and ckpt.verify_files()
+
+
+def test_files_replaced_while_open_are_told_apart_from_damage(ckpt_dir: Path) -> None:
+    ckpt = Checkpoint(ckpt_dir)
+    write_checkpoint(ckpt_dir, CONFIG, {0: _layer([1], 8), 3: _layer([2], 9)}, overwrite=True)
+    with pytest.raises(LutBFormatError, match="changed since the checkpoint was opened"):
+        ckpt.verify_files()
+
+
+def test_checksums_as_sha256sum_writes_them_in_other_ways(ckpt_dir: Path) -> None:
+    """``sha256sum ./*`` (a ``./`` prefix), ``-b`` (``*`` before the name), ``sha256sum * > SHA256SUMS`` (the file
+    itself, and files besides the safetensors ones, listed): accepted, and the other files are checked too."""
+    (ckpt_dir / "README.md").write_text("a checkpoint\n")
+    names = ["README.md", "layer-00000.safetensors", "layer-00003.safetensors"]
+    lines = [f"{file_sha256(ckpt_dir / n)} {'*' if i == 1 else ' '}{'./' if i == 2 else ''}{n}" for i, n in enumerate(names)]
+    (ckpt_dir / CHECKSUMS).write_text("\n".join(lines + [f"{'0' * 64}  {CHECKSUMS}"]) + "\n")
+    ckpt = Checkpoint(ckpt_dir)
+    assert set(ckpt.checksums or {}) == set(names) and ckpt.verify_files()
+    (ckpt_dir / "README.md").write_text("changed\n")
+    with pytest.raises(LutBFormatError, match=r"README\.md differs"):
+        Checkpoint(ckpt_dir).verify_files()
+
+
+def test_verify_files_tells_its_progress_every_byte(ckpt_dir: Path) -> None:
+    told: list[int] = []
+
+    class Bar:
+        def __init__(self, total: int) -> None:
+            told.append(total)
+
+        def __enter__(self) -> "Bar":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            told.append(n)
+
+    assert Checkpoint(ckpt_dir).verify_files(Bar, threads=2)
+    total = sum(f.stat().st_size for f in ckpt_dir.glob("*.safetensors"))
+    assert told[0] == total == sum(told[1:])

@@ -277,3 +277,16 @@ def test_cli_shard_shows_progress_while_hashing_the_source(ckpt: Checkpoint, tmp
     assert main(["shard", str(ckpt.path), "--out", str(tmp_path / "ep"), "--shards", "2"]) == 0
     during = stderr_while_hashing
     assert len(during) == 1 and "hash" in during[0] and "100%" in during[0]
+
+
+def test_a_damaged_source_is_not_sharded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its shards would carry fresh checksums of the damage and pass every check downstream (review)."""
+    src = tmp_path / "src"
+    make_synthetic_checkpoint(src, layers=2, experts=6, hidden=128, intermediate=128, dtype="float32", seed=3)
+    file = src / "layer-00001.safetensors"
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2:] = bytes(len(data) - len(data) // 2)
+    file.write_bytes(bytes(data))
+    assert main(["shard", str(src), "--out", str(tmp_path / "ep"), "--shards", "2"]) != 0
+    assert "layer-00001.safetensors differs from the sha256 in SHA256SUMS" in capsys.readouterr().err
+    assert not (tmp_path / "ep").exists()

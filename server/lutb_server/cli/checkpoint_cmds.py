@@ -109,11 +109,17 @@ def run_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
-def hash_bar(total: int) -> tqdm:
-    """The progress bar of a content-hash pass (``Checkpoint.content_hash(progress=hash_bar)``): ``total`` bytes, on stderr."""
+def hash_bar(total: int, desc: str = "hash") -> tqdm:
+    """The progress bar of a pass that reads every byte (``Checkpoint.content_hash(progress=hash_bar)``,
+    ``Checkpoint.verify_files(progress=sha256_bar)``): ``total`` bytes, on stderr."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc="hash", file=sys.stderr)
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr)
+
+
+def sha256_bar(total: int) -> tqdm:
+    """:func:`hash_bar` of the pass that checks the files against the checkpoint's ``SHA256SUMS``."""
+    return hash_bar(total, "SHA256SUMS")
 
 
 def describe(path: str, *, progress: bool = False) -> dict[str, Any]:
@@ -164,7 +170,7 @@ def describe(path: str, *, progress: bool = False) -> dict[str, Any]:
 
         bar = lambda it: tqdm(it, desc="validate", unit="layer", file=sys.stderr)  # noqa: E731
     try:
-        ckpt.validate(progress=bar)
+        ckpt.validate(progress=bar, file_progress=sha256_bar if progress else None)
         info["valid"] = True
         info["error"] = None
     except LutBFormatError as exc:
