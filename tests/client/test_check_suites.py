@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import math
 
 import pytest
@@ -158,3 +160,10 @@ def test_rows_where_the_judge_answers_nan_fail() -> None:
     row = Row("normal", 0, fine, tokens=64)
     row.judge(1e-2)
     assert row.ok
+
+
+def test_duplicates_name_an_expert_twice_even_at_top_1() -> None:
+    """With ``--topk 1`` the part once sent plain top-1 batches, which duplicate nothing, and passed."""
+    shape = _shape()
+    batches = make_batches(["duplicates"], replace(shape, topk=1), [0], cap=16, seed=0)
+    assert batches and all(b.topk_ids.shape[1] == 2 and (b.topk_ids[:, 0] == b.topk_ids[:, 1]).all() for b in batches)

@@ -167,12 +167,20 @@ def test_unwritable_report_paths_are_refused_before_the_node_is_asked(server: Se
     monkeypatch.setattr(runner, "run_check", never)
     for flag, name in (("--json", "r.json"), ("--plot", "r.png")):
         assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, flag, str(tmp_path)]) == 2
-        assert f"cannot write {tmp_path}" in capsys.readouterr().err, flag
+        err = capsys.readouterr().err
+        assert f"cannot write {tmp_path}" in err and f"e.g. {tmp_path / ('report' + Path(name).suffix)}" in err, flag
+        dangling = tmp_path / f"dangling{Path(name).suffix}"
+        dangling.symlink_to(tmp_path / "nowhere" / name)
+        assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, flag, str(dangling)]) == 2
+        assert f"cannot write {dangling}" in capsys.readouterr().err, flag
         (tmp_path / "a-file").write_text("")
         assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST,
                      flag, str(tmp_path / "a-file" / name)]) == 2
         assert "cannot write" in capsys.readouterr().err, flag
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, "--plot", str(tmp_path / "r.txt")]) == 2
+    assert "give a file name ending in one of" in capsys.readouterr().err and not (tmp_path / "r.txt").exists()
+    for module in ("matplotlib", "matplotlib.figure"):  # importing them raises ImportError, as without matplotlib
+        monkeypatch.setitem(__import__("sys").modules, module, None)
     assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, "--plot", str(tmp_path / "r.png")]) == 2
     assert "cannot draw" in capsys.readouterr().err and not (tmp_path / "r.png").exists()
 

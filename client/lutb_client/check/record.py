@@ -61,20 +61,28 @@ def _key(i: int, name: str) -> str:
     return f"batch.{i:06d}.{name}"
 
 
-def check_writable(path: str | Path) -> None:
-    """Make sure a record can be written at ``path`` before a node is asked anything: its folder is made, and a
-    file there can be created.
+def check_writable(path: str | Path, example: str = "node.lutbrec.safetensors") -> None:
+    """Make sure a file can be written at ``path`` before a node is asked anything: its folder is made, and the file
+    itself opened for writing (an existing one is left as it is; a new one is removed again).
+
+    Args:
+        example: a file name the message for a folder suggests.
 
     Raises:
-        OSError: ``path`` is a folder, or its folder cannot be made or written.
+        OSError: ``path`` is a folder, its folder cannot be made, or the file cannot be written (read-only, a link
+            to nowhere).
     """
     out = Path(path)
     if out.is_dir():
-        raise IsADirectoryError(f"{out} is a folder; give a file name (e.g. {out / 'node.lutbrec.safetensors'})")
+        raise IsADirectoryError(f"{out} is a folder; give a file name (e.g. {out / example})")
     out.parent.mkdir(parents=True, exist_ok=True)
-    probe = out.parent / f".{out.name}.write-test"
-    probe.touch()
-    probe.unlink()
+    if out.exists() or out.is_symlink():
+        with open(out, "ab"):  # follows a link; changes nothing
+            pass
+    else:
+        with open(out, "xb"):
+            pass
+        out.unlink()
 
 
 def write_recording(path: str | Path, rec: Recording) -> Path:

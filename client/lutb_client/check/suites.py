@@ -30,8 +30,9 @@ Suites (``--suite`` names; the default is all of them):
 - ``weights_on_input``: ``k = 1`` with ``apply_router_weight_on_input``, combined.
 - ``route_major``: standard-normal ``x``, softmax top-k over all experts (routes to
   experts the node does not hold must come back zero), route-major output.
-- ``duplicates``: standard-normal ``x``, softmax top-k, then each token's second route names its
-  first route's expert again (spec section 4 computes both routes and sums them); combined.
+- ``duplicates``: standard-normal ``x``, softmax top-k (k at least 2, even with ``--topk 1``), then each
+  token's second route names its first route's expert again (spec section 4 computes both routes and sums
+  them); combined. Nothing for a model of one expert.
 """
 
 from __future__ import annotations
@@ -301,6 +302,10 @@ def make_part_batches(
         k = 1
     elif part.routing == "cover":
         k = max(1, min(shape.topk, len(held)))
+    elif part.routing == "repeated":  # two routes at least, whatever --topk (a node refuses more than its experts)
+        k = min(max(2, shape.topk), shape.num_experts)
+        if k < 2:
+            return []  # a model of one expert: no token can name two
     else:
         k = max(1, min(shape.topk, shape.num_experts))
     itemsize = torch.empty((), dtype=shape.dtype).element_size()

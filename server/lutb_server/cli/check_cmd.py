@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from lutb_server.cli._args import positive_float, positive_int
 
@@ -103,17 +104,21 @@ def run_check(args: argparse.Namespace) -> int:
                               "address and port): give --against another node or reference")
     if args.against != "reference" and args.checkpoint:
         print(f"lutb check: --checkpoint is only read with --against reference; judging by {args.against}", file=sys.stderr)
-    for path in (args.json, args.plot):  # before a node is asked anything: a check may take minutes
-        if path:
+    for path, example in ((args.json, "report.json"), (args.plot, "report.png")):  # before a node is asked anything:
+        if path:                                                                # a check may take minutes
             try:
-                check_writable(path)
+                check_writable(path, example)
             except OSError as exc:
                 return _fail("check", f"cannot write {path}: {exc.strerror or exc}")
     if args.plot:
         try:
-            importlib.import_module("matplotlib")  # only whether it is there
+            figure = importlib.import_module("matplotlib.figure")
         except ImportError as exc:
             return _fail("check", f"cannot draw {args.plot}: {exc} (pip install 'lutb-moe[plot]')")
+        formats = figure.Figure().canvas.get_supported_filetypes()
+        if Path(args.plot).suffix.lower().lstrip(".") not in formats:
+            return _fail("check", f"cannot draw {args.plot}: give a file name ending in one of "
+                                  f"{', '.join('.' + f for f in sorted(formats))}")
     sides: list[Side] = []
     try:
         target: Side = open_recording(args.replay) if args.replay else NodeSide(args.target, timeout=args.timeout)
