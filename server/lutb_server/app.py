@@ -61,7 +61,9 @@ SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
 
 DEMO_SHAPE = {"layers": 2, "experts": 8, "hidden": 256, "intermediate": 256, "activation": "silu",
               "dtype": "bfloat16", "scale_mode": "rceil", "seed": 0}
-DEMO_NAME = "demo-v1-l2-e8-h256-i256-silu-bf16-rceil-s0"
+DEMO_NAME = "demo-v2-l2-e8-h256-i256-silu-bf16-rceil-s0"
+"""The demo's folder under ``demo_dir``: a new name whenever what the writer puts there changes (v2: SHA256SUMS), so
+that a demo an earlier version made is not reused (it would be served with a warning that its files go unchecked)."""
 
 
 def ensure_demo_checkpoint(demo_dir: Path) -> Path:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from lutb_kernels.checkpoint import CheckpointConfig
+from lutb_kernels.checkpoint import Checkpoint, CheckpointConfig
 from lutb_kernels.experts.base import LayerExperts, Support
 from lutb_server import backends
 from lutb_server.backends import AUTO_ORDER, BACKENDS, BackendEntry, choose_backend, load_class, resolve_device
@@ -290,6 +290,7 @@ def test_demo_checkpoint_is_made_once_and_served(tmp_path: Path) -> None:
 
     path = ensure_demo_checkpoint(tmp_path)
     assert path == tmp_path / DEMO_NAME
+    assert Checkpoint(path).verify_files()  # a demo with SHA256SUMS: served without a warning that it goes unchecked
     stamp = [f.stat().st_mtime_ns for f in sorted(path.glob("*.safetensors"))]
     assert ensure_demo_checkpoint(tmp_path) == path
     assert [f.stat().st_mtime_ns for f in sorted(path.glob("*.safetensors"))] == stamp  # cached, not remade
