@@ -346,3 +346,46 @@ def test_a_node_that_merges_an_experts_two_routes_fails_only_duplicates(server: 
     rows = json.loads(report.read_text())["layers"]
     assert {r["suite"] for r in rows if not r["ok"]} >= {"duplicates"}
     assert all(r["ok"] for r in rows if r["suite"] == "normal")
+
+
+def test_routes_per_token_stay_within_the_nodes_max_top_k(client_checkpoint: Path, tmp_path: Path) -> None:
+    """A node started with ``max_top_k`` below ``--topk`` refused every request as INVALID_ARGUMENT and failed the
+    check; ``duplicates`` sent two routes to a node taking one. Now the routes follow the smallest ``max_top_k`` the
+    sides state, and a check left with nothing to send is exit 2, never a pass."""
+    with ServerThread(checkpoint=client_checkpoint, max_top_k=2) as two, ServerThread(checkpoint=client_checkpoint,
+                                                                                     max_top_k=1) as one:
+        report = tmp_path / "r.json"
+        assert _run(["check", two.address, "--checkpoint", str(client_checkpoint), "--tokens", "16", "--topk", "8",
+                     "--suite", "normal,duplicates,coverage", "--device", "cpu", "--json", str(report)]) == 0
+        assert {r["suite"] for r in json.loads(report.read_text())["layers"]} >= {"normal", "duplicates", "coverage"}
+        assert _run(["check", one.address, "--checkpoint", str(client_checkpoint), "--tokens", "16",
+                     "--suite", "normal,duplicates", "--device", "cpu", "--json", str(report)]) == 0
+        assert "duplicates" not in {r["suite"] for r in json.loads(report.read_text())["layers"]}
+        assert _run(["check", one.address, "--checkpoint", str(client_checkpoint), "--tokens", "16",
+                     "--suite", "duplicates", "--device", "cpu"]) == 2
+        assert _run(["record", one.address, "--out", str(tmp_path / "n.lutbrec"), "--suite", "duplicates"]) == 2
+
+
+def test_checking_a_path_writable_creates_and_changes_nothing(tmp_path: Path) -> None:
+    """It opened the file to probe it: a link into an existing folder left an empty file behind, and a FIFO's reader
+    got its end of file (review)."""
+    import os
+
+    from lutb_client.check.record import check_writable
+
+    check_writable(tmp_path / "sub" / "new.json")  # its folder is made, the file is not
+    assert (tmp_path / "sub").is_dir() and not (tmp_path / "sub" / "new.json").exists()
+    (tmp_path / "target").mkdir()
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "target" / "real.json")
+    check_writable(link)
+    assert not (tmp_path / "target" / "real.json").exists()
+    kept = tmp_path / "kept.json"
+    kept.write_text("precious")
+    before = os.stat(kept)
+    check_writable(kept)
+    after = os.stat(kept)
+    assert kept.read_text() == "precious" and (after.st_mtime_ns, after.st_ctime_ns) == (before.st_mtime_ns, before.st_ctime_ns)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(OSError, match="not a regular file"):
+        check_writable(tmp_path / "fifo")

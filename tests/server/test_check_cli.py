@@ -173,10 +173,24 @@ def test_unwritable_report_paths_are_refused_before_the_node_is_asked(server: Se
         dangling.symlink_to(tmp_path / "nowhere" / name)
         assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, flag, str(dangling)]) == 2
         assert f"cannot write {dangling}" in capsys.readouterr().err, flag
+        assert not (tmp_path / "nowhere").exists()  # a link's target folder is not made
         (tmp_path / "a-file").write_text("")
         assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST,
                      flag, str(tmp_path / "a-file" / name)]) == 2
         assert "cannot write" in capsys.readouterr().err, flag
+    fifo = tmp_path / "fifo.json"
+    __import__("os").mkfifo(fifo)
+    assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, "--json", str(fifo)]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+    assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, "--json", str(tmp_path / "same"),
+                 "--plot", str(tmp_path / "same")]) == 2
+    assert "three different files" in capsys.readouterr().err
+    assert _run(["check", "--replay", str(tmp_path / "r.lutbrec"), "--checkpoint", str(tiny_checkpoint),
+                 "--json", str(tmp_path / "r.lutbrec")]) == 2
+    assert "three different files" in capsys.readouterr().err
+    for plot in ("r.txt", "r.pgf"):
+        assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, "--plot", str(tmp_path / plot)]) == 2
+        assert "give a file name ending in one of" in capsys.readouterr().err
     assert _run(["check", server.address, "--checkpoint", str(tiny_checkpoint), *FAST, "--plot", str(tmp_path / "r.txt")]) == 2
     assert "give a file name ending in one of" in capsys.readouterr().err and not (tmp_path / "r.txt").exists()
     for module in ("matplotlib", "matplotlib.figure"):  # importing them raises ImportError, as without matplotlib

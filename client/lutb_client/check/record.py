@@ -18,7 +18,9 @@ Format ``lutb-record`` version 1: a single safetensors file.
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,27 +64,33 @@ def _key(i: int, name: str) -> str:
 
 
 def check_writable(path: str | Path, example: str = "node.lutbrec.safetensors") -> None:
-    """Make sure a file can be written at ``path`` before a node is asked anything: its folder is made, and the file
-    itself opened for writing (an existing one is left as it is; a new one is removed again).
+    """Make sure a file can be written at ``path`` before a node is asked anything, without creating or touching it:
+    an existing ``path`` (or a link's target) must be a regular file we may write; a new one's folder is made (not a
+    link's target's) and must be writable.
 
     Args:
         example: a file name the message for a folder suggests.
 
     Raises:
-        OSError: ``path`` is a folder, its folder cannot be made, or the file cannot be written (read-only, a link
-            to nowhere).
+        OSError: ``path`` is a folder or not a regular file (a FIFO, a device), its folder cannot be made, or the file
+            or its folder cannot be written (read-only; a link into a folder that does not exist).
     """
     out = Path(path)
     if out.is_dir():
         raise IsADirectoryError(f"{out} is a folder; give a file name (e.g. {out / example})")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists() or out.is_symlink():
-        with open(out, "ab"):  # follows a link; changes nothing
-            pass
-    else:
-        with open(out, "xb"):
-            pass
-        out.unlink()
+    target = Path(os.path.realpath(out))  # a link's target: the file the write will create or replace
+    if target.exists():
+        if not target.is_file():
+            raise OSError(errno.EINVAL, f"{out} is not a regular file")
+        if not os.access(target, os.W_OK):
+            raise PermissionError(errno.EACCES, f"{out} is not writable")
+        return
+    if not out.is_symlink():
+        out.parent.mkdir(parents=True, exist_ok=True)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, f"{target.parent} does not exist (where {out} leads)")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{target.parent} is not writable")
 
 
 def write_recording(path: str | Path, rec: Recording) -> Path:

@@ -75,6 +75,7 @@ def model_info_dict(info: Any) -> dict[str, Any]:
         "max_tokens_per_request": int(info.max_tokens_per_request),
         "max_batch_tokens": int(info.max_batch_tokens),
         "max_message_bytes": int(info.max_message_bytes),  # 0: not said (a server older than the field)
+        "max_top_k": int(info.max_top_k),  # 0: not said
         "instance_id": info.instance_id,  # "": not said
         "content_hash": info.content_hash,
         "server_version": info.server_version,
@@ -183,6 +184,7 @@ class ReferenceSide(Side):
             "max_tokens_per_request": 0,
             "max_batch_tokens": 0,
             "max_message_bytes": 0,
+            "max_top_k": 0,
             "instance_id": "",
             "content_hash": self.checkpoint.content_hash(),
             "server_version": "",
@@ -275,12 +277,23 @@ def _cap(tokens: int, *infos: dict[str, Any]) -> int:
 
 
 def _shape(info: dict[str, Any], topk: int, cap: int, *sides: Side) -> NodeShape:
-    """The batches' shape; their messages bounded by the smallest ``message_bytes`` of ``sides`` (0: none)."""
+    """The batches' shape; their messages bounded by the smallest ``message_bytes`` of ``sides`` (0: none), their
+    routes per token by the smallest ``max_top_k`` the sides state (0: none)."""
     bounds = [side.message_bytes for side in sides if side.message_bytes > 0]
+    top_ks = [int(side.info.get("max_top_k") or 0) for side in sides]
     return NodeShape(
         hidden_size=int(info["hidden_size"]), num_experts=int(info["num_experts"]), dtype=model_dtype(info),
         experts=_layers_of(info), max_tokens=cap, topk=topk, max_message_bytes=min(bounds, default=0),
+        max_top_k=min((k for k in top_ks if k > 0), default=0),
     )
+
+
+def _refuse_nothing_to_send(batches: Sequence[Batch], suites: Sequence[str], shape: NodeShape) -> None:
+    """Raise :class:`CheckError` when the suites hold no batch for this node (``duplicates`` alone needs two routes
+    per token: two experts, and a ``max_top_k`` of 2 or more): a check of nothing must not pass."""
+    if not batches:
+        raise CheckError(f"suite(s) {', '.join(suites)} hold no batches for this node ({shape.num_experts} expert(s), "
+                         f"max_top_k {shape.max_top_k or 'not said'}): nothing to check")
 
 
 SIZE_REFUSAL = re.compile(r"larger than max|max_message_bytes", re.IGNORECASE)
@@ -558,6 +571,7 @@ def run_check(
         finally:
             if probing is not None:
                 probing.close()
+        _refuse_nothing_to_send(batches, suite_names, shape)
 
     hidden = int(target.info["hidden_size"])
     dtype = model_dtype(target.info)
@@ -661,6 +675,7 @@ def record_node(
         return headroom[layer]
 
     batches = make_batches(suite_names, shape, chosen, cap=cap, seed=seed, headroom=room)
+    _refuse_nothing_to_send(batches, suite_names, shape)
     outputs: dict[int, torch.Tensor] = {}
     errors: dict[int, dict[str, str]] = {}
     bar = _progress(len(batches), f"record {target.address}", progress)

@@ -32,7 +32,7 @@ Suites (``--suite`` names; the default is all of them):
   experts the node does not hold must come back zero), route-major output.
 - ``duplicates``: standard-normal ``x``, softmax top-k (k at least 2, even with ``--topk 1``), then each
   token's second route names its first route's expert again (spec section 4 computes both routes and sums
-  them); combined. Nothing for a model of one expert.
+  them); combined. Nothing for a model of one expert or a node whose ``max_top_k`` is 1.
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ class NodeShape:
     """What the batches must fit: sizes, dtype, experts held per layer, largest request.
 
     ``max_tokens`` bounds a request's tokens; ``max_message_bytes`` (0: no bound) its request and response
-    messages (:func:`message_tokens`).
+    messages (:func:`message_tokens`); ``max_top_k`` (0: no bound) its routes per token, as ``topk`` and the expert
+    count do.
     """
 
     hidden_size: int
@@ -122,6 +123,7 @@ class NodeShape:
     max_tokens: int
     topk: int = 8
     max_message_bytes: int = 0
+    max_top_k: int = 0
 
 
 def token_bytes(hidden: int, itemsize: int, k: int, output_mode: str) -> int:
@@ -298,16 +300,17 @@ def make_part_batches(
     gen = part_generator(seed, part.name, layer)
     held = shape.experts[layer]
     standard = STANDARD_TOKENS  # always judged strictly (spec section 6's 64 tokens); .split(cap) sends it in parts
+    routes = min(shape.num_experts, shape.max_top_k or shape.num_experts)  # most routes a token may have
     if part.weights_on_input:
         k = 1
     elif part.routing == "cover":
-        k = max(1, min(shape.topk, len(held)))
-    elif part.routing == "repeated":  # two routes at least, whatever --topk (a node refuses more than its experts)
-        k = min(max(2, shape.topk), shape.num_experts)
+        k = max(1, min(shape.topk, len(held), routes))
+    elif part.routing == "repeated":  # two routes at least, whatever --topk
+        k = min(max(2, shape.topk), routes)
         if k < 2:
-            return []  # a model of one expert: no token can name two
+            return []  # one expert, or a node taking one route per token: no token can name an expert twice
     else:
-        k = max(1, min(shape.topk, shape.num_experts))
+        k = max(1, min(shape.topk, routes))
     itemsize = torch.empty((), dtype=shape.dtype).element_size()
     cap = max(1, min(cap, message_tokens(shape.max_message_bytes,
                                          token_bytes(shape.hidden_size, itemsize, k, part.output_mode))))

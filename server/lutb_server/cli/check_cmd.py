@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def _add_batch_options(parser: argparse.ArgumentParser) -> None:
                         help="largest request in tokens: standard batches (64 tokens) go as requests of at most N, "
                              "the max_tokens batch is min(N, max_tokens_per_request); requests are also kept within "
                              "the client's message limit, and split when a node refuses one as too large (default: 1024)")
-    parser.add_argument("--topk", type=positive_int, default=8, metavar="K", help="routes per token, capped at the expert count (default: 8)")
+    parser.add_argument("--topk", type=positive_int, default=8, metavar="K", help="routes per token, capped at the expert count and the sides' max_top_k (default: 8)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the suites (default: 0)")
     parser.add_argument("--timeout", type=positive_float, default=120.0, metavar="S", help="deadline of each call in seconds (default: 120)")
 
@@ -104,6 +105,9 @@ def run_check(args: argparse.Namespace) -> int:
                               "address and port): give --against another node or reference")
     if args.against != "reference" and args.checkpoint:
         print(f"lutb check: --checkpoint is only read with --against reference; judging by {args.against}", file=sys.stderr)
+    outputs = [os.path.realpath(path) for path in (args.json, args.plot) if path]
+    if len(set(outputs)) < len(outputs) or (args.replay and os.path.realpath(args.replay) in outputs):
+        return _fail("check", "--json, --plot and --replay must name three different files (one would overwrite another)")
     for path, example in ((args.json, "report.json"), (args.plot, "report.png")):  # before a node is asked anything:
         if path:                                                                # a check may take minutes
             try:
@@ -115,7 +119,7 @@ def run_check(args: argparse.Namespace) -> int:
             figure = importlib.import_module("matplotlib.figure")
         except ImportError as exc:
             return _fail("check", f"cannot draw {args.plot}: {exc} (pip install 'lutb-moe[plot]')")
-        formats = figure.Figure().canvas.get_supported_filetypes()
+        formats = set(figure.Figure().canvas.get_supported_filetypes()) - {"pgf"}  # pgf needs a TeX install
         if Path(args.plot).suffix.lower().lstrip(".") not in formats:
             return _fail("check", f"cannot draw {args.plot}: give a file name ending in one of "
                                   f"{', '.join('.' + f for f in sorted(formats))}")
@@ -150,7 +154,7 @@ def run_check(args: argparse.Namespace) -> int:
         try:
             report.plot(args.plot)
             print(f"plot written to {args.plot}")
-        except (ImportError, OSError, ValueError) as exc:
+        except (ImportError, OSError, ValueError, RuntimeError) as exc:  # RuntimeError: a backend's own failure
             _fail("check", f"cannot draw {args.plot}: {exc}")
             written = False
     if not report.ok:
