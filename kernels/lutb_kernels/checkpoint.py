@@ -56,7 +56,7 @@ CHECKSUMS = "SHA256SUMS"
 """The file a writer puts beside a checkpoint's safetensors files: one line ``<sha256 hex>  <file name>`` per file,
 sorted by name, the format ``sha256sum`` writes (so ``sha256sum -c SHA256SUMS`` checks a copy too). Not part of the
 spec (docs/format.md, choice (o)): a checkpoint without it opens as before, unchecked."""
-_CHECKSUM_LINE = re.compile(r"([0-9a-f]{64}) [ *]([^/\\\x00]+)", re.ASCII)
+_CHECKSUM_LINE = re.compile(r"([0-9a-f]{64}) [ *](?:\./)?([^/\\\x00]+)", re.ASCII)
 _HASH_CHUNK = 1 << 24  # bytes per read while hashing a file
 
 
@@ -464,7 +464,7 @@ def read_checksums(folder: Path) -> dict[str, str] | None:
         raise LutBFormatError(f"{path}: unreadable ({exc})") from exc
     sums: dict[str, str] = {}
     for number, line in enumerate(text.splitlines(), 1):
-        match = _CHECKSUM_LINE.fullmatch(line.replace("  ./", "  ", 1).replace(" *./", " *", 1))  # sha256sum ./*
+        match = _CHECKSUM_LINE.fullmatch(line)  # a "./" before the name: ``sha256sum ./*``
         if match is None:
             raise LutBFormatError(f"{path}, line {number}: not '<64 lowercase hex digits>  <file name>' (a file of "
                                   f"this folder, its name without '/' or '\\'): {line[:120]!r}")
@@ -591,11 +591,15 @@ class Checkpoint:
         it lists, checked here; :meth:`verify_files` checks their bytes."""
         if self.checksums is not None:
             present = {file.name for file in self.files}
-            missing = sorted(name for name in set(self.checksums) - present if not (self.path / name).is_file())
+            missing = sorted(name for name in set(self.checksums) - present if not (self.path / name).exists())
+            odd = sorted(name for name in set(self.checksums) - present
+                         if (self.path / name).exists() and not (self.path / name).is_file())
             unlisted = sorted(present - set(self.checksums))
             if missing:
                 raise LutBFormatError(f"{self.path}: {CHECKSUMS} lists {', '.join(missing)}, missing here (an "
                                       "incomplete copy?)")
+            if odd:
+                raise LutBFormatError(f"{self.path}: {CHECKSUMS} lists {', '.join(odd)}, not a regular file here")
             if unlisted:
                 raise LutBFormatError(f"{self.path}: {', '.join(unlisted)} not listed in {CHECKSUMS} (added after the "
                                       "checkpoint was written?)")
@@ -721,16 +725,21 @@ class Checkpoint:
         files = [self.path / name for name in sorted(self.checksums)]
         workers = threads or max(1, min(8, len(files), os.cpu_count() or 1))
         lock = threading.Lock()
-        with progress(sum(f.stat().st_size for f in files)) if progress else nullcontext() as bar:
-            def told(n: int) -> None:
-                with lock:  # the threads share one bar
-                    bar.update(n)
+        try:
+            with progress(sum(f.stat().st_size for f in files)) if progress else nullcontext() as bar:
+                def told(n: int) -> None:
+                    with lock:  # the threads share one bar
+                        bar.update(n)
 
-            def digest(file: Path) -> str:
-                return file_sha256(file, told if bar is not None else None)
+                def digest(file: Path) -> str:
+                    return file_sha256(file, told if bar is not None else None)
 
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lutb-sha256") as pool:
-                digests = dict(zip(files, pool.map(digest, files)))
+                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lutb-sha256") as pool:
+                    digests = dict(zip(files, pool.map(digest, files)))
+        except OSError as exc:
+            for file in self.files:
+                self._check_unchanged(file)  # an overwrite swapped in other files meanwhile
+            raise LutBFormatError(f"{self.path}: cannot read a file {CHECKSUMS} lists ({exc})") from exc
         for file in self.files:
             self._check_unchanged(file)  # an overwrite swapped in meanwhile: not a damaged copy
         wrong = [file.name for file, digest in digests.items() if digest != self.checksums[file.name]]

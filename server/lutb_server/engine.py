@@ -162,7 +162,7 @@ class ExpertEngine:
             if validate_tiles:  # the first process to open the checkpoint; the others compare its identity to this one's
                 verifying = time.perf_counter()
                 if checkpoint.verify_files():
-                    log.info("checked %d file(s) of %s against %s in %.2fs", len(checkpoint.files), checkpoint.path,
+                    log.info("checked %d file(s) of %s against %s in %.2fs", len(checkpoint.checksums or ()), checkpoint.path,
                              CHECKSUMS, time.perf_counter() - verifying)
                 else:
                     log.warning("%s has no %s: its files' integrity is not checked (checkpoints written by lutb have "

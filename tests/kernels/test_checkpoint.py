@@ -516,6 +516,7 @@ def test_a_missing_or_an_added_file_is_refused_on_open(ckpt_dir: Path, tmp_path:
 
 
 @pytest.mark.parametrize("text", ["not a checksum\n", f"{'0' * 64} a/b.safetensors\n", f"{'A' * 64}  x.safetensors\n",
+                                  f"{'0' * 64} *foo  ./bar\n", f"{'0' * 64}  ./a/b\n",
                                   f"{'0' * 64}  layer-00000.safetensors\n{'1' * 64}  layer-00000.safetensors\n"])
 def test_a_malformed_checksums_file_is_refused(ckpt_dir: Path, text: str) -> None:
     (ckpt_dir / CHECKSUMS).write_text(text)
@@ -540,9 +541,10 @@ def test_overwrite_replaces_a_checkpoint_with_its_checksums(ckpt_dir: Path) -> N
     assert ckpt.layers == [1] and set(ckpt.checksums or {}) == {"layer-00001.safetensors"} and ckpt.verify_files()
 
 
-def test_files_replaced_while_open_are_told_apart_from_damage(ckpt_dir: Path) -> None:
+@pytest.mark.parametrize("layers", [(0, 3), (1,)], ids=["same-names", "other-names"])
+def test_files_replaced_while_open_are_told_apart_from_damage(ckpt_dir: Path, layers: tuple[int, ...]) -> None:
     ckpt = Checkpoint(ckpt_dir)
-    write_checkpoint(ckpt_dir, CONFIG, {0: _layer([1], 8), 3: _layer([2], 9)}, overwrite=True)
+    write_checkpoint(ckpt_dir, CONFIG, {layer: _layer([1], 8 + layer) for layer in layers}, overwrite=True)
     with pytest.raises(LutBFormatError, match="changed since the checkpoint was opened"):
         ckpt.verify_files()
 
@@ -580,3 +582,11 @@ def test_verify_files_tells_its_progress_every_byte(ckpt_dir: Path) -> None:
     assert Checkpoint(ckpt_dir).verify_files(Bar, threads=2)
     total = sum(f.stat().st_size for f in ckpt_dir.glob("*.safetensors"))
     assert told[0] == total == sum(told[1:])
+
+
+def test_a_listed_entry_that_is_not_a_regular_file_is_named_so(ckpt_dir: Path) -> None:
+    (ckpt_dir / "docs").mkdir()
+    with open(ckpt_dir / CHECKSUMS, "a") as f:
+        f.write(f"{'0' * 64}  docs\n")
+    with pytest.raises(LutBFormatError, match="lists docs, not a regular file here"):
+        Checkpoint(ckpt_dir)
