@@ -583,7 +583,7 @@ class Checkpoint:
         self.path = Path(path)
         if not self.path.is_dir():
             raise LutBFormatError(f"{self.path}: not a directory")
-        self.files = sorted(self.path.glob("*.safetensors"))
+        self.files = sorted(p for p in self.path.glob("*.safetensors") if p.is_file())
         if not self.files:
             raise LutBFormatError(f"{self.path}: holds no .safetensors files")
         self.checksums: dict[str, str] | None = read_checksums(self.path)
@@ -715,7 +715,8 @@ class Checkpoint:
 
         Raises:
             LutBFormatError: a file's bytes differ from what its writer wrote (naming it): a corrupted or
-                truncated copy; or a safetensors file was replaced or rewritten since the checkpoint was opened.
+                truncated copy; a safetensors file was replaced or rewritten since the checkpoint was opened; or a
+                listed file cannot be read (gone since).
         """
         if self.checksums is None:
             return False

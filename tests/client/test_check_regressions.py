@@ -364,6 +364,13 @@ def test_routes_per_token_stay_within_the_nodes_max_top_k(client_checkpoint: Pat
         assert _run(["check", one.address, "--checkpoint", str(client_checkpoint), "--tokens", "16",
                      "--suite", "duplicates", "--device", "cpu"]) == 2
         assert _run(["record", one.address, "--out", str(tmp_path / "n.lutbrec"), "--suite", "duplicates"]) == 2
+        # a record of 4 routes per token, judged by a node taking 2: no verdict about the record (exit 2, not 1)
+        assert _run(["record", two.address, "--out", str(tmp_path / "n.lutbrec"), "--suite", "normal", "--topk", "4",
+                     "--tokens", "16"]) == 0
+    with ServerThread(checkpoint=client_checkpoint) as wide, ServerThread(checkpoint=client_checkpoint, max_top_k=2) as judge:
+        assert _run(["record", wide.address, "--out", str(tmp_path / "w.lutbrec"), "--suite", "normal", "--topk", "4",
+                     "--tokens", "16"]) == 0
+        assert _run(["check", "--replay", str(tmp_path / "w.lutbrec"), "--against", judge.address]) == 2
 
 
 def test_checking_a_path_writable_creates_and_changes_nothing(tmp_path: Path) -> None:
@@ -389,3 +396,9 @@ def test_checking_a_path_writable_creates_and_changes_nothing(tmp_path: Path) ->
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(OSError, match="not a regular file"):
         check_writable(tmp_path / "fifo")
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    with pytest.raises(OSError, match="cannot be followed"):
+        check_writable(tmp_path / "loop")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling-folder")
+    with pytest.raises(OSError, match="is not a folder"):
+        check_writable(tmp_path / "dangling-folder" / "r.json")

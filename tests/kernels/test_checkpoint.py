@@ -584,9 +584,10 @@ def test_verify_files_tells_its_progress_every_byte(ckpt_dir: Path) -> None:
     assert told[0] == total == sum(told[1:])
 
 
-def test_a_listed_entry_that_is_not_a_regular_file_is_named_so(ckpt_dir: Path) -> None:
-    (ckpt_dir / "docs").mkdir()
+@pytest.mark.parametrize("name", ["docs", "layer-00009.safetensors"])
+def test_a_listed_entry_that_is_not_a_regular_file_is_named_so(ckpt_dir: Path, name: str) -> None:
+    (ckpt_dir / name).mkdir()
     with open(ckpt_dir / CHECKSUMS, "a") as f:
-        f.write(f"{'0' * 64}  docs\n")
-    with pytest.raises(LutBFormatError, match="lists docs, not a regular file here"):
+        f.write(f"{'0' * 64}  {name}\n")
+    with pytest.raises(LutBFormatError, match=f"lists {name}, not a regular file here"):
         Checkpoint(ckpt_dir)

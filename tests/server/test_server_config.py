@@ -290,7 +290,7 @@ def test_demo_checkpoint_is_made_once_and_served(tmp_path: Path) -> None:
 
     path = ensure_demo_checkpoint(tmp_path)
     assert path == tmp_path / DEMO_NAME
-    assert Checkpoint(path).verify_files()  # a demo with SHA256SUMS: served without a warning that it goes unchecked
+    assert Checkpoint(path).verify_files()  # the demo is written with SHA256SUMS, so its files are checked at start
     stamp = [f.stat().st_mtime_ns for f in sorted(path.glob("*.safetensors"))]
     assert ensure_demo_checkpoint(tmp_path) == path
     assert [f.stat().st_mtime_ns for f in sorted(path.glob("*.safetensors"))] == stamp  # cached, not remade

@@ -64,33 +64,44 @@ def _key(i: int, name: str) -> str:
 
 
 def check_writable(path: str | Path, example: str = "node.lutbrec.safetensors") -> None:
-    """Make sure a file can be written at ``path`` before a node is asked anything, without creating or touching it:
-    an existing ``path`` (or a link's target) must be a regular file we may write; a new one's folder is made (not a
-    link's target's) and must be writable.
+    """Make sure a file can be written at ``path`` before a node is asked anything, without creating or touching it.
+
+    The writers may write through ``path`` (a report) or write a temporary file beside it and rename it over ``path``
+    (safetensors' ``save_file``, a record), so both must be possible: ``path``'s own folder is made if missing and must
+    be writable, and what ``path`` names (a link's target) must be a regular file we may write, or not exist yet in a
+    writable folder.
 
     Args:
         example: a file name the message for a folder suggests.
 
     Raises:
-        OSError: ``path`` is a folder or not a regular file (a FIFO, a device), its folder cannot be made, or the file
-            or its folder cannot be written (read-only; a link into a folder that does not exist).
+        OSError: ``path`` is a folder or not a regular file (a FIFO, a device), a link that loops, or in a folder
+            that cannot be made; or it or a folder cannot be written.
     """
     out = Path(path)
     if out.is_dir():
         raise IsADirectoryError(f"{out} is a folder; give a file name (e.g. {out / example})")
-    target = Path(os.path.realpath(out))  # a link's target: the file the write will create or replace
-    if target.exists():
-        if not target.is_file():
-            raise OSError(errno.EINVAL, f"{out} is not a regular file")
-        if not os.access(target, os.W_OK):
-            raise PermissionError(errno.EACCES, f"{out} is not writable")
-        return
-    if not out.is_symlink():
+    try:
         out.parent.mkdir(parents=True, exist_ok=True)
-    if not target.parent.is_dir():
-        raise FileNotFoundError(errno.ENOENT, f"{target.parent} does not exist (where {out} leads)")
-    if not os.access(target.parent, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, f"{target.parent} is not writable")
+    except FileExistsError:
+        raise NotADirectoryError(errno.ENOTDIR, f"{out.parent} is not a folder (a file, or a link to nowhere)") from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{out.parent} is not writable")
+    try:
+        target = Path(os.path.realpath(out, strict=True))  # what a write through the path reaches
+    except FileNotFoundError:
+        target = Path(os.path.realpath(out))  # nothing there yet (or a link to nowhere): made by the write
+        if not target.parent.is_dir():
+            raise FileNotFoundError(errno.ENOENT, f"{target.parent} does not exist (where {out} leads)") from None
+        if not os.access(target.parent, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, f"{target.parent} is not writable") from None
+        return
+    except OSError as exc:  # a link that loops
+        raise OSError(exc.errno, f"{out} cannot be followed ({exc.strerror})") from None
+    if not target.is_file():
+        raise OSError(errno.EINVAL, f"{out} is not a regular file")
+    if not os.access(target, os.W_OK):
+        raise PermissionError(errno.EACCES, f"{out} is not writable")
 
 
 def write_recording(path: str | Path, rec: Recording) -> Path:

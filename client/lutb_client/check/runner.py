@@ -289,11 +289,16 @@ def _shape(info: dict[str, Any], topk: int, cap: int, *sides: Side) -> NodeShape
 
 
 def _refuse_nothing_to_send(batches: Sequence[Batch], suites: Sequence[str], shape: NodeShape) -> None:
-    """Raise :class:`CheckError` when the suites hold no batch for this node (``duplicates`` alone needs two routes
-    per token: two experts, and a ``max_top_k`` of 2 or more): a check of nothing must not pass."""
+    """Raise :class:`CheckError` when the suites hold no batch for this node (``duplicates`` needs two routes per
+    token: two experts, and a ``max_top_k`` of 2 or more): a check of nothing must not pass. Say on stderr which
+    suites send nothing when others do."""
+    why = f"{shape.num_experts} expert(s), max_top_k {shape.max_top_k or 'not said'}"
     if not batches:
-        raise CheckError(f"suite(s) {', '.join(suites)} hold no batches for this node ({shape.num_experts} expert(s), "
-                         f"max_top_k {shape.max_top_k or 'not said'}): nothing to check")
+        raise CheckError(f"suite(s) {', '.join(suites)} hold no batches for this node ({why}): nothing to check")
+    empty = [name for name in suites if not any(b.suite == name for b in batches)]
+    if empty:
+        print(f"lutb check: suite(s) {', '.join(empty)} send nothing to this node ({why}); the others run",
+              file=sys.stderr)
 
 
 SIZE_REFUSAL = re.compile(r"larger than max|max_message_bytes", re.IGNORECASE)
@@ -543,6 +548,11 @@ def run_check(
         batches = [b for b in rec.batches if b.layer in chosen]
         if not batches:
             raise CheckError(f"{target.file}: the record holds no batches to replay")
+        judge_top_k = int(against.info.get("max_top_k") or 0)
+        widest = max(int(b.topk_ids.shape[1]) for b in batches)
+        if judge_top_k and widest > judge_top_k:  # the judge would refuse them: no verdict about the record
+            raise CheckError(f"{target.file} holds batches of {widest} routes per token; the judge {against.address} "
+                             f"takes at most {judge_top_k} (its max_top_k): judge it with another node or the reference")
         suite_names, seed, tokens, topk = rec.suites, rec.seed, rec.tokens, rec.topk
         headroom = {k: v for k, v in rec.headroom.items() if k in chosen}
         replay = {"file": target.file, "recorded_at": rec.recorded_at, "address": rec.address}

@@ -5,8 +5,9 @@ not in the judge's output, an output of the wrong shape or dtype, a request the 
 failed or the judge refused as input); 2 the check could not run: a node unreachable, a
 bad checkpoint or record file, a layer not held, a device the reference cannot use, the
 judge failing on its own (a bad tile of its checkpoint, a node judge down), TARGET and
---against one node, checkpoints / scale modes that differ (without ``--force``), or a report
-that cannot be written (checked before the check; after it, a failing node stays exit 1). ``lutb record`` follows them: 0 every
+--against one node, checkpoints / scale modes that differ (without ``--force``), suites with no batch for the node,
+a record wider than the judge node's max_top_k, or a report that cannot be written (checked before the check;
+after it, a failing node stays exit 1). ``lutb record`` follows them: 0 every
 request answered; 1 the node refused a request (the record is written all the same,
 its refusals kept as errors); 2 nothing recorded (node unreachable, a layer not held,
 an unknown suite, an unwritable ``--out``). The library is
