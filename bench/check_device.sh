@@ -6,7 +6,8 @@
 #
 # For each checkpoint (synthetic, one layer: qwen3-30b-a3b's shape in bfloat16 and in float16, and deepseek-v3's
 # H and I with 16 experts) and each backend (packed, emulated), it serves the checkpoint on the GPU (CUDA graphs
-# on), checks it, and keeps the JSON report as $OUT/check-<checkpoint>-<backend>.json. The table printed last
+# on), checks it, and keeps the JSON report as check-<checkpoint>-<backend>.json in $OUT/check-files.tgz (with the
+# text reports, the servers' logs and the exit codes: one file, as the device tool returns few). The table printed last
 # gives each pair's exit code, the worst pooled rel L2 and the worst single row of the parts judged per row
 # (heavy_tailed, magnitudes/*), against the tolerance and its 10x row bound.
 set -uo pipefail
@@ -75,4 +76,6 @@ for key, code in codes.items():
     worst_row = max((float(r["worst_row_rel_l2"]) for r in rows if r["suite"] in ROW_JUDGED_PARTS), default=float("nan"))
     print(f"{key:<24} {code:>4} {data['verdict']:>7} {worst:>12.3e} {worst_row:>22.3e}")
 EOF
+# The device tool returns a handful of files from $OUT: the reports, logs and exit codes go back as one archive
+tar czf "$OUT/check-files.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls check-*.json check-*.txt serve-*.log synth-*.log exit_codes.txt 2> /dev/null)
 exit $status
