@@ -185,6 +185,14 @@ def test_stream_budget_cost_bench_smoke() -> None:
     assert len(lines) == 2 and all(float(line.split()[-4]) > 0 for line in lines), proc.stdout
 
 
+def test_checksum_cost_bench_smoke() -> None:
+    """bench/checksum_cost.py: one line per thread count and repeat, a positive rate."""
+    proc = _run_bench("checksum_cost.py", ["--files", "2", "--experts", "1", "--threads", "1,2", "--repeats", "1"],
+                      timeout=120)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("threads ")]
+    assert len(lines) == 2 and all(float(line.split()[2]) > 0 for line in lines), proc.stdout
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_metrics_scrape_bench_smoke() -> None:
     """bench/metrics_scrape.py: one row, the merged answer holding every front end's lines (2 front ends, 2 layers
