@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -85,7 +86,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_reference_matches_float64_loop(activation: str, dtype: torch.dtype) -> None:
-    x, ids, weights, w13, w2 = _problem(activation, dtype, tokens=9, seed=hash((activation, str(dtype))) % 1000)
+    # A seed of its own per case, the same in every run: hash() of a str changes from process to process, so this
+    # test drew other inputs each run, and 1 draw in a few hundred (9 tokens, float32) flips an MXFP8 rounding between
+    # the float32 reference and the float64 loop, beyond 2e-3: a CI failure no one could reproduce.
+    x, ids, weights, w13, w2 = _problem(activation, dtype, tokens=9, seed=zlib.crc32(f"{activation} {dtype}".encode()) % 1000)
     held = [0, 2, 3, 5, 7]  # 6 of 8 global experts exist, some routes miss
     w13_h, w2_h = w13[: len(held)], w2[: len(held)]
     got = reference_moe_forward(x, ids, weights, w13_h, w2_h, torch.tensor(held), num_experts=8, activation=activation)
