@@ -591,9 +591,9 @@ class Checkpoint:
         it lists, checked here; :meth:`verify_files` checks their bytes."""
         if self.checksums is not None:
             present = {file.name for file in self.files}
-            missing = sorted(name for name in set(self.checksums) - present if not (self.path / name).exists())
-            odd = sorted(name for name in set(self.checksums) - present
-                         if (self.path / name).exists() and not (self.path / name).is_file())
+            others = sorted(set(self.checksums) - present)  # listed files besides the safetensors ones
+            missing = [name for name in others if not (self.path / name).exists()]
+            odd = [name for name in others if (self.path / name).exists() and not (self.path / name).is_file()]
             unlisted = sorted(present - set(self.checksums))
             if missing:
                 raise LutBFormatError(f"{self.path}: {CHECKSUMS} lists {', '.join(missing)}, missing here (an "
@@ -726,6 +726,7 @@ class Checkpoint:
         files = [self.path / name for name in sorted(self.checksums)]
         workers = threads or max(1, min(8, len(files), os.cpu_count() or 1))
         lock = threading.Lock()
+        unreadable: OSError | None = None
         try:
             with progress(sum(f.stat().st_size for f in files)) if progress else nullcontext() as bar:
                 def told(n: int) -> None:
@@ -738,11 +739,11 @@ class Checkpoint:
                 with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lutb-sha256") as pool:
                     digests = dict(zip(files, pool.map(digest, files)))
         except OSError as exc:
-            for file in self.files:
-                self._check_unchanged(file)  # an overwrite swapped in other files meanwhile
-            raise LutBFormatError(f"{self.path}: cannot read a file {CHECKSUMS} lists ({exc})") from exc
+            unreadable = exc
         for file in self.files:
-            self._check_unchanged(file)  # an overwrite swapped in meanwhile: not a damaged copy
+            self._check_unchanged(file)  # an overwrite swapped in meanwhile: not a damaged (or unreadable) copy
+        if unreadable is not None:
+            raise LutBFormatError(f"{self.path}: cannot read a file {CHECKSUMS} lists ({unreadable})") from unreadable
         wrong = [file.name for file, digest in digests.items() if digest != self.checksums[file.name]]
         if wrong:
             raise LutBFormatError(f"{self.path}: {', '.join(wrong)} differ{'s' if len(wrong) == 1 else ''} from the "

@@ -276,11 +276,17 @@ def _cap(tokens: int, *infos: dict[str, Any]) -> int:
     return cap
 
 
+def _max_top_k(info: dict[str, Any]) -> int:
+    """The routes per token a side's ``ModelInfo`` says it takes at most (0: not said; a record or server older than
+    the field)."""
+    return int(info.get("max_top_k") or 0)
+
+
 def _shape(info: dict[str, Any], topk: int, cap: int, *sides: Side) -> NodeShape:
     """The batches' shape; their messages bounded by the smallest ``message_bytes`` of ``sides`` (0: none), their
     routes per token by the smallest ``max_top_k`` the sides state (0: none)."""
     bounds = [side.message_bytes for side in sides if side.message_bytes > 0]
-    top_ks = [int(side.info.get("max_top_k") or 0) for side in sides]
+    top_ks = [_max_top_k(side.info) for side in sides]
     return NodeShape(
         hidden_size=int(info["hidden_size"]), num_experts=int(info["num_experts"]), dtype=model_dtype(info),
         experts=_layers_of(info), max_tokens=cap, topk=topk, max_message_bytes=min(bounds, default=0),
@@ -548,7 +554,7 @@ def run_check(
         batches = [b for b in rec.batches if b.layer in chosen]
         if not batches:
             raise CheckError(f"{target.file}: the record holds no batches to replay")
-        judge_top_k = int(against.info.get("max_top_k") or 0)
+        judge_top_k = _max_top_k(against.info)
         widest = max(int(b.topk_ids.shape[1]) for b in batches)
         if judge_top_k and widest > judge_top_k:  # the judge would refuse them: no verdict about the record
             raise CheckError(f"{target.file} holds batches of {widest} routes per token; the judge {against.address} "
